@@ -1,0 +1,46 @@
+# Quick start:  make demo   (an SFT + LoRA run that shows the plugin's decisions)
+#               make test   (the test suite)
+# Both create the virtual environment they need (.venv) on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+TF ?= 5.23.0
+TRL ?= 1.16.0
+PEFT ?= 0.21.2
+TORCH ?= 2.13.0
+BNB ?= 0.50.2
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-tf$(TF)-trl$(TRL)
+
+.PHONY: venv demo test lint matrix clean
+
+venv: $(STAMP)
+
+# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==$(TORCH)"
+	$(PY) -m pip install -q "torch==$(TORCH)" "transformers==$(TF)" "trl==$(TRL)" "peft==$(PEFT)" "bitsandbytes==$(BNB)" -e ".[test]"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: venv
+	$(PY) examples/sft_lora.py
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(PY) -m ruff check trl_gc_plugin tests examples benchmarks
+	$(PY) -m ruff format --check trl_gc_plugin
+
+# The CI matrix: latest transformers 5 + TRL; transformers 4.57 + latest TRL; transformers 4.57 + TRL 0.26
+# (the TRL that enables checkpointing inside the trainer's __init__).
+matrix:
+	$(MAKE) test VENV=.venv-tf5 TF=5.23.0 TRL=1.16.0
+	$(MAKE) test VENV=.venv-tf4 TF=4.57.6 TRL=1.16.0
+	$(MAKE) test VENV=.venv-tf4-trl026 TF=4.57.6 TRL=0.26.2
+
+clean:
+	rm -rf .venv .venv-* dist build *.egg-info

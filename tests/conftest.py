@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.pop("TRL_GC_PLUGIN", None)
+os.environ.pop("TRL_GC_PLUGIN_MODE", None)
+
+
+@pytest.fixture(autouse=True)
+def no_patch_left_behind():
+    """Every test must leave transformers exactly as it found it."""
+    import transformers.trainer as trainer_module
+    from transformers import TrainingArguments
+
+    post_init = TrainingArguments.__dict__["__post_init__"]
+    defaults = list(trainer_module.DEFAULT_CALLBACKS)
+    yield
+    assert TrainingArguments.__dict__["__post_init__"] is post_init, "a test left __post_init__ patched"
+    assert list(trainer_module.DEFAULT_CALLBACKS) == defaults, "a test left DEFAULT_CALLBACKS changed"
+
+
+@pytest.fixture
+def plugin_log(caplog):
+    caplog.set_level(logging.INFO, logger="trl_gc_plugin")
+    return caplog
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny Llama and its tokenizer saved to disk (for 4-bit loading and the CLI)."""
+    from tiny import make_model, make_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_model().save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return str(path)

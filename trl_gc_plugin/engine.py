@@ -1,0 +1,267 @@
+"""The decision engine: `decide(facts, mode) -> list[Decision]`.
+
+Pure: plain `Facts` in, `Decision` records out; no transformers import, no I/O, no mutation. Precedence:
+
+1. `repair` rules that restore a readable value (field disagreement, then a non-bool `use_reentrant`).
+2. `require` rules for `use_reentrant`; two that demand opposite values are one `error` (in every mode).
+3. otherwise the first `prefer` rule in table order (table order is priority).
+4. the chosen value meets what is set: unset -> `default`; equal -> `none`; set by the user (or unknown) and a
+   `require` -> `error` (strict) / `override` (fix) / `warn` (warn); set by the user and a `prefer` -> `warn`,
+   kept; set by the trainer or the plugin -> replaced for a `require` (`override`), kept with a warning for a
+   `prefer` when a trainer wrote it, replaced when the plugin wrote it earlier (`default`).
+5. repairs of the live model, then settings other than `use_reentrant`, then `check` warnings.
+
+A plugin default never overrides a value the user set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from .decisions import Action, Decision
+from .facts import Facts
+from .rules import RULES, USE_REENTRANT, Rule
+
+Mode = Literal["strict", "fix", "warn"]
+MODES: tuple[Mode, ...] = ("strict", "fix", "warn")
+
+_TRUE = {"true", "1", "yes", "on", "t", "y"}
+_FALSE = {"false", "0", "no", "off", "f", "n"}
+_EXPLICIT = {"user", "unknown"}
+
+
+def coerce_bool(value: Any) -> bool | None:
+    """`value` as a bool when it unambiguously spells one (`'false'`, `0`, `'yes'`...), else None."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    return None
+
+
+def version_applies(rule: Rule, versions: dict[str, str | None]) -> bool:
+    """Whether every version gate of `rule` holds for `versions` (a package the gate names must be installed)."""
+    for package, spec in rule.versions.items():
+        installed = versions.get(package)
+        if installed is None:
+            return False
+        try:
+            if not SpecifierSet(spec).contains(Version(installed), prereleases=True):
+                return False
+        except (InvalidSpecifier, InvalidVersion):
+            return False
+    return True
+
+
+def applicable(facts: Facts, rules: Sequence[Rule] = RULES) -> list[Rule]:
+    """The rules whose stage, version gates and condition hold for `facts`, in table order."""
+    return [r for r in rules if facts.stage in r.stages and version_applies(r, facts.versions) and r.when(facts)]
+
+
+def _decision(rule: Rule, action: Action, before: Any, after: Any, source: str, reason: str, facts: Facts,
+              setting: str | None = None) -> Decision:
+    return Decision(
+        rule_id=rule.id,
+        action=action,
+        setting=setting or rule.setting,
+        before=before,
+        after=after,
+        source=source,
+        reason=reason,
+        evidence=rule.evidence,
+        applied=action in ("default", "override", "repair"),
+        stage=facts.stage,
+    )
+
+
+def _change(mode: Mode, action: Action) -> Action:
+    """In warn mode every change becomes a `warn` (logged, not applied)."""
+    return "warn" if mode == "warn" and action in ("default", "override", "repair") else action
+
+
+def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -> list[Decision]:
+    """Decide what to do for one training setup.
+
+    Args:
+        facts: what is known at this stage.
+        mode: `strict` (default), `fix` or `warn`.
+        rules: the rule table (tests pass their own).
+
+    Returns:
+        The decisions, in the order they are to be applied. `error` decisions are never applied; the caller raises
+        `GCConfigError` for them in strict and fix mode.
+
+    Example:
+        >>> from trl_gc_plugin import Facts, decide
+        >>> [d.after for d in decide(Facts(gc_enabled=True)) if d.setting == "use_reentrant"]
+        [False]
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    if not facts.gc_enabled:
+        return [
+            Decision(
+                rule_id="checkpointing-off",
+                action="none",
+                setting="activation_checkpointing",
+                before=False,
+                after=False,
+                source="unset",
+                reason="Checkpointing is off: nothing to decide.",
+                stage=facts.stage,
+            )
+        ]
+
+    rules_here = applicable(facts, rules)
+    by_kind = {kind: [r for r in rules_here if r.kind == kind] for kind in ("require", "prefer", "repair", "check")}
+    repairs = {r.id: r for r in by_kind["repair"]}
+    out: list[Decision] = []
+
+    value: Any = facts.use_reentrant
+    source: str = facts.use_reentrant_source
+
+    # 1a. the two field names disagree: the one written last wins
+    if "field-disagreement" in repairs:
+        rule = repairs["field-disagreement"]
+        winner = facts.changed_field or "legacy"
+        if winner == "legacy":
+            if facts.legacy_gc is not None:
+                out.append(_decision(rule, _change(mode, "repair"), not facts.legacy_gc, facts.legacy_gc, "unknown",
+                                     "`gradient_checkpointing` was written after `__post_init__`; copied to "
+                                     "`activation_checkpointing`.", facts, setting="activation_checkpointing"))
+            legacy = facts.legacy_kwargs
+            legacy_value = legacy.get(USE_REENTRANT) if isinstance(legacy, dict) else None
+            if legacy_value != value or legacy is None:
+                out.append(_decision(
+                    rule, _change(mode, "repair"), facts.use_reentrant, legacy_value, "unknown",
+                    "`gradient_checkpointing_kwargs` was written after `__post_init__` and the Trainer would ignore it "
+                    f"(it reads `activation_checkpointing_kwargs`, use_reentrant={facts.use_reentrant!r}); "
+                    "the last write wins and both names now hold one dict.", facts,
+                    setting="activation_checkpointing_kwargs"))
+                value, source = legacy_value, "unknown"
+        else:
+            out.append(_decision(rule, _change(mode, "repair"), None, None, source,
+                                 "`activation_checkpointing*` was written after `__post_init__`; the deprecated "
+                                 "`gradient_checkpointing*` names are made to mirror it.", facts,
+                                 setting="gradient_checkpointing_kwargs"))
+
+    # 1b. a non-bool use_reentrant
+    if value is not None and not isinstance(value, bool):
+        rule = repairs.get("invalid-use-reentrant") or _invalid_rule(rules)
+        coerced = coerce_bool(value)
+        if coerced is not None:
+            out.append(_decision(rule, _change(mode, "repair"), value, coerced, source,
+                                 f"use_reentrant={value!r} is not a bool (torch would read it as "
+                                 f"{bool(value)!r}); converted to {coerced!r}.", facts))
+            value = coerced
+        else:
+            action: Action = {"strict": "error", "fix": "override", "warn": "warn"}[mode]
+            out.append(_decision(rule, action, value, None, source,
+                                 f"use_reentrant={value!r} is not a bool and spells none; " + rule.message, facts))
+            value, source = None, "unset"
+
+    # 2./3. the value for use_reentrant
+    requires = [r for r in by_kind["require"] if r.setting == USE_REENTRANT]
+    prefers = [r for r in by_kind["prefer"] if r.setting == USE_REENTRANT]
+    demanded = {r.value for r in requires}
+    final: Any = value
+    if len(demanded) > 1:
+        names = ", ".join(f"{r.id} (use_reentrant={r.value})" for r in requires)
+        out.append(Decision(
+            rule_id="conflict",
+            action="error",
+            setting=USE_REENTRANT,
+            before=value,
+            after=None,
+            source=source,
+            reason=f"Rules demand opposite values: {names}. " + " ".join(r.message for r in requires),
+            evidence=tuple(e for r in requires for e in r.evidence),
+            stage=facts.stage,
+        ))
+    elif requires or prefers:
+        rule = requires[0] if requires else prefers[0]
+        strong = bool(requires)
+        target = rule.value
+        if value is None:
+            out.append(_decision(rule, _change(mode, "default"), None, target, "unset",
+                                 f"use_reentrant unset; set to {target!r} ({rule.title}).", facts))
+            final = target
+        elif value == target:
+            out.append(_decision(rule, "none", value, value, source,
+                                 f"use_reentrant={value!r} kept ({rule.title}).", facts))
+        elif source == "plugin" or (strong and source == "trainer"):
+            action = "default" if source == "plugin" else "override"
+            out.append(_decision(rule, _change(mode, action), value, target, source,
+                                 f"use_reentrant={value!r} (set by the {source}) replaced by {target!r} "
+                                 f"({rule.title}). " + (rule.message if strong else ""), facts))
+            final = target
+        elif strong:
+            action = {"strict": "error", "fix": "override", "warn": "warn"}[mode]
+            verb = {"error": "is refused", "override": "is OVERRIDDEN", "warn": "breaks training"}[action]
+            out.append(_decision(rule, action, value, target, source,
+                                 f"use_reentrant={value!r} {verb}: {rule.condition}. " + rule.message, facts))
+            if action == "override":
+                final = target
+        else:
+            out.append(_decision(rule, "warn", value, value, source,
+                                 f"use_reentrant={value!r} kept as set; {target!r} is preferred. " + rule.message,
+                                 facts))
+
+    # 4. the live model
+    stale = repairs.get("model-kwargs-stale")
+    effective = final if isinstance(final, bool) else None
+    if stale is not None and effective is not None and facts.model_use_reentrant != effective:
+        out.append(_decision(stale, _change(mode, "repair"), facts.model_use_reentrant, effective, "trainer",
+                             f"The model already checkpoints with use_reentrant={facts.model_use_reentrant!r}; "
+                             f"rewritten to {effective!r}. " + stale.message, facts))
+
+    # 5. other settings, then checks
+    for rule in by_kind["prefer"] + by_kind["require"]:
+        if rule.setting == USE_REENTRANT:
+            continue
+        current = _current(facts, rule.setting)
+        if current != rule.value:
+            out.append(_decision(rule, _change(mode, "default"), current, rule.value, "model config",
+                                 f"{rule.title}; restored after training.", facts))
+    for rule in by_kind["check"]:
+        out.append(_decision(rule, "warn", value, value, source, rule.message, facts))
+    return out
+
+
+def _current(facts: Facts, setting: str) -> Any:
+    if setting == "model.config.use_cache":
+        return facts.use_cache
+    raise KeyError(f"no fact for setting {setting!r}")
+
+
+def _invalid_rule(rules: Sequence[Rule]) -> Rule:
+    for rule in rules:
+        if rule.id == "invalid-use-reentrant":
+            return rule
+    return RULES[0]
+
+
+def errors(decisions: Sequence[Decision]) -> list[Decision]:
+    """The `error` decisions."""
+    return [d for d in decisions if d.action == "error"]
+
+
+def final_use_reentrant(decisions: Sequence[Decision], default: Any = None) -> Any:
+    """The `use_reentrant` value the decisions leave in the args (applied ones only)."""
+    value = default
+    for d in decisions:
+        if d.setting in (USE_REENTRANT, "activation_checkpointing_kwargs") and d.applied:
+            value = d.after
+        elif d.setting == USE_REENTRANT and d.action == "none":
+            value = d.after
+    return value

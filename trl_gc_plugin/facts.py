@@ -1,0 +1,91 @@
+"""`Facts`: the plain values the decision engine works on.
+
+Everything here is a frozen dataclass of builtins, so the engine can be exercised with hand-made facts and no
+transformers import. The code that reads facts off real `TrainingArguments` and models lives in `probe.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+Source = Literal["user", "trainer", "plugin", "unset", "unknown"]
+"""Who set a value: the user, the trainer (TRL writes args in its `__init__`), this plugin, nobody (the library
+default applies), or `unknown` (set, but by whom cannot be told: treated as explicit, never silently overridden)."""
+
+Stage = Literal["post_init", "init_end", "train"]
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the engine needs to know about one training setup.
+
+    `None` means "not known at this stage" (e.g. model facts while only the arguments exist); rules that need a
+    fact that is `None` do not apply.
+
+    Args:
+        stage: `post_init` (arguments only), `init_end` (arguments and model), `train` (checkpointing is live).
+        versions: installed versions by distribution name (`transformers`, `trl`, `peft`, `torch`, `deepspeed`...).
+        gc_enabled: checkpointing requested in the args or already running on the model.
+        use_reentrant: the `use_reentrant` value in the args, as written (may be a str from YAML); `None` if unset.
+        use_reentrant_source: who wrote `use_reentrant` (see `Source`).
+        kwargs_given: a kwargs dict was given at all (`{}` counts; transformers 4.x and 5.x read `{}` differently).
+        has_activation_fields: the args have `activation_checkpointing*` fields (transformers 5.2x) beside the
+            deprecated `gradient_checkpointing*` aliases.
+        fields_disagree: the two kwargs fields (or the two bool fields) hold different values.
+        legacy_kwargs / legacy_gc: `gradient_checkpointing_kwargs` / `gradient_checkpointing` when they disagree
+            with the `activation_*` fields (which `use_reentrant` and `kwargs_given` describe).
+        changed_field: which of the two names was written after `__post_init__`, when known (the post-init patch
+            records a snapshot); `None` when unknown.
+        model_gc_enabled: checkpointing already enabled on the model's layers.
+        model_use_reentrant: the effective `use_reentrant` in the model's checkpoint function (`None` if off).
+        is_peft: the model is a PEFT model.
+        quantization: the quantization method (`bitsandbytes_4bit`, `gptq`, ...), `None` if not quantized.
+        trainable_in_blocks: some trainable parameter lives inside a checkpointed block.
+        frozen_params: some parameter is frozen.
+        inputs_require_grad: the hidden states entering the first checkpointed block will require grad
+            (input embeddings trainable, or an input-require-grad hook registered).
+        use_cache: `model.config.use_cache`.
+        trainer_kind: short trainer name from the args class (`sft`, `dpo`, `grpo`, ... or `trainer`).
+        generates: the trainer generates with the policy during training (GRPO, RLOO, online DPO...).
+        world_size / zero_stage / fsdp / ddp_find_unused_parameters / ddp_static_graph / unsloth:
+            launch facts, read for the distributed rules.
+    """
+
+    stage: Stage = "init_end"
+    versions: dict[str, str | None] = field(default_factory=dict)
+    gc_enabled: bool = False
+    use_reentrant: Any = None
+    use_reentrant_source: Source = "unset"
+    kwargs_given: bool = False
+    has_activation_fields: bool = False
+    fields_disagree: bool = False
+    legacy_kwargs: dict[str, Any] | None = None
+    legacy_gc: bool | None = None
+    changed_field: Literal["legacy", "new"] | None = None
+    model_gc_enabled: bool | None = None
+    model_use_reentrant: bool | None = None
+    is_peft: bool | None = None
+    quantization: str | None = None
+    trainable_in_blocks: bool | None = None
+    frozen_params: bool | None = None
+    inputs_require_grad: bool | None = None
+    use_cache: bool | None = None
+    trainer_kind: str = "trainer"
+    generates: bool = False
+    world_size: int = 1
+    zero_stage: int | None = None
+    fsdp: bool = False
+    ddp_find_unused_parameters: bool | None = None
+    ddp_static_graph: bool | None = None
+    unsloth: bool = False
+
+    def replace(self, **changes: Any) -> Facts:
+        """A copy with some fields changed (handy in tests and in the engine)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def version(self, package: str) -> str | None:
+        return self.versions.get(package)

@@ -1,0 +1,334 @@
+"""Read `Facts` off real `TrainingArguments` and models.
+
+This is the only module that knows where transformers, TRL, PEFT and bitsandbytes keep things. It imports none
+of them at module level (torch and transformers are imported lazily, only when a model is inspected).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+from .facts import Facts, Source
+
+NEW_KWARGS, OLD_KWARGS = "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"
+NEW_FLAG, OLD_FLAG = "activation_checkpointing", "gradient_checkpointing"
+RECORD_ATTR = "_trl_gc_plugin_record"
+
+PACKAGES = ("transformers", "trl", "peft", "torch", "accelerate", "deepspeed", "bitsandbytes")
+
+# Names of the forward hooks that make the input embeddings' output require grad: transformers'
+# `enable_input_require_grads` and PEFT/TRL's fallback `make_inputs_require_grad`.
+INPUT_GRAD_HOOK_NAMES = frozenset({"make_inputs_require_grads", "make_inputs_require_grad"})
+
+# Trainer kinds by args class; the ones that generate with the policy while training.
+GENERATING_TRAINERS = frozenset({"grpo", "rloo", "online_dpo", "ppo", "xpo", "nash_md", "gkd", "distillation"})
+
+
+@functools.lru_cache(maxsize=1)
+def installed_versions() -> dict[str, str | None]:
+    """Installed versions of the packages the rules gate on (from package metadata: nothing is imported)."""
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+@dataclass
+class PostInitRecord:
+    """What the post-init patch saw and did, kept on the args object (attribute `_trl_gc_plugin_record`).
+
+    Args:
+        user_given: the user's kwargs had a `use_reentrant` key.
+        user_value: that value.
+        plugin_value: the value the plugin wrote at construction (None if it wrote none).
+        new_id / old_id: `id()` of the two kwargs objects right after construction (to tell which one was
+            assigned later).
+        decisions: the post-init decisions.
+    """
+
+    user_given: bool = False
+    user_value: Any = None
+    plugin_value: Any = None
+    new_id: int | None = None
+    old_id: int | None = None
+    decisions: list[Any] = field(default_factory=list)
+
+
+def remember(args: Any, facts: Facts, final: Any, decisions: list[Any] | None = None) -> PostInitRecord:
+    """Record on `args` who set `use_reentrant` and which objects the kwargs fields hold now, so a later look
+    (the callback, the next event) can tell the user's value from the plugin's and see later reassignments."""
+    record = get_record(args)
+    if record is None:
+        explicit = facts.use_reentrant_source in ("user", "unknown")
+        record = PostInitRecord(user_given=explicit, user_value=facts.use_reentrant if explicit else None)
+        args.__dict__[RECORD_ATTR] = record
+    if not (record.user_given and final == record.user_value):
+        record.plugin_value = final
+    record.new_id = id(getattr(args, NEW_KWARGS, None))
+    record.old_id = id(getattr(args, OLD_KWARGS, None))
+    if decisions is not None:
+        record.decisions.extend(decisions)
+    return record
+
+
+def get_record(args: Any) -> PostInitRecord | None:
+    record = getattr(args, "__dict__", {}).get(RECORD_ATTR)
+    return record if isinstance(record, PostInitRecord) else None
+
+
+def has_activation_fields(args: Any) -> bool:
+    """transformers >= 5.23: `activation_checkpointing*` are the real fields."""
+    return NEW_KWARGS in getattr(type(args), "__dataclass_fields__", {})
+
+
+def kwargs_field(args: Any) -> str:
+    """The kwargs field the Trainer reads."""
+    return NEW_KWARGS if has_activation_fields(args) else OLD_KWARGS
+
+
+def flag_field(args: Any) -> str:
+    """The on/off field the Trainer reads."""
+    return NEW_FLAG if has_activation_fields(args) else OLD_FLAG
+
+
+def read_kwargs(args: Any) -> dict[str, Any] | None:
+    value = getattr(args, kwargs_field(args), None)
+    return value if isinstance(value, dict) else None
+
+
+def trainer_kind(args: Any) -> str:
+    """`sft`, `dpo`, `grpo`, `online_dpo`... from the args class name (`TrainingArguments` -> `trainer`)."""
+    name = type(args).__name__
+    if name.endswith("Config") and name != "TrainingArguments":
+        stem = name[: -len("Config")]
+        words: list[str] = []
+        for i, ch in enumerate(stem):
+            if ch.isupper() and i and not stem[i - 1].isupper():
+                words.append("_")
+            words.append(ch.lower())
+        return "".join(words) or "trainer"
+    return "trainer"
+
+
+def _world_size(args: Any) -> int:
+    for var in ("WORLD_SIZE",):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value)
+    try:
+        return int(getattr(args, "world_size", 1) or 1)
+    except Exception:
+        return 1
+
+
+def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
+    """Facts that the arguments alone tell."""
+    new_fields = has_activation_fields(args)
+    kwargs = getattr(args, kwargs_field(args), None)
+    gc_on = bool(getattr(args, flag_field(args), False))
+    record = get_record(args)
+    use_reentrant = kwargs.get("use_reentrant") if isinstance(kwargs, dict) else None
+
+    disagree = False
+    legacy_kwargs: dict[str, Any] | None = None
+    legacy_gc: bool | None = None
+    changed: str | None = None
+    if new_fields:
+        old_kwargs = getattr(args, OLD_KWARGS, None)
+        old_flag = getattr(args, OLD_FLAG, None)
+        if old_kwargs is not kwargs and old_kwargs != kwargs:
+            disagree = True
+            legacy_kwargs = dict(old_kwargs) if isinstance(old_kwargs, dict) else None
+        if old_flag is not None and bool(old_flag) != gc_on:
+            disagree = True
+            legacy_gc = bool(old_flag)
+        if disagree and record is not None and record.new_id is not None:
+            new_moved, old_moved = id(kwargs) != record.new_id, id(old_kwargs) != record.old_id
+            if old_moved and not new_moved:
+                changed = "legacy"
+            elif new_moved and not old_moved:
+                changed = "new"
+        gc_on = gc_on or bool(old_flag)
+
+    return Facts(
+        stage=stage,  # type: ignore[arg-type]
+        versions=dict(installed_versions()),
+        gc_enabled=gc_on,
+        use_reentrant=use_reentrant,
+        use_reentrant_source=_source(use_reentrant, kwargs, record),
+        kwargs_given=isinstance(kwargs, dict),
+        has_activation_fields=new_fields,
+        fields_disagree=disagree,
+        legacy_kwargs=legacy_kwargs,
+        legacy_gc=legacy_gc,
+        changed_field=changed,  # type: ignore[arg-type]
+        trainer_kind=trainer_kind(args),
+        generates=trainer_kind(args) in GENERATING_TRAINERS,
+        world_size=_world_size(args),
+        ddp_find_unused_parameters=getattr(args, "ddp_find_unused_parameters", None),
+        ddp_static_graph=getattr(args, "ddp_static_graph", None),
+    )
+
+
+def _source(value: Any, kwargs: Any, record: PostInitRecord | None) -> Source:
+    if value is None:
+        return "unset"
+    if record is None:
+        return "unknown"
+    if record.user_given and value == record.user_value:
+        return "user"
+    if not record.user_given and record.plugin_value is not None and value == record.plugin_value:
+        return "plugin"
+    return "trainer"
+
+
+# --- model facts -----------------------------------------------------------------------------------------------
+
+
+def unwrap(model: Any) -> Any:
+    """The underlying transformers model of a PEFT / DDP / accelerate wrapper."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            inner = model.get_base_model()
+        elif hasattr(model, "module") and type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
+            inner = model.module
+        else:
+            return model
+        if inner is model:
+            return model
+        model = inner
+    return model
+
+
+def is_peft_model(model: Any) -> bool:
+    return type(model).__module__.split(".")[0] == "peft" or hasattr(model, "peft_config")
+
+
+def checkpointed_blocks(model: Any) -> list[Any]:
+    """The repeated checkpointed blocks (decoder layers): `GradientCheckpointingLayer` instances, or, for models
+    that predate it, modules carrying a `gradient_checkpointing` flag that are not whole models."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers < 4.52
+        GradientCheckpointingLayer = None  # type: ignore[assignment,misc]
+    from transformers import PreTrainedModel
+
+    blocks = []
+    for module in model.modules():
+        if GradientCheckpointingLayer is not None and isinstance(module, GradientCheckpointingLayer):
+            blocks.append(module)
+        elif GradientCheckpointingLayer is None and hasattr(module, "gradient_checkpointing") and not isinstance(
+            module, PreTrainedModel
+        ):
+            blocks.append(module)
+    return blocks
+
+
+def checkpoint_functions(model: Any) -> list[tuple[Any, Any]]:
+    """(module, checkpoint function) for every module with checkpointing switched on."""
+    return [
+        (m, m._gradient_checkpointing_func)
+        for m in model.modules()
+        if getattr(m, "gradient_checkpointing", False) is True and hasattr(m, "_gradient_checkpointing_func")
+    ]
+
+
+def effective_use_reentrant(func: Any) -> bool:
+    """The `use_reentrant` a checkpoint function really runs with (a missing key means torch's default: True)."""
+    keywords = getattr(func, "keywords", None) or {}
+    value = keywords.get("use_reentrant")
+    return True if value is None else bool(value)
+
+
+def model_use_reentrant(model: Any) -> bool | None:
+    """The effective `use_reentrant` of the live model (None when checkpointing is off; the first block's value
+    when blocks disagree)."""
+    funcs = checkpoint_functions(unwrap(model))
+    return effective_use_reentrant(funcs[0][1]) if funcs else None
+
+
+def input_grad_hooks(model: Any) -> int:
+    """How many input-require-grad forward hooks the input embeddings carry."""
+    emb = _input_embeddings(model)
+    if emb is None:
+        return 0
+    return sum(getattr(h, "__name__", "") in INPUT_GRAD_HOOK_NAMES for h in emb._forward_hooks.values())
+
+
+def _input_embeddings(model: Any) -> Any:
+    base = unwrap(model)
+    try:
+        return base.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def quantization_of(model: Any) -> str | None:
+    base = unwrap(model)
+    if getattr(base, "is_loaded_in_4bit", False):
+        return "bitsandbytes_4bit"
+    if getattr(base, "is_loaded_in_8bit", False):
+        return "bitsandbytes_8bit"
+    qconfig = getattr(getattr(base, "config", None), "quantization_config", None)
+    if qconfig is None:
+        return None
+    method = qconfig.get("quant_method") if isinstance(qconfig, dict) else getattr(qconfig, "quant_method", None)
+    return str(getattr(method, "value", method) or "unknown")
+
+
+def _will_add_input_hook(base: Any, facts: Facts) -> bool:
+    """transformers >= 5.0 calls `enable_input_require_grads()` itself when it enables checkpointing on a model
+    whose `main_input_name` is `input_ids` (and 4.x only for adapters it loaded itself)."""
+    tf = facts.version("transformers")
+    if getattr(base, "_hf_peft_config_loaded", False):
+        return True
+    if tf is None:
+        return False
+    from packaging.version import Version
+
+    return Version(tf) >= Version("5.0.0") and getattr(base, "main_input_name", None) == "input_ids"
+
+
+def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
+    """Facts from the arguments and the (unwrapped) model, as `on_init_end` sees them."""
+    facts = facts_from_args(args, stage=stage)
+    base = unwrap(model)
+    blocks = checkpointed_blocks(base)
+    trainable_in_blocks = any(p.requires_grad for b in blocks for p in b.parameters())
+    params = list(model.parameters())
+    frozen = any(not p.requires_grad for p in params)
+    emb = _input_embeddings(model)
+    emb_trainable = bool(emb is not None and any(p.requires_grad for p in emb.parameters()))
+    hooked = input_grad_hooks(model) > 0
+    gc_on_model = bool(checkpoint_functions(base))
+    gc_enabled = facts.gc_enabled or gc_on_model
+    # Hooks the Trainer itself will add when it enables checkpointing in train() count too.
+    inputs_grad = emb_trainable or hooked or (facts.gc_enabled and _will_add_input_hook(base, facts))
+    config = getattr(base, "config", None)
+    return facts.replace(
+        gc_enabled=gc_enabled,
+        model_gc_enabled=gc_on_model,
+        model_use_reentrant=model_use_reentrant(base) if gc_on_model else None,
+        is_peft=is_peft_model(model),
+        quantization=quantization_of(model),
+        trainable_in_blocks=trainable_in_blocks,
+        frozen_params=frozen,
+        inputs_require_grad=inputs_grad,
+        use_cache=getattr(config, "use_cache", None),
+        unsloth=_unsloth_patched(),
+    )
+
+
+def _unsloth_patched() -> bool:
+    import sys
+
+    return "unsloth" in sys.modules

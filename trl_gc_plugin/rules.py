@@ -1,0 +1,247 @@
+"""The rule table: every rule the plugin applies, as data.
+
+Each `Rule` says when it applies (`when`, a predicate on `Facts`, and `condition`, the same in words), what it does
+(`kind`, `setting`, `value`), why (`message`, `evidence`), the versions where it applies (`versions`, PEP 440
+specifiers by distribution, checked by the engine) and when it can be deleted (`remove_when`), in the way TRL's
+`trl/_compat.py` documents each of its patches. The engine (`engine.py`) is the only reader; the README's table and
+`python -m trl_gc_plugin rules` are generated from this tuple.
+
+Kinds:
+- `require`: the setting must hold `value`. Unset -> filled (`default`). An explicit other value -> `error` in
+  strict mode, `override` in fix mode, `warn` in warn mode. A value the trainer or the plugin wrote is overridden.
+- `prefer`: the setting should hold `value`. Unset -> filled. An explicit other value is kept, with a warning.
+- `repair`: an upstream inconsistency the plugin fixes in strict and fix mode (logged only in warn mode).
+- `check`: a warning only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .facts import Facts
+
+RuleKind = Literal["require", "prefer", "repair", "check"]
+
+USE_REENTRANT = "use_reentrant"
+"""The setting most rules are about: `use_reentrant` in the checkpointing kwargs of the args (both field names)."""
+
+TORCH_CHECKPOINT_DOCS = "https://docs.pytorch.org/docs/stable/checkpoint.html"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule of the table.
+
+    Args:
+        id: stable identifier, used in logs, `gc_decisions.json` and error messages.
+        title: a few words.
+        kind: `require`, `prefer`, `repair` or `check` (see the module docstring).
+        setting: what it acts on (`use_reentrant`, `model.config.use_cache`, ...).
+        value: the value it requires or prefers (`None` for repairs and checks).
+        when: predicate on `Facts`; it only sees facts of the current stage (unknown facts are `None`).
+        condition: the predicate in words, for the rule table.
+        message: why, in one or two sentences; what to change when it fails.
+        evidence: links to the upstream issues, PRs and code, and the seed document it comes from.
+        versions: PEP 440 specifiers by distribution name; the rule applies only where all hold (an absent package
+            fails a gate that names it).
+        remove_when: when the rule becomes dead weight.
+        stages: the stages where the rule is evaluated.
+    """
+
+    id: str
+    title: str
+    kind: RuleKind
+    setting: str
+    value: Any
+    when: Callable[[Facts], bool]
+    condition: str
+    message: str
+    evidence: tuple[str, ...]
+    versions: dict[str, str] = field(default_factory=dict)
+    remove_when: str = ""
+    stages: tuple[str, ...] = ("post_init", "init_end", "train")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The rule as plain data (the predicate is represented by its `condition` text)."""
+        return {
+            "id": self.id,
+            "title": self.title,
+            "kind": self.kind,
+            "setting": self.setting,
+            "value": self.value,
+            "condition": self.condition,
+            "message": self.message,
+            "evidence": list(self.evidence),
+            "versions": dict(self.versions),
+            "remove_when": self.remove_when,
+            "stages": list(self.stages),
+        }
+
+
+def _frozen_inputs(f: Facts) -> bool:
+    return bool(f.gc_enabled and f.trainable_in_blocks and f.inputs_require_grad is False)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        id="invalid-use-reentrant",
+        title="use_reentrant must be a bool",
+        kind="repair",
+        setting=USE_REENTRANT,
+        value=None,
+        when=lambda f: f.use_reentrant is not None and not isinstance(f.use_reentrant, bool),
+        condition="`use_reentrant` holds a non-bool (e.g. the string 'false' from YAML or the command line)",
+        message=(
+            "torch reads any non-empty string as True, so `use_reentrant: 'false'` silently means reentrant. "
+            "Recognised strings ('true'/'false'/'1'/'0'/'yes'/'no') are converted; anything else is refused. "
+            "Write a YAML/JSON boolean: `use_reentrant: false`."
+        ),
+        evidence=(
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/training_args.py (_convert_str_dict: only JSON-string kwargs are converted)",
+            TORCH_CHECKPOINT_DOCS,
+        ),
+        remove_when="transformers validates the type of `use_reentrant` itself",
+    ),
+    Rule(
+        id="field-disagreement",
+        title="activation_* and gradient_* fields must agree",
+        kind="repair",
+        setting="activation_checkpointing_kwargs",
+        value=None,
+        when=lambda f: f.has_activation_fields and f.fields_disagree,
+        condition=(
+            "the args have both `activation_checkpointing(_kwargs)` and the deprecated `gradient_checkpointing(_kwargs)` "
+            "and they hold different values (something assigned one name after `__post_init__`)"
+        ),
+        message=(
+            "Trainer reads only `activation_checkpointing*`; a later write to the deprecated `gradient_checkpointing*` "
+            "(TRL 1.16 does this for PEFT + DeepSpeed ZeRO-3) is silently ignored. The plugin copies the value that was "
+            "written last into both names and makes them one object again."
+        ),
+        evidence=(
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/training_args.py (__post_init__ aliases the old names once)",
+            "https://github.com/huggingface/trl/blob/v1.16.0/trl/trainer/sft_trainer.py (PEFT + ZeRO-3: assigns a new dict to gradient_checkpointing_kwargs)",
+            "https://github.com/huggingface/trl/issues/2514",
+        ),
+        versions={"transformers": ">=5.23"},
+        remove_when="transformers drops the deprecated `gradient_checkpointing*` aliases (v6), or TRL writes the new names",
+    ),
+    Rule(
+        id="frozen-inputs-need-non-reentrant",
+        title="frozen inputs + reentrant = no gradients",
+        kind="require",
+        setting=USE_REENTRANT,
+        value=False,
+        when=_frozen_inputs,
+        condition=(
+            "checkpointing on, trainable parameters inside checkpointed blocks, and the hidden states entering them "
+            "do not require grad (input embeddings frozen and no input-require-grad hook): LoRA/QLoRA without "
+            "`enable_input_require_grads()`, frozen embeddings, partially frozen models"
+        ),
+        message=(
+            "With use_reentrant=True, a checkpointed block whose inputs do not require grad produces outputs that do "
+            "not require grad, so every trainable parameter inside it silently gets no gradient (torch only warns "
+            "'None of the inputs have requires_grad=True'). Set use_reentrant=False, or keep reentrant and call "
+            "`model.enable_input_require_grads()` before training."
+        ),
+        evidence=(
+            "https://github.com/huggingface/transformers/issues/21381",
+            "https://github.com/axolotl-ai-cloud/axolotl/blob/main/src/axolotl/utils/schemas/validation.py (check_use_reentrant_mismatch; seed 001, rule 1)",
+            "reproduced: transformers 4.57.6 Trainer, frozen embeddings, use_reentrant unset -> 0/18 layer params change",
+            TORCH_CHECKPOINT_DOCS,
+        ),
+        remove_when="never while torch keeps the reentrant variant's requires-grad semantics",
+        stages=("init_end", "train"),
+    ),
+    Rule(
+        id="quantized-prefers-non-reentrant",
+        title="quantized models: non-reentrant",
+        kind="prefer",
+        setting=USE_REENTRANT,
+        value=False,
+        when=lambda f: bool(f.gc_enabled and f.quantization),
+        condition="checkpointing on a quantized model (bitsandbytes 4/8-bit, GPTQ, AWQ, HQQ, torchao, ...)",
+        message=(
+            "PEFT's prepare_model_for_kbit_training needs the input-require-grad hack only with reentrant "
+            "checkpointing; non-reentrant needs no hack and handles the frozen quantized weights."
+        ),
+        evidence=(
+            "https://github.com/huggingface/peft/blob/main/src/peft/utils/other.py (prepare_model_for_kbit_training; seed 002)",
+        ),
+        versions={"transformers": ">=4.35"},
+        remove_when="PEFT drops the reentrant path of prepare_model_for_kbit_training",
+        stages=("init_end", "train"),
+    ),
+    Rule(
+        id="non-reentrant-default",
+        title="default to non-reentrant",
+        kind="prefer",
+        setting=USE_REENTRANT,
+        value=False,
+        when=lambda f: f.gc_enabled,
+        condition="checkpointing on",
+        message=(
+            "Non-reentrant checkpointing is PyTorch's recommended variant and correct for frozen inputs, PEFT and "
+            "hooks; transformers < 5.0 defaults to reentrant. The value is written explicitly so every code path "
+            "(Trainer, TRL's per-step re-enables, `{}` which 4.x and 5.x read differently) agrees. "
+            "A value you set is kept."
+        ),
+        evidence=(
+            "https://github.com/huggingface/trl/blob/v1.16.0/trl/trainer/grpo_trainer.py (setdefault use_reentrant=False for transformers<5; seed 000)",
+            "https://github.com/huggingface/transformers/pull/43203",
+            TORCH_CHECKPOINT_DOCS,
+        ),
+        remove_when="the minimum supported transformers is >= 5.0 and no trainer passes `{}`",
+    ),
+    Rule(
+        id="model-kwargs-stale",
+        title="the live model runs the decided mode",
+        kind="repair",
+        setting="model.use_reentrant",
+        value=None,
+        when=lambda f: bool(f.model_gc_enabled),
+        condition="checkpointing is already enabled on the model with a `use_reentrant` other than the decided one",
+        message=(
+            "Checkpointing enabled before the Trainer runs (TRL <= 0.26 `prepare_peft_model`, PEFT "
+            "`prepare_model_for_kbit_training`, user code) keeps its own kwargs, and when it also sets "
+            "`args.gradient_checkpointing=False` the Trainer never re-enables it. The plugin rewrites the checkpoint "
+            "function of every checkpointed module in place (no new hooks)."
+        ),
+        evidence=(
+            "https://github.com/huggingface/trl/blob/v0.26.2/trl/models/utils.py (enable_gradient_checkpointing ignores the kwargs; prepare_peft_model sets args.gradient_checkpointing=False for QLoRA)",
+        ),
+        remove_when="TRL <= 0.26 is no longer supported and PEFT takes its kwargs from the Trainer",
+        stages=("init_end", "train"),
+    ),
+    Rule(
+        id="use-cache-off",
+        title="no KV cache while training with checkpointing",
+        kind="prefer",
+        setting="model.config.use_cache",
+        value=False,
+        when=lambda f: bool(f.gc_enabled and f.use_cache and not f.generates),
+        condition="checkpointing on, `model.config.use_cache` is True, and the trainer does not generate during training",
+        message=(
+            "A KV cache is useless in a training forward and incompatible with recomputation; transformers drops it "
+            "per layer with a warning. The plugin turns it off for the run and restores it at the end of training, "
+            "so the saved model keeps its config."
+        ),
+        evidence=(
+            "https://github.com/axolotl-ai-cloud/axolotl (seed 001, rule 5)",
+            "https://github.com/OpenRLHF/OpenRLHF (seed 003: use_cache=False with gradient checkpointing)",
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/modeling_layers.py (GradientCheckpointingLayer)",
+        ),
+        remove_when="transformers stops building a cache in training forwards",
+        stages=("init_end",),
+    ),
+)
+
+
+def get_rule(rule_id: str) -> Rule:
+    """The rule with this id (KeyError if none)."""
+    for rule in RULES:
+        if rule.id == rule_id:
+            return rule
+    raise KeyError(rule_id)
