@@ -36,7 +36,7 @@ def plugin_log(caplog):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A tiny Llama and its tokenizer saved to disk (for 4-bit loading and the CLI)."""
-    from tiny import make_model, make_tokenizer
+    from trl_gc_plugin.testing import make_model, make_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")
     make_model().save_pretrained(path)

@@ -5,13 +5,11 @@ plugin really does leave block parameters untrained (the refusal is justified, n
 from __future__ import annotations
 
 import pytest
-
 from packaging.version import Version
-
 from trainers import (
     TF5,
-    TRL_VERSION,
     TRAINERS,
+    TRL_VERSION,
     VARIANTS,
     block_params,
     build_model,
@@ -19,7 +17,9 @@ from trainers import (
     make_trainer,
     unchanged_block_params,
 )
+
 from trl_gc_plugin import GCConfigError, SafeGCCallback
+from trl_gc_plugin.probe import model_use_reentrant
 
 
 def _run(kind, variant, use_reentrant, checkpoint, out, callbacks):
@@ -39,7 +39,7 @@ def test_every_block_parameter_trains(kind, variant, use_reentrant, tiny_checkpo
     # Known from the upstream sources: transformers 4.x adds no input-grad hook (5.x does, in train()); TRL adds one
     # for PEFT models; TRL <= 0.26's DPOTrainer adds one for every model; PEFT's prepare_model_for_kbit_training
     # adds none when it does not enable checkpointing itself.
-    trl_hooks_full_model = kind == "dpo" and TRL_VERSION < Version("0.27")
+    trl_hooks_full_model = kind == "dpo" and Version("0.27") > TRL_VERSION
     expect_refusal = (not TF5 and use_reentrant is True
                       and ((variant == "frozen_emb" and not trl_hooks_full_model)
                            or (variant in ("lora", "qlora") and kind == "trainer")))
@@ -69,6 +69,7 @@ def test_every_block_parameter_trains(kind, variant, use_reentrant, tiny_checkpo
         assert decided[-1].action in ("default", "none")
     else:
         assert effective is use_reentrant, "a value the user set was changed"
+    assert model_use_reentrant(trainer.model) is effective, "the model ran something other than the decision"
     if hasattr(trainer.args, "activation_checkpointing_kwargs"):
         assert trainer.args.activation_checkpointing_kwargs is trainer.args.gradient_checkpointing_kwargs
     assert (tmp_path / "plugin" / "gc_decisions.json").exists()

@@ -10,10 +10,17 @@ import torch
 import transformers
 from packaging.version import Version
 
-from tiny import lm_dataset, make_model, make_tokenizer, preference_dataset, prompt_dataset, tokenized_dataset
+from trl_gc_plugin.testing import (
+    lm_dataset,
+    make_model,
+    make_tokenizer,
+    preference_dataset,
+    prompt_dataset,
+    tokenized_dataset,
+)
 
 TF_VERSION = Version(transformers.__version__)
-TF5 = TF_VERSION >= Version("5.0.0")
+TF5 = Version("5.0.0") <= TF_VERSION
 HAS_ACTIVATION_FIELDS = "activation_checkpointing_kwargs" in {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
 TRAINERS = ("trainer", "sft", "dpo", "grpo")
 VARIANTS = ("full", "lora", "frozen_emb", "qlora")

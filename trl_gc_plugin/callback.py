@@ -82,7 +82,7 @@ class SafeGCCallback(TrainerCallback):
         self.write_json = write_json
         self.decisions: list[Decision] = []
         self._active = False
-        self._final: Any = None
+        self._final: tuple[Any, str] = (None, "unset")
 
     # --- events ------------------------------------------------------------------------------------------------
 
@@ -101,8 +101,8 @@ class SafeGCCallback(TrainerCallback):
         self.decisions = (list(record.decisions) if record is not None else []) + decisions
         self._refuse(args, decisions)
         apply(decisions, args, model)
-        self._final = final_use_reentrant(decisions, default=facts.use_reentrant)
-        probe.remember(args, facts, self._final, decisions)
+        self._final = final_use_reentrant(decisions, facts.use_reentrant, facts.use_reentrant_source)
+        probe.remember(args, *self._final)
         self._publish(args, decisions)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -116,7 +116,8 @@ class SafeGCCallback(TrainerCallback):
         self.decisions.extend(decisions)
         self._refuse(args, decisions)
         apply(decisions, args, model)
-        probe.remember(args, facts, final_use_reentrant(decisions, default=self._final))
+        self._final = final_use_reentrant(decisions, *self._final)
+        probe.remember(args, *self._final)
         self._publish(args, decisions)
 
     def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -145,7 +146,9 @@ class SafeGCCallback(TrainerCallback):
             logger.warning(
                 "SafeGCCallback is registered twice for this Trainer; the first one (mode=%s) acts, this one "
                 "(mode=%s) stands by. Set TRL_GC_PLUGIN_MODE=%s, or drop one of the registrations.",
-                owner.mode, self.mode, self.mode,
+                owner.mode,
+                self.mode,
+                self.mode,
             )
 
 

@@ -68,8 +68,16 @@ def applicable(facts: Facts, rules: Sequence[Rule] = RULES) -> list[Rule]:
     return [r for r in rules if facts.stage in r.stages and version_applies(r, facts.versions) and r.when(facts)]
 
 
-def _decision(rule: Rule, action: Action, before: Any, after: Any, source: str, reason: str, facts: Facts,
-              setting: str | None = None) -> Decision:
+def _decision(
+    rule: Rule,
+    action: Action,
+    before: Any,
+    after: Any,
+    source: str,
+    reason: str,
+    facts: Facts,
+    setting: str | None = None,
+) -> Decision:
     return Decision(
         rule_id=rule.id,
         action=action,
@@ -136,38 +144,83 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
         winner = facts.changed_field or "legacy"
         if winner == "legacy":
             if facts.legacy_gc is not None:
-                out.append(_decision(rule, _change(mode, "repair"), not facts.legacy_gc, facts.legacy_gc, "unknown",
-                                     "`gradient_checkpointing` was written after `__post_init__`; copied to "
-                                     "`activation_checkpointing`.", facts, setting="activation_checkpointing"))
+                out.append(
+                    _decision(
+                        rule,
+                        _change(mode, "repair"),
+                        not facts.legacy_gc,
+                        facts.legacy_gc,
+                        "unknown",
+                        "`gradient_checkpointing` was written after `__post_init__`; copied to "
+                        "`activation_checkpointing`.",
+                        facts,
+                        setting="activation_checkpointing",
+                    )
+                )
             legacy = facts.legacy_kwargs
             legacy_value = legacy.get(USE_REENTRANT) if isinstance(legacy, dict) else None
             if legacy_value != value or legacy is None:
-                out.append(_decision(
-                    rule, _change(mode, "repair"), facts.use_reentrant, legacy_value, "unknown",
-                    "`gradient_checkpointing_kwargs` was written after `__post_init__` and the Trainer would ignore it "
-                    f"(it reads `activation_checkpointing_kwargs`, use_reentrant={facts.use_reentrant!r}); "
-                    "the last write wins and both names now hold one dict.", facts,
-                    setting="activation_checkpointing_kwargs"))
+                out.append(
+                    _decision(
+                        rule,
+                        _change(mode, "repair"),
+                        facts.use_reentrant,
+                        legacy_value,
+                        "unknown",
+                        "`gradient_checkpointing_kwargs` was written after `__post_init__` and the Trainer would ignore it "
+                        f"(it reads `activation_checkpointing_kwargs`, use_reentrant={facts.use_reentrant!r}); "
+                        "the last write wins and both names now hold one dict.",
+                        facts,
+                        setting="activation_checkpointing_kwargs",
+                    )
+                )
                 value, source = legacy_value, "unknown"
         else:
-            out.append(_decision(rule, _change(mode, "repair"), None, None, source,
-                                 "`activation_checkpointing*` was written after `__post_init__`; the deprecated "
-                                 "`gradient_checkpointing*` names are made to mirror it.", facts,
-                                 setting="gradient_checkpointing_kwargs"))
+            out.append(
+                _decision(
+                    rule,
+                    _change(mode, "repair"),
+                    None,
+                    None,
+                    source,
+                    "`activation_checkpointing*` was written after `__post_init__`; the deprecated "
+                    "`gradient_checkpointing*` names are made to mirror it.",
+                    facts,
+                    setting="gradient_checkpointing_kwargs",
+                )
+            )
 
     # 1b. a non-bool use_reentrant
     if value is not None and not isinstance(value, bool):
         rule = repairs.get("invalid-use-reentrant") or _invalid_rule(rules)
         coerced = coerce_bool(value)
         if coerced is not None:
-            out.append(_decision(rule, _change(mode, "repair"), value, coerced, source,
-                                 f"use_reentrant={value!r} is not a bool (torch would read it as "
-                                 f"{bool(value)!r}); converted to {coerced!r}.", facts))
+            out.append(
+                _decision(
+                    rule,
+                    _change(mode, "repair"),
+                    value,
+                    coerced,
+                    source,
+                    f"use_reentrant={value!r} is not a bool (torch would read it as "
+                    f"{bool(value)!r}); converted to {coerced!r}.",
+                    facts,
+                )
+            )
             value = coerced
         else:
             action: Action = {"strict": "error", "fix": "override", "warn": "warn"}[mode]
-            out.append(_decision(rule, action, value, None, source,
-                                 f"use_reentrant={value!r} is not a bool and spells none; " + rule.message, facts))
+            out.append(
+                _decision(
+                    rule,
+                    action,
+                    value,
+                    None,
+                    source,
+                    f"use_reentrant={value!r} is not a bool and spells none; " + rule.message,
+                    facts,
+                )
+            )
             value, source = None, "unset"
 
     # 2./3. the value for use_reentrant
@@ -177,53 +230,100 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
     final: Any = value
     if len(demanded) > 1:
         names = ", ".join(f"{r.id} (use_reentrant={r.value})" for r in requires)
-        out.append(Decision(
-            rule_id="conflict",
-            action="error",
-            setting=USE_REENTRANT,
-            before=value,
-            after=None,
-            source=source,
-            reason=f"Rules demand opposite values: {names}. " + " ".join(r.message for r in requires),
-            evidence=tuple(e for r in requires for e in r.evidence),
-            stage=facts.stage,
-        ))
+        out.append(
+            Decision(
+                rule_id="conflict",
+                action="error",
+                setting=USE_REENTRANT,
+                before=value,
+                after=None,
+                source=source,
+                reason=f"Rules demand opposite values: {names}. " + " ".join(r.message for r in requires),
+                evidence=tuple(e for r in requires for e in r.evidence),
+                stage=facts.stage,
+            )
+        )
     elif requires or prefers:
         rule = requires[0] if requires else prefers[0]
         strong = bool(requires)
         target = rule.value
         if value is None:
-            out.append(_decision(rule, _change(mode, "default"), None, target, "unset",
-                                 f"use_reentrant unset; set to {target!r} ({rule.title}).", facts))
+            out.append(
+                _decision(
+                    rule,
+                    _change(mode, "default"),
+                    None,
+                    target,
+                    "unset",
+                    f"use_reentrant unset; set to {target!r} ({rule.title}).",
+                    facts,
+                )
+            )
             final = target
         elif value == target:
-            out.append(_decision(rule, "none", value, value, source,
-                                 f"use_reentrant={value!r} kept ({rule.title}).", facts))
+            out.append(
+                _decision(rule, "none", value, value, source, f"use_reentrant={value!r} kept ({rule.title}).", facts)
+            )
         elif source == "plugin" or (strong and source == "trainer"):
             action = "default" if source == "plugin" else "override"
-            out.append(_decision(rule, _change(mode, action), value, target, source,
-                                 f"use_reentrant={value!r} (set by the {source}) replaced by {target!r} "
-                                 f"({rule.title}). " + (rule.message if strong else ""), facts))
+            out.append(
+                _decision(
+                    rule,
+                    _change(mode, action),
+                    value,
+                    target,
+                    source,
+                    f"use_reentrant={value!r} (set by the {source}) replaced by {target!r} "
+                    f"({rule.title}). " + (rule.message if strong else ""),
+                    facts,
+                )
+            )
             final = target
         elif strong:
             action = {"strict": "error", "fix": "override", "warn": "warn"}[mode]
             verb = {"error": "is refused", "override": "is OVERRIDDEN", "warn": "breaks training"}[action]
-            out.append(_decision(rule, action, value, target, source,
-                                 f"use_reentrant={value!r} {verb}: {rule.condition}. " + rule.message, facts))
+            out.append(
+                _decision(
+                    rule,
+                    action,
+                    value,
+                    target,
+                    source,
+                    f"use_reentrant={value!r} {verb}: {rule.condition}. " + rule.message,
+                    facts,
+                )
+            )
             if action == "override":
                 final = target
         else:
-            out.append(_decision(rule, "warn", value, value, source,
-                                 f"use_reentrant={value!r} kept as set; {target!r} is preferred. " + rule.message,
-                                 facts))
+            out.append(
+                _decision(
+                    rule,
+                    "warn",
+                    value,
+                    value,
+                    source,
+                    f"use_reentrant={value!r} kept as set; {target!r} is preferred. " + rule.message,
+                    facts,
+                )
+            )
 
     # 4. the live model
     stale = repairs.get("model-kwargs-stale")
     effective = final if isinstance(final, bool) else None
     if stale is not None and effective is not None and facts.model_use_reentrant != effective:
-        out.append(_decision(stale, _change(mode, "repair"), facts.model_use_reentrant, effective, "trainer",
-                             f"The model already checkpoints with use_reentrant={facts.model_use_reentrant!r}; "
-                             f"rewritten to {effective!r}. " + stale.message, facts))
+        out.append(
+            _decision(
+                stale,
+                _change(mode, "repair"),
+                facts.model_use_reentrant,
+                effective,
+                "trainer",
+                f"The model already checkpoints with use_reentrant={facts.model_use_reentrant!r}; "
+                f"rewritten to {effective!r}. " + stale.message,
+                facts,
+            )
+        )
 
     # 5. other settings, then checks
     for rule in by_kind["prefer"] + by_kind["require"]:
@@ -231,8 +331,17 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
             continue
         current = _current(facts, rule.setting)
         if current != rule.value:
-            out.append(_decision(rule, _change(mode, "default"), current, rule.value, "model config",
-                                 f"{rule.title}; restored after training.", facts))
+            out.append(
+                _decision(
+                    rule,
+                    _change(mode, "default"),
+                    current,
+                    rule.value,
+                    "model config",
+                    f"{rule.title}; restored after training.",
+                    facts,
+                )
+            )
     for rule in by_kind["check"]:
         out.append(_decision(rule, "warn", value, value, source, rule.message, facts))
     return out
@@ -256,12 +365,16 @@ def errors(decisions: Sequence[Decision]) -> list[Decision]:
     return [d for d in decisions if d.action == "error"]
 
 
-def final_use_reentrant(decisions: Sequence[Decision], default: Any = None) -> Any:
-    """The `use_reentrant` value the decisions leave in the args (applied ones only)."""
-    value = default
+def final_use_reentrant(
+    decisions: Sequence[Decision], default: Any = None, default_source: str = "unset"
+) -> tuple[Any, str]:
+    """The `use_reentrant` the decisions leave in the args, and who chose it (`plugin` for a value it wrote)."""
+    value, source = default, default_source
     for d in decisions:
-        if d.setting in (USE_REENTRANT, "activation_checkpointing_kwargs") and d.applied:
-            value = d.after
-        elif d.setting == USE_REENTRANT and d.action == "none":
-            value = d.after
-    return value
+        if d.setting not in (USE_REENTRANT, "activation_checkpointing_kwargs"):
+            continue
+        if d.applied:
+            value, source = d.after, ("plugin" if d.action in ("default", "override") else d.source)
+        elif d.action in ("none", "warn", "error"):
+            value, source = d.before, d.source
+    return value, source

@@ -20,7 +20,7 @@ from typing import Any
 from . import probe
 from .apply import apply
 from .decisions import is_main_process, log_decisions
-from .engine import Mode, decide, errors
+from .engine import Mode, decide, errors, final_use_reentrant
 from .errors import GCConfigError
 
 logger = logging.getLogger("trl_gc_plugin")
@@ -54,8 +54,7 @@ def post_init_decide(args: Any, mode: Mode, user_given: bool, user_value: Any) -
     log_decisions(decisions, is_main_process())
     raise_for_errors(decisions, mode)
     apply(decisions, args)
-    final = probe.read_kwargs(args) or {}
-    probe.remember(args, facts, final.get("use_reentrant"), decisions)
+    probe.remember(args, *final_use_reentrant(decisions, facts.use_reentrant, facts.use_reentrant_source), decisions)
     return decisions
 
 

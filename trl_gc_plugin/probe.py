@@ -45,9 +45,9 @@ class PostInitRecord:
     """What the post-init patch saw and did, kept on the args object (attribute `_trl_gc_plugin_record`).
 
     Args:
-        user_given: the user's kwargs had a `use_reentrant` key.
+        user_given: the user's kwargs had a `use_reentrant` key at construction.
         user_value: that value.
-        plugin_value: the value the plugin wrote at construction (None if it wrote none).
+        value / value_source: the `use_reentrant` in force after the plugin's last look, and who chose it.
         new_id / old_id: `id()` of the two kwargs objects right after construction (to tell which one was
             assigned later).
         decisions: the post-init decisions.
@@ -55,22 +55,21 @@ class PostInitRecord:
 
     user_given: bool = False
     user_value: Any = None
-    plugin_value: Any = None
+    value: Any = None
+    value_source: str | None = None
     new_id: int | None = None
     old_id: int | None = None
     decisions: list[Any] = field(default_factory=list)
 
 
-def remember(args: Any, facts: Facts, final: Any, decisions: list[Any] | None = None) -> PostInitRecord:
-    """Record on `args` who set `use_reentrant` and which objects the kwargs fields hold now, so a later look
-    (the callback, the next event) can tell the user's value from the plugin's and see later reassignments."""
+def remember(args: Any, value: Any, source: str, decisions: list[Any] | None = None) -> PostInitRecord:
+    """Record on `args` the `use_reentrant` now in force and who chose it, and which objects the kwargs fields hold,
+    so a later look (the callback, the next event) can tell who set a value and see later reassignments."""
     record = get_record(args)
     if record is None:
-        explicit = facts.use_reentrant_source in ("user", "unknown")
-        record = PostInitRecord(user_given=explicit, user_value=facts.use_reentrant if explicit else None)
+        record = PostInitRecord()
         args.__dict__[RECORD_ATTR] = record
-    if not (record.user_given and final == record.user_value):
-        record.plugin_value = final
+    record.value, record.value_source = value, source
     record.new_id = id(getattr(args, NEW_KWARGS, None))
     record.old_id = id(getattr(args, OLD_KWARGS, None))
     if decisions is not None:
@@ -182,10 +181,10 @@ def _source(value: Any, kwargs: Any, record: PostInitRecord | None) -> Source:
         return "unset"
     if record is None:
         return "unknown"
+    if record.value_source is not None and value == record.value:
+        return record.value_source  # type: ignore[return-value]
     if record.user_given and value == record.user_value:
         return "user"
-    if not record.user_given and record.plugin_value is not None and value == record.plugin_value:
-        return "plugin"
     return "trainer"
 
 
@@ -224,10 +223,10 @@ def checkpointed_blocks(model: Any) -> list[Any]:
 
     blocks = []
     for module in model.modules():
-        if GradientCheckpointingLayer is not None and isinstance(module, GradientCheckpointingLayer):
-            blocks.append(module)
-        elif GradientCheckpointingLayer is None and hasattr(module, "gradient_checkpointing") and not isinstance(
-            module, PreTrainedModel
+        if (GradientCheckpointingLayer is not None and isinstance(module, GradientCheckpointingLayer)) or (
+            GradientCheckpointingLayer is None
+            and hasattr(module, "gradient_checkpointing")
+            and not isinstance(module, PreTrainedModel)
         ):
             blocks.append(module)
     return blocks

@@ -1,9 +1,13 @@
-"""Tiny, offline building blocks for the tests: a byte-level BPE tokenizer trained in memory, a 2-layer Llama
-built from a config, and small datasets. Nothing here touches the network."""
+"""Tiny, offline building blocks for tests, examples and benchmarks: a byte-level BPE tokenizer trained in memory,
+a 2-layer Llama built from a config, and small datasets. Nothing here touches the network.
+
+Not imported by `trl_gc_plugin` itself; needs `datasets` and `tokenizers` (both come with TRL).
+"""
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -50,9 +54,9 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def make_config(tokenizer: PreTrainedTokenizerFast | None = None, **overrides) -> LlamaConfig:
+def make_config(tokenizer: PreTrainedTokenizerFast | None = None, **overrides: Any) -> LlamaConfig:
     tokenizer = tokenizer or make_tokenizer()
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -69,7 +73,7 @@ def make_config(tokenizer: PreTrainedTokenizerFast | None = None, **overrides) -
     return LlamaConfig(**kwargs)
 
 
-def make_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
+def make_model(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     return LlamaForCausalLM(make_config(**overrides)).float()
 
@@ -78,9 +82,12 @@ def lm_dataset(n: int = 8) -> Dataset:
     return Dataset.from_dict({"text": [CORPUS[i % len(CORPUS)] for i in range(n)]})
 
 
-def tokenized_dataset(tokenizer, n: int = 8) -> Dataset:
+def tokenized_dataset(tokenizer: PreTrainedTokenizerFast, n: int = 8) -> Dataset:
     enc = tokenizer([CORPUS[i % len(CORPUS)] for i in range(n)], padding="max_length", max_length=16, truncation=True)
-    labels = [[t if m else -100 for t, m in zip(ids, mask)] for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
+    labels = [
+        [t if m else -100 for t, m in zip(ids, mask, strict=True)]
+        for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)
+    ]
     return Dataset.from_dict({**enc, "labels": labels})
 
 

@@ -1,0 +1,210 @@
+"""The decision engine on hand-made facts: no model, no trainer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from packaging.specifiers import SpecifierSet
+
+from trl_gc_plugin import RULES, Facts, Rule, decide
+from trl_gc_plugin.engine import applicable, coerce_bool, errors, final_use_reentrant, version_applies
+
+TF4 = {"transformers": "4.57.6", "torch": "2.13.0"}
+TF5 = {"transformers": "5.23.0", "torch": "2.13.0"}
+FROZEN = dict(trainable_in_blocks=True, inputs_require_grad=False, frozen_params=True)
+
+
+def facts(**kw) -> Facts:
+    kw.setdefault("versions", TF4)
+    kw.setdefault("gc_enabled", True)
+    return Facts(**kw)
+
+
+def by_setting(decisions, setting="use_reentrant"):
+    found = [d for d in decisions if d.setting == setting]
+    assert len(found) == 1, decisions
+    return found[0]
+
+
+def test_checkpointing_off_decides_nothing():
+    (d,) = decide(Facts(gc_enabled=False))
+    assert d.action == "none" and d.rule_id == "checkpointing-off" and not d.applied
+
+
+@pytest.mark.parametrize("versions", [TF4, TF5])
+def test_unset_gets_non_reentrant_default(versions):
+    d = by_setting(decide(facts(versions=versions)))
+    assert (d.rule_id, d.action, d.before, d.after, d.source, d.applied) == (
+        "non-reentrant-default", "default", None, False, "unset", True)
+
+
+def test_user_reentrant_on_a_full_model_is_kept_with_a_warning():
+    d = by_setting(decide(facts(use_reentrant=True, use_reentrant_source="user", trainable_in_blocks=True,
+                                inputs_require_grad=True)))
+    assert (d.action, d.after, d.applied) == ("warn", True, False)
+
+
+@pytest.mark.parametrize(("mode", "action", "after", "applied"), [
+    ("strict", "error", False, False),
+    ("fix", "override", False, True),
+    ("warn", "warn", False, False),
+])
+def test_user_reentrant_with_frozen_inputs(mode, action, after, applied):
+    ds = decide(facts(use_reentrant=True, use_reentrant_source="user", **FROZEN), mode)
+    d = by_setting(ds)
+    assert (d.rule_id, d.action, d.after, d.applied) == ("frozen-inputs-need-non-reentrant", action, after, applied)
+    assert (errors(ds) != []) == (mode == "strict")
+
+
+@pytest.mark.parametrize("source", ["unknown", "user"])
+def test_explicit_values_of_unknown_origin_are_never_silently_overridden(source):
+    d = by_setting(decide(facts(use_reentrant=True, use_reentrant_source=source, **FROZEN)))
+    assert d.action == "error"
+
+
+def test_a_value_the_plugin_wrote_earlier_is_replaced_by_a_requirement():
+    d = by_setting(decide(facts(use_reentrant=True, use_reentrant_source="plugin", **FROZEN)))
+    assert (d.action, d.after, d.applied) == ("default", False, True)
+
+
+def test_a_trainer_value_is_overridden_by_a_requirement_and_kept_against_a_preference():
+    d = by_setting(decide(facts(use_reentrant=True, use_reentrant_source="trainer", **FROZEN)))
+    assert (d.action, d.after) == ("override", False)
+    d = by_setting(decide(facts(use_reentrant=True, use_reentrant_source="trainer", trainable_in_blocks=True,
+                                inputs_require_grad=True)))
+    assert (d.action, d.after) == ("warn", True)
+
+
+def test_frozen_inputs_without_trainable_block_params_need_nothing():
+    d = by_setting(decide(facts(use_reentrant=True, use_reentrant_source="user", trainable_in_blocks=False,
+                                inputs_require_grad=False)))
+    assert d.rule_id == "non-reentrant-default" and d.action == "warn"
+
+
+@pytest.mark.parametrize(("raw", "coerced"), [("false", False), ("False", False), ("0", False), ("true", True),
+                                              ("yes", True), (0, False), (1, True)])
+def test_string_use_reentrant_is_coerced(raw, coerced):
+    ds = decide(facts(use_reentrant=raw, use_reentrant_source="user"))
+    assert ds[0].rule_id == "invalid-use-reentrant" and ds[0].action == "repair" and ds[0].after is coerced
+    assert final_use_reentrant(ds)[0] is coerced
+
+
+@pytest.mark.parametrize(("mode", "action"), [("strict", "error"), ("fix", "override"), ("warn", "warn")])
+def test_unreadable_use_reentrant(mode, action):
+    ds = decide(facts(use_reentrant="maybe", use_reentrant_source="user"), mode)
+    assert ds[0].rule_id == "invalid-use-reentrant" and ds[0].action == action
+    if mode == "fix":  # treated as unset afterwards
+        assert by_setting(ds[1:]).action == "default"
+
+
+def test_coerce_bool():
+    assert coerce_bool("off") is False and coerce_bool(" TRUE ") is True
+    assert coerce_bool("2") is None and coerce_bool(2) is None and coerce_bool(None) is None
+
+
+def test_field_disagreement_last_write_wins_legacy_by_default():
+    f = facts(versions=TF5, has_activation_fields=True, fields_disagree=True, use_reentrant=None,
+              legacy_kwargs={"use_reentrant": True}, trainable_in_blocks=True, inputs_require_grad=True)
+    ds = decide(f)
+    assert ds[0].rule_id == "field-disagreement" and ds[0].setting == "activation_checkpointing_kwargs"
+    assert ds[0].after is True and ds[0].action == "repair"
+    assert by_setting(ds).action == "warn"  # the reconciled True has an unknown author: kept
+    assert final_use_reentrant(ds) == (True, "unknown")
+
+
+def test_field_disagreement_new_name_written_last():
+    f = facts(versions=TF5, has_activation_fields=True, fields_disagree=True, use_reentrant=False,
+              use_reentrant_source="user", legacy_kwargs=None, changed_field="new")
+    ds = decide(f)
+    assert ds[0].setting == "gradient_checkpointing_kwargs" and ds[0].action == "repair"
+
+
+def test_field_disagreement_only_on_transformers_with_both_fields():
+    f = facts(versions=TF4, has_activation_fields=True, fields_disagree=True, legacy_kwargs={"use_reentrant": True})
+    assert all(d.rule_id != "field-disagreement" for d in decide(f))
+
+
+def test_bool_flag_disagreement():
+    f = facts(versions=TF5, has_activation_fields=True, fields_disagree=True, legacy_gc=False)
+    assert any(d.setting == "activation_checkpointing" and d.after is False for d in decide(f))
+
+
+def test_stale_model_kwargs_are_repaired():
+    ds = decide(facts(model_gc_enabled=True, model_use_reentrant=True, stage="init_end"))
+    stale = by_setting(ds, "model.use_reentrant")
+    assert (stale.before, stale.after, stale.action) == (True, False, "repair")
+    assert not [d for d in decide(facts(model_gc_enabled=True, model_use_reentrant=False)) if d.setting ==
+                "model.use_reentrant"]
+
+
+def test_warn_mode_applies_nothing():
+    ds = decide(facts(model_gc_enabled=True, model_use_reentrant=True, use_cache=True, use_reentrant="false",
+                      use_reentrant_source="user"), "warn")
+    assert ds and not any(d.applied for d in ds)
+    assert {d.action for d in ds} <= {"warn", "none"}
+
+
+def test_use_cache_off_except_for_generating_trainers():
+    assert by_setting(decide(facts(use_cache=True)), "model.config.use_cache").after is False
+    assert not [d for d in decide(facts(use_cache=True, generates=True)) if d.setting == "model.config.use_cache"]
+    assert not [d for d in decide(facts(use_cache=True, stage="post_init")) if d.setting == "model.config.use_cache"]
+
+
+def test_quantized_model_prefers_non_reentrant():
+    d = by_setting(decide(facts(quantization="bitsandbytes_4bit", use_reentrant=True, use_reentrant_source="user",
+                                trainable_in_blocks=True, inputs_require_grad=True)))
+    assert d.rule_id == "quantized-prefers-non-reentrant" and d.action == "warn"
+
+
+def test_opposite_requirements_are_one_error_in_every_mode():
+    always = dict(when=lambda f: f.gc_enabled, condition="always", message="m", evidence=("e",))
+    rules = (Rule(id="a", title="a", kind="require", setting="use_reentrant", value=True, **always),
+             Rule(id="b", title="b", kind="require", setting="use_reentrant", value=False, **always))
+    for mode in ("strict", "fix", "warn"):
+        (d,) = decide(facts(), mode, rules=rules)
+        assert d.rule_id == "conflict" and d.action == "error" and "a (use_reentrant=True)" in d.reason
+
+
+def test_bad_mode():
+    with pytest.raises(ValueError, match="mode"):
+        decide(facts(), "lenient")  # type: ignore[arg-type]
+
+
+def test_version_gates():
+    rule = Rule(id="x", title="x", kind="check", setting="s", value=None, when=lambda f: True, condition="c",
+                message="m", evidence=("e",), versions={"transformers": ">=5.23", "deepspeed": "<0.19.3"})
+    assert version_applies(rule, {"transformers": "5.23.0", "deepspeed": "0.19.2"})
+    assert not version_applies(rule, {"transformers": "5.22.0", "deepspeed": "0.19.2"})
+    assert not version_applies(rule, {"transformers": "5.23.0", "deepspeed": None})  # absent package
+    assert version_applies(rule, {"transformers": "5.24.0.dev0", "deepspeed": "0.19.2"})  # pre-releases count
+
+
+def test_stages():
+    f = facts(stage="post_init", **FROZEN)
+    assert "frozen-inputs-need-non-reentrant" not in {r.id for r in applicable(f)}
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.id)
+def test_every_rule_is_documented(rule):
+    assert rule.id and rule.title and rule.condition and rule.message and rule.remove_when
+    assert rule.kind in ("require", "prefer", "repair", "check")
+    assert rule.evidence and any(e.startswith("https://") for e in rule.evidence)
+    for spec in rule.versions.values():
+        SpecifierSet(spec)  # parses
+    assert set(rule.stages) <= {"post_init", "init_end", "train"} and rule.stages
+    assert rule.to_dict()["id"] == rule.id
+
+
+def test_rule_ids_are_unique():
+    ids = [r.id for r in RULES]
+    assert len(ids) == len(set(ids))
+
+
+def test_engine_and_facts_import_no_transformers_or_torch():
+    code = ("import sys, trl_gc_plugin, trl_gc_plugin.engine, trl_gc_plugin.facts, trl_gc_plugin.rules;"
+            "trl_gc_plugin.decide(trl_gc_plugin.Facts(gc_enabled=True));"
+            "print(sorted(m for m in ('torch', 'transformers', 'trl', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
