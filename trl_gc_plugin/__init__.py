@@ -1,18 +1,13 @@
 """trl-gc-plugin: safe gradient (activation) checkpointing for transformers and TRL.
 
-Importing this package patches nothing. Use `SafeGCCallback` explicitly, or call `install()` (undo with
-`uninstall()`), or set `TRL_GC_PLUGIN=1`.
+Importing this package patches nothing and imports nothing heavy: every public name is loaded on first use
+(PEP 562), so the start-up hook (`_startup.py`) can live inside the package at no cost. Use `SafeGCCallback`
+explicitly, call `install()` (undo with `uninstall()`), or set `TRL_GC_PLUGIN=1`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from .decisions import Decision
-from .engine import decide
-from .errors import GCConfigError
-from .facts import Facts
-from .rules import RULES, Rule
+TYPE_CHECKING = False  # not `from typing import ...`: typing costs milliseconds at interpreter start-up
 
 __version__ = "0.1.0"
 
@@ -33,10 +28,21 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .callback import SafeGCCallback
+    from .decisions import Decision
+    from .engine import decide
+    from .errors import GCConfigError
+    from .facts import Facts
     from .patching import install, installed, is_installed, uninstall
+    from .rules import RULES, Rule
 
 _LAZY = {
-    "SafeGCCallback": "callback",
+    "RULES": "rules",
+    "Rule": "rules",
+    "Decision": "decisions",
+    "Facts": "facts",
+    "GCConfigError": "errors",
+    "decide": "engine",
+    "SafeGCCallback": "callback",  # imports transformers
     "install": "patching",
     "installed": "patching",
     "is_installed": "patching",
@@ -44,10 +50,15 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    # transformers is only imported when these are first used, so `import trl_gc_plugin` stays cheap.
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

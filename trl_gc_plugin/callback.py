@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from transformers import TrainerCallback
@@ -11,28 +10,13 @@ from transformers import TrainerCallback
 from . import probe
 from .apply import apply, restore_use_cache
 from .decisions import Decision, is_main_process, log_decisions, write_decisions
-from .engine import MODES, Mode, decide, final_use_reentrant
+from .engine import decide, final_use_reentrant
+from .modes import Mode, resolve_mode
 from .patching import raise_for_errors
 
 logger = logging.getLogger("trl_gc_plugin")
 
-MODE_ENV = "TRL_GC_PLUGIN_MODE"
 _CLAIM = "_trl_gc_plugin_owner"
-
-
-def resolve_mode(mode: str | None) -> Mode:
-    """`mode`, else `$TRL_GC_PLUGIN_MODE`, else `strict`. A bad argument raises; a bad env value warns."""
-    if mode is not None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-        return mode  # type: ignore[return-value]
-    env = os.environ.get(MODE_ENV, "").strip().lower()
-    if not env:
-        return "strict"
-    if env in MODES:
-        return env  # type: ignore[return-value]
-    logger.warning("%s=%r is not one of %s; using 'strict'.", MODE_ENV, env, ", ".join(MODES))
-    return "strict"
 
 
 class SafeGCCallback(TrainerCallback):

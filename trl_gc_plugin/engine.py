@@ -17,17 +17,15 @@ A plugin default never overrides a value the user set.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .decisions import Action, Decision
 from .facts import Facts
+from .modes import MODES, Mode
 from .rules import RULES, USE_REENTRANT, Rule
-
-Mode = Literal["strict", "fix", "warn"]
-MODES: tuple[Mode, ...] = ("strict", "fix", "warn")
 
 _TRUE = {"true", "1", "yes", "on", "t", "y"}
 _FALSE = {"false", "0", "no", "off", "f", "n"}

@@ -20,8 +20,9 @@ from typing import Any
 from . import probe
 from .apply import apply
 from .decisions import is_main_process, log_decisions
-from .engine import Mode, decide, errors, final_use_reentrant
+from .engine import decide, errors, final_use_reentrant
 from .errors import GCConfigError
+from .modes import Mode
 
 logger = logging.getLogger("trl_gc_plugin")
 
@@ -94,6 +95,31 @@ def _wrap(original: Any) -> Any:
     return __post_init__
 
 
+def patch_training_args(cls: Any, mode: str | None = None) -> None:
+    """Wrap `cls.__post_init__` (`transformers.TrainingArguments`); a second call only updates the mode."""
+    from .modes import resolve_mode
+
+    with _lock:
+        _state["mode"] = resolve_mode(mode)
+        current = cls.__dict__["__post_init__"]
+        if not getattr(current, _MARK, False):
+            _state["original"] = (cls, current)
+            cls.__post_init__ = _wrap(current)
+
+
+def register_callback(trainer_module: Any = None) -> None:
+    """Append `AutoSafeGCCallback` to `transformers.trainer.DEFAULT_CALLBACKS` (in place, once)."""
+    if trainer_module is None:
+        import transformers.trainer as trainer_module
+    from .callback import AutoSafeGCCallback
+
+    with _lock:
+        defaults = trainer_module.DEFAULT_CALLBACKS
+        if AutoSafeGCCallback not in defaults:
+            defaults.append(AutoSafeGCCallback)
+        _state["callback"] = (defaults, AutoSafeGCCallback)
+
+
 def install(mode: str | None = None, callback: bool = True) -> None:
     """Patch `TrainingArguments.__post_init__` and register `SafeGCCallback` for every Trainer.
 
@@ -113,52 +139,26 @@ def install(mode: str | None = None, callback: bool = True) -> None:
     """
     from transformers import TrainingArguments
 
-    from .callback import resolve_mode
-
-    with _lock:
-        _state["mode"] = resolve_mode(mode)
-        current = TrainingArguments.__dict__["__post_init__"]
-        if not getattr(current, _MARK, False):
-            _state["original"] = current
-            TrainingArguments.__post_init__ = _wrap(current)  # type: ignore[method-assign]
-        if callback:
-            register_callback()
-
-
-def register_callback() -> None:
-    """Append `AutoSafeGCCallback` to `transformers.trainer.DEFAULT_CALLBACKS` (in place, once)."""
-    import transformers.trainer as trainer_module
-
-    from .callback import AutoSafeGCCallback
-
-    with _lock:
-        defaults = trainer_module.DEFAULT_CALLBACKS
-        if AutoSafeGCCallback not in defaults:
-            defaults.append(AutoSafeGCCallback)
-        _state["callback"] = AutoSafeGCCallback
+    patch_training_args(TrainingArguments, mode)
+    if callback:
+        register_callback()
 
 
 def uninstall() -> None:
-    """Undo `install()`: restore the original `__post_init__` and remove the callback from `DEFAULT_CALLBACKS`."""
-    import sys
-
+    """Undo `install()` (or the `TRL_GC_PLUGIN` start-up hook): restore the original `__post_init__` and remove
+    the callback from `DEFAULT_CALLBACKS`. Safe to call when nothing is installed."""
     with _lock:
-        original = _state["original"]
-        tf_args = sys.modules.get("transformers.training_args")
-        if original is not None and tf_args is not None:
-            cls = tf_args.TrainingArguments
+        if _state["original"] is not None:
+            cls, original = _state["original"]
             if getattr(cls.__dict__.get("__post_init__"), _MARK, False):
                 cls.__post_init__ = original
             else:
                 logger.warning("TrainingArguments.__post_init__ was re-patched by someone else; left as it is.")
-        _state["original"] = None
-        _state["mode"] = None
-        trainer_module = sys.modules.get("transformers.trainer")
-        if trainer_module is not None and _state["callback"] is not None:
-            defaults = trainer_module.DEFAULT_CALLBACKS
-            while _state["callback"] in defaults:
-                defaults.remove(_state["callback"])
-        _state["callback"] = None
+        if _state["callback"] is not None:
+            defaults, cb = _state["callback"]
+            while cb in defaults:
+                defaults.remove(cb)
+        _state.update(original=None, mode=None, callback=None)
 
 
 def is_installed() -> bool:
@@ -169,20 +169,17 @@ def is_installed() -> bool:
 @contextlib.contextmanager
 def installed(mode: str | None = None, callback: bool = True) -> Iterator[None]:
     """`install()` for the duration of a `with` block (tests, notebooks); restores the previous state."""
-    was, old_mode, had_cb = is_installed(), _state["mode"], _state["callback"] is not None
+    was, old_mode, old_callback = is_installed(), _state["mode"], _state["callback"]
     install(mode, callback=callback)
     try:
         yield
     finally:
-        if was:
-            _state["mode"] = old_mode
-            if not had_cb and callback:
-                import transformers.trainer as trainer_module
-
-                from .callback import AutoSafeGCCallback
-
-                while AutoSafeGCCallback in trainer_module.DEFAULT_CALLBACKS:
-                    trainer_module.DEFAULT_CALLBACKS.remove(AutoSafeGCCallback)
-                _state["callback"] = None
-        else:
+        if not was:
             uninstall()
+        else:
+            _state["mode"] = old_mode
+            if old_callback is None and _state["callback"] is not None:
+                defaults, cb = _state["callback"]
+                while cb in defaults:
+                    defaults.remove(cb)
+                _state["callback"] = None
