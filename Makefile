@@ -12,7 +12,7 @@ BNB ?= 0.50.2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-tf$(TF)-trl$(TRL)
 
-.PHONY: venv demo test lint matrix clean bench-startup
+.PHONY: venv demo test lint matrix clean bench-startup bench-overhead readme
 
 venv: $(STAMP)
 
@@ -35,8 +35,14 @@ lint: venv
 	$(PY) -m ruff check trl_gc_plugin tests examples benchmarks
 	$(PY) -m ruff format --check trl_gc_plugin
 
+readme: venv
+	$(PY) -m trl_gc_plugin rules --update-readme README.md
+
 bench-startup: venv
 	$(PY) benchmarks/startup.py
+
+bench-overhead: venv
+	$(PY) benchmarks/callback_overhead.py
 
 # The CI matrix: latest transformers 5 + TRL; transformers 4.57 + latest TRL; transformers 4.57 + TRL 0.26
 # (the TRL that enables checkpointing inside the trainer's __init__).

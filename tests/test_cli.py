@@ -31,4 +31,4 @@ def test_readme_table_is_generated_from_the_rules():
     readme = (ROOT / "README.md").read_text()
     block = readme[readme.index(README_BEGIN) + len(README_BEGIN): readme.index(README_END)].strip()
     assert block == markdown().strip() == run("rules", "--markdown").strip(), (
-        "README rule table is stale: regenerate it with `python -m trl_gc_plugin rules --markdown`")
+        "README rule table is stale: regenerate it with `make readme`")

@@ -70,6 +70,9 @@ def test_every_block_parameter_trains(kind, variant, use_reentrant, tiny_checkpo
     else:
         assert effective is use_reentrant, "a value the user set was changed"
     assert model_use_reentrant(trainer.model) is effective, "the model ran something other than the decision"
+    # runtime verification: the audit ran and passed, nothing drifted
+    assert [d.action for d in callback.decisions if d.rule_id == "gradient-audit"] == ["none"]
+    assert not [d for d in callback.decisions if d.rule_id == "checkpointing-drift"]
     if hasattr(trainer.args, "activation_checkpointing_kwargs"):
         assert trainer.args.activation_checkpointing_kwargs is trainer.args.gradient_checkpointing_kwargs
     assert (tmp_path / "plugin" / "gc_decisions.json").exists()

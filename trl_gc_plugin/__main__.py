@@ -15,8 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     fmt = rules.add_mutually_exclusive_group()
     fmt.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
     fmt.add_argument("--json", action="store_true", help="as JSON")
+    fmt.add_argument("--update-readme", metavar="PATH", help="rewrite the generated rule table in this README")
     ns = parser.parse_args(argv)
-    if ns.command == "rules":
+    if ns.command == "rules" and ns.update_readme:
+        changed = table.update_readme(ns.update_readme)
+        sys.stdout.write(f"{ns.update_readme}: {'updated' if changed else 'already up to date'}\n")
+    elif ns.command == "rules":
         out = table.markdown() if ns.markdown else table.as_json() if ns.json else table.text()
         sys.stdout.write(out + "\n")
     return 0

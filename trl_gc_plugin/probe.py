@@ -256,11 +256,14 @@ def model_use_reentrant(model: Any) -> bool | None:
 
 
 def input_grad_hooks(model: Any) -> int:
-    """How many input-require-grad forward hooks the input embeddings carry."""
-    emb = _input_embeddings(model)
-    if emb is None:
+    """How many input-require-grad forward hooks the model's input embeddings carry."""
+    return input_grad_hooks_of(_input_embeddings(model))
+
+
+def input_grad_hooks_of(embeddings: Any) -> int:
+    if embeddings is None:
         return 0
-    return sum(getattr(h, "__name__", "") in INPUT_GRAD_HOOK_NAMES for h in emb._forward_hooks.values())
+    return sum(getattr(h, "__name__", "") in INPUT_GRAD_HOOK_NAMES for h in embeddings._forward_hooks.values())
 
 
 def _input_embeddings(model: Any) -> Any:

@@ -12,6 +12,7 @@ Kinds:
 - `prefer`: the setting should hold `value`. Unset -> filled. An explicit other value is kept, with a warning.
 - `repair`: an upstream inconsistency the plugin fixes in strict and fix mode (logged only in warn mode).
 - `check`: a warning only.
+- `verify`: a check of the running training (stage `runtime`), done by the callback, not by the engine.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Literal
 
 from .facts import Facts
 
-RuleKind = Literal["require", "prefer", "repair", "check"]
+RuleKind = Literal["require", "prefer", "repair", "check", "verify"]
 
 USE_REENTRANT = "use_reentrant"
 """The setting most rules are about: `use_reentrant` in the checkpointing kwargs of the args (both field names)."""
@@ -47,7 +48,7 @@ class Rule:
         versions: PEP 440 specifiers by distribution name; the rule applies only where all hold (an absent package
             fails a gate that names it).
         remove_when: when the rule becomes dead weight.
-        stages: the stages where the rule is evaluated.
+        stages: the stages where the rule is evaluated (`runtime` for `verify` rules).
     """
 
     id: str
@@ -235,6 +236,98 @@ RULES: tuple[Rule, ...] = (
         ),
         remove_when="transformers stops building a cache in training forwards",
         stages=("init_end",),
+    ),
+)
+
+
+def _at_runtime(f: Facts) -> bool:
+    """`verify` rules are evaluated by the callback on the running training, never by the engine."""
+    return False
+
+
+RULES += (
+    Rule(
+        id="gradient-audit",
+        title="every checkpointed block got gradients",
+        kind="verify",
+        setting="gradients",
+        value=None,
+        when=_at_runtime,
+        condition=(
+            "first optimizer step (before `optimizer.step()` and `zero_grad`): a checkpointed block with trainable "
+            "parameters none of which received a gradient; judged per block, so one unused expert or branch is fine. "
+            "Skipped under DeepSpeed/FSDP (sharded gradients). Off with `SafeGCCallback(audit=False)` or "
+            "`TRL_GC_PLUGIN_AUDIT=0`"
+        ),
+        message=(
+            "Checkpointed blocks with trainable parameters got no gradient: they will never train. The usual cause is "
+            "reentrant checkpointing whose inputs do not require grad (frozen or detached embeddings, adapters without "
+            "`enable_input_require_grads()`); use_reentrant=False fixes it. Strict mode raises before the first "
+            "optimizer step; fix mode switches to non-reentrant for the following steps; warn mode logs."
+        ),
+        evidence=(
+            "https://github.com/huggingface/transformers/issues/21381",
+            "reproduced: transformers 4.57.6, reentrant, frozen/detached embeddings -> no layer gradient",
+        ),
+        remove_when="never: it checks the outcome, whatever the cause",
+        stages=("runtime",),
+    ),
+    Rule(
+        id="checkpointing-drift",
+        title="the decision still holds while training",
+        kind="verify",
+        setting="use_reentrant",
+        value=None,
+        when=_at_runtime,
+        condition=(
+            "after each step: the args kwargs (both names, one object) and the live checkpoint function no longer "
+            "hold the decided `use_reentrant` (DPO/GRPO/KTO/RLOO re-enable checkpointing every step from the args)"
+        ),
+        message=(
+            "Something changed the checkpointing kwargs mid-training; the next re-enable would run them. Repaired in "
+            "strict/fix mode, logged in warn mode; the first drift of each kind is logged with before/after."
+        ),
+        evidence=(
+            "https://github.com/huggingface/trl/blob/v1.16.0/trl/models/utils.py (disable_gradient_checkpointing re-enables with args.gradient_checkpointing_kwargs)",
+        ),
+        remove_when="never: it checks the outcome",
+        stages=("runtime",),
+    ),
+    Rule(
+        id="input-hook-pileup",
+        title="one input-require-grad hook",
+        kind="verify",
+        setting="input_embeddings.forward_hooks",
+        value=1,
+        when=_at_runtime,
+        condition=(
+            "after each step: more than one `enable_input_require_grads` hook on the input embeddings (transformers 5 "
+            "adds one at every enable, and DPO/GRPO re-enable every step)"
+        ),
+        message="Extra identical hooks cost a call each per forward and grow without bound; the plugin keeps one.",
+        evidence=(
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/modeling_utils.py (_activation_checkpointing_enable -> enable_input_require_grads on every call)",
+            "reproduced: transformers 5.23.0 + TRL 1.16.0 GRPO, hooks 3, 5, 7, 9 over 4 steps",
+        ),
+        versions={"transformers": ">=5.0"},
+        remove_when="transformers stops registering a new hook per enable",
+        stages=("runtime",),
+    ),
+    Rule(
+        id="parity-check",
+        title="checkpointed gradients equal plain gradients",
+        kind="verify",
+        setting="gradients",
+        value=None,
+        when=_at_runtime,
+        condition=(
+            "opt-in (`SafeGCCallback(parity_check=True)`), at train begin: one forward/backward on a synthetic batch "
+            "with checkpointing and one without; max |diff| <= 1e-6 + 1e-4 * max|grad| (1e-2 for 16-bit parameters)"
+        ),
+        message="Reports the max absolute and relative gradient difference; a parameter with no gradient only under checkpointing is the silent failure.",
+        evidence=(TORCH_CHECKPOINT_DOCS,),
+        remove_when="never: opt-in diagnostic",
+        stages=("runtime",),
     ),
 )
 

@@ -55,3 +55,16 @@ def text(rules: Sequence[Rule] = RULES) -> str:
 
 def as_json(rules: Sequence[Rule] = RULES) -> str:
     return json.dumps([r.to_dict() for r in rules], indent=2)
+
+
+def update_readme(path: str) -> bool:
+    """Rewrite the generated block of the README at `path`; True if it changed."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    start = text.index(README_BEGIN) + len(README_BEGIN)
+    end = text.index(README_END)
+    new = text[:start] + "\n" + markdown() + "\n" + text[end:]
+    if new != text:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(new)
+    return new != text

@@ -1,0 +1,206 @@
+"""Runtime verification: what the live model and arguments do during training, checked cheaply.
+
+- `audit_gradients`: at the first optimizer step, did every checkpointed block with trainable parameters get a
+  gradient? (the silent failure, whatever its cause)
+- `Watch`: per step, a few attribute reads to see whether the arguments or the model drifted from the decision,
+  and whether input-require-grad hooks piled up on the embeddings.
+- `parity_probe`: opt-in; one forward/backward with and one without checkpointing on a synthetic batch.
+
+Nothing here decides or logs: the callback turns the findings into `Decision` records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import probe
+
+
+@dataclass
+class AuditResult:
+    """Blocks (checkpointed, with trainable parameters) that got no gradient at all, and non-finite gradients."""
+
+    checked: int = 0
+    dead_blocks: list[str] = field(default_factory=list)
+    dead_params: list[str] = field(default_factory=list)
+    nonfinite_params: list[str] = field(default_factory=list)
+    skipped: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.dead_blocks
+
+
+def gradients_are_sharded(args: Any) -> str | None:
+    """Why `.grad` cannot be read off the parameters (DeepSpeed ZeRO, FSDP), or None."""
+    if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None) is not None:
+        return "DeepSpeed keeps gradients in its own partitioned buffers"
+    if getattr(args, "fsdp", None) and getattr(args, "fsdp", None) not in ([], "", None):
+        return "FSDP keeps gradients in flat sharded parameters"
+    return None
+
+
+def audit_gradients(model: Any) -> AuditResult:
+    """Judge per block: a block passes if any of its trainable parameters has a gradient (an unused expert or an
+    unused branch in one batch is fine); it fails if none has."""
+    import torch
+
+    base = probe.unwrap(model)
+    names = {id(m): n for n, m in base.named_modules()}
+    result = AuditResult()
+    finite_check: list[tuple[str, Any]] = []
+    for _module, block in _checkpointing_blocks(base):
+        trainable = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+        if not trainable:
+            continue
+        result.checked += 1
+        with_grad = [(n, p.grad) for n, p in trainable if p.grad is not None]
+        prefix = names.get(id(block), type(block).__name__)
+        if not with_grad:
+            result.dead_blocks.append(prefix)
+            result.dead_params.extend(f"{prefix}.{n}" for n, _ in trainable)
+        finite_check.extend((f"{prefix}.{n}", g) for n, g in with_grad if g.device.type != "meta")
+    if finite_check:
+        norms = torch._foreach_norm([g for _, g in finite_check])
+        finite = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
+        result.nonfinite_params = [name for (name, _), ok in zip(finite_check, finite, strict=True) if not ok]
+    return result
+
+
+def _checkpointing_blocks(base: Any) -> list[tuple[Any, Any]]:
+    """(module, module) for the checkpointed blocks whose checkpointing is switched on."""
+    active = {id(m) for m, _ in probe.checkpoint_functions(base)}
+    return [(b, b) for b in probe.checkpointed_blocks(base) if id(b) in active]
+
+
+class Watch:
+    """Per-step drift check: a few attribute reads against the decided `use_reentrant`.
+
+    Args:
+        args: the training arguments.
+        model: the model (checkpointing already enabled).
+        value: the decided `use_reentrant`.
+    """
+
+    def __init__(self, args: Any, model: Any, value: bool) -> None:
+        self.args = args
+        self.value = value
+        start = probe.read_kwargs(args)
+        self.args_value = start.get("use_reentrant") if start is not None else None  # None: warn mode left it unset
+        base = probe.unwrap(model)
+        funcs = probe.checkpoint_functions(base)
+        self.modules = [m for m, _ in funcs]
+        self.sentinel = self.modules[0] if self.modules else None
+        self.embeddings = probe._input_embeddings(model)
+        self.dual_fields = probe.has_activation_fields(args)
+
+    def drift(self) -> list[tuple[str, Any]]:
+        """(setting, value found) for every place that no longer holds the decision."""
+        found: list[tuple[str, Any]] = []
+        kwargs = probe.read_kwargs(self.args)
+        current = kwargs.get("use_reentrant") if kwargs is not None else None
+        if current is not self.args_value:
+            found.append(("use_reentrant", current))
+        elif self.dual_fields and self.args.gradient_checkpointing_kwargs is not kwargs:
+            found.append(("gradient_checkpointing_kwargs", self.args.gradient_checkpointing_kwargs))
+        m = self.sentinel
+        if m is not None and m.gradient_checkpointing:
+            running = probe.effective_use_reentrant(m._gradient_checkpointing_func)
+            if running is not self.value:
+                found.append(("model.use_reentrant", running))
+        return found
+
+    def input_hooks(self) -> int:
+        return probe.input_grad_hooks_of(self.embeddings)
+
+    def dedupe_input_hooks(self) -> int:
+        """Keep the first input-require-grad hook on the embeddings, remove the others; returns how many went."""
+        emb = self.embeddings
+        if emb is None:
+            return 0
+        keys = [k for k, h in emb._forward_hooks.items() if getattr(h, "__name__", "") in probe.INPUT_GRAD_HOOK_NAMES]
+        for key in keys[1:]:
+            for table in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+                getattr(emb, table, {}).pop(key, None)
+        return max(len(keys) - 1, 0)
+
+
+@dataclass
+class ParityResult:
+    compared: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    missing_with_checkpointing: list[str] = field(default_factory=list)
+    skipped: str | None = None
+
+    def within(self, atol: float, rtol: float, ref_scale: float) -> bool:
+        return not self.missing_with_checkpointing and self.max_abs <= atol + rtol * ref_scale
+
+
+PARITY_ATOL = 1e-6
+PARITY_RTOL = 1e-4
+"""Gradients with and without checkpointing must agree within `atol + rtol * max|grad without|` (float32; on CPU
+and for non-reentrant they are bit-identical in practice). Low-precision parameters get `rtol = 1e-2`."""
+
+
+def parity_probe(model: Any, seed: int = 0, length: int = 16) -> tuple[ParityResult, float]:
+    """One forward/backward on a synthetic causal-LM batch with checkpointing as it is, one with it switched off
+    (module flags flipped, no hook added); compares the gradients of every trainable parameter. Returns the result
+    and the reference scale (max |grad| without checkpointing). Restores flags, grads and train/eval mode."""
+    import torch
+
+    base = probe.unwrap(model)
+    result = ParityResult()
+    if getattr(base, "main_input_name", None) != "input_ids":
+        result.skipped = f"main_input_name is {getattr(base, 'main_input_name', None)!r}, not input_ids"
+        return result, 0.0
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        result.skipped = "no trainable parameters"
+        return result, 0.0
+    flagged = [m for m in base.modules() if getattr(m, "gradient_checkpointing", None) is True]
+    device = params[0][1].device
+    vocab = int(getattr(base.config, "vocab_size", 2))
+    ids = torch.randint(vocab, (1, length), generator=torch.Generator().manual_seed(seed)).to(device)
+    saved = [p.grad for _, p in params]
+    was_training = model.training
+
+    def run(checkpointing: bool) -> dict[str, Any]:
+        for m in flagged:
+            m.gradient_checkpointing = checkpointing
+        for _, p in params:
+            p.grad = None
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            model(input_ids=ids, labels=ids).loss.backward()
+        return {n: (p.grad.detach().float().clone() if p.grad is not None else None) for n, p in params}
+
+    try:
+        model.train()
+        with_gc = run(True)
+        without = run(False)
+    finally:
+        for m in flagged:
+            m.gradient_checkpointing = True
+        for (_, p), g in zip(params, saved, strict=True):
+            p.grad = g
+        model.train(was_training)
+
+    scale = 0.0
+    for name, ref in without.items():
+        got = with_gc[name]
+        if ref is None:
+            continue
+        scale = max(scale, float(ref.abs().max()))
+        if got is None:
+            result.missing_with_checkpointing.append(name)
+            continue
+        diff = float((got - ref).abs().max())
+        result.max_abs = max(result.max_abs, diff)
+        denom = float(ref.abs().max())
+        if denom > 0:
+            result.max_rel = max(result.max_rel, diff / denom)
+        result.compared += 1
+    return result, scale
