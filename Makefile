@@ -9,8 +9,10 @@ TRL ?= 1.16.0
 PEFT ?= 0.21.2
 TORCH ?= 2.13.0
 BNB ?= 0.50.2
+# extra packages for an environment (the transformers 5 one gets DeepSpeed for the ZeRO-3 tests)
+EXTRA ?= deepspeed==0.19.8
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-tf$(TF)-trl$(TRL)
+STAMP := $(VENV)/.installed-tf$(TF)-trl$(TRL)$(if $(EXTRA),-$(subst =,,$(EXTRA)))
 
 .PHONY: venv demo test lint matrix clean bench-startup bench-overhead readme
 
@@ -21,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==$(TORCH)"
-	$(PY) -m pip install -q "torch==$(TORCH)" "transformers==$(TF)" "trl==$(TRL)" "peft==$(PEFT)" "bitsandbytes==$(BNB)" -e ".[test]"
+	$(PY) -m pip install -q "torch==$(TORCH)" "transformers==$(TF)" "trl==$(TRL)" "peft==$(PEFT)" "bitsandbytes==$(BNB)" $(EXTRA) -e ".[test]"
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -44,12 +46,12 @@ bench-startup: venv
 bench-overhead: venv
 	$(PY) benchmarks/callback_overhead.py
 
-# The CI matrix: latest transformers 5 + TRL; transformers 4.57 + latest TRL; transformers 4.57 + TRL 0.26
-# (the TRL that enables checkpointing inside the trainer's __init__).
+# The CI matrix: latest transformers 5 + TRL (+ DeepSpeed); transformers 4.57 + latest TRL; transformers 4.57 +
+# TRL 0.26 (the TRL that enables checkpointing inside the trainer's __init__).
 matrix:
 	$(MAKE) test VENV=.venv-tf5 TF=5.23.0 TRL=1.16.0
-	$(MAKE) test VENV=.venv-tf4 TF=4.57.6 TRL=1.16.0
-	$(MAKE) test VENV=.venv-tf4-trl026 TF=4.57.6 TRL=0.26.2
+	$(MAKE) test VENV=.venv-tf4 TF=4.57.6 TRL=1.16.0 EXTRA=
+	$(MAKE) test VENV=.venv-tf4-trl026 TF=4.57.6 TRL=0.26.2 EXTRA=
 
 clean:
 	rm -rf .venv .venv-* dist build *.egg-info

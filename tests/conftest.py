@@ -15,6 +15,15 @@ os.environ.pop("TRL_GC_PLUGIN_MODE", None)
 
 
 @pytest.fixture(autouse=True)
+def environment_restored():
+    """transformers' TrainingArguments writes launcher variables (ACCELERATE_USE_FSDP, ...) into os.environ."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def no_patch_left_behind():
     """Every test must leave transformers exactly as it found it."""
     import transformers.trainer as trainer_module

@@ -209,3 +209,81 @@ def test_engine_and_facts_import_no_transformers_or_torch():
             "print(sorted(m for m in ('torch', 'transformers', 'trl', 'peft') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# --- distributed and heavy setups -------------------------------------------------------------------------------
+
+DDP = dict(world_size=2, stage="init_end")
+
+
+@pytest.mark.parametrize(("extra", "applies"), [
+    (dict(ddp_find_unused_parameters=True, model_is_pretrained=True), True),
+    (dict(ddp_find_unused_parameters=None, model_is_pretrained=False), True),  # a PeftModel
+    (dict(ddp_find_unused_parameters=None, model_is_pretrained=True), False),
+    (dict(ddp_find_unused_parameters=False, model_is_pretrained=False), False),
+    (dict(ddp_find_unused_parameters=True, ddp_static_graph=True), False),
+    (dict(ddp_find_unused_parameters=True, zero_stage=2), False),  # DeepSpeed, not DDP
+    (dict(ddp_find_unused_parameters=True, fsdp=True), False),
+])
+def test_ddp_find_unused_rule(extra, applies):
+    f = facts(use_reentrant=True, use_reentrant_source="user", trainable_in_blocks=True, inputs_require_grad=True,
+              **DDP, **extra)
+    d = by_setting(decide(f))
+    assert (d.rule_id == "ddp-reentrant-find-unused" and d.action == "error") is applies
+    single = f.replace(world_size=1)
+    assert by_setting(decide(single)).rule_id != "ddp-reentrant-find-unused"
+
+
+def test_ddp_rule_at_construction_with_an_explicit_find_unused():
+    f = facts(stage="post_init", world_size=2, ddp_find_unused_parameters=True, use_reentrant=True,
+              use_reentrant_source="user")
+    assert errors(decide(f))[0].rule_id == "ddp-reentrant-find-unused"
+
+
+ZERO3_PEFT = dict(zero_stage=3, frozen_params=True, is_peft=True, trainable_in_blocks=True, inputs_require_grad=True,
+                  stage="init_end")
+
+
+@pytest.mark.parametrize(("deepspeed", "required"), [("0.19.2", True), ("0.19.3", None), ("0.19.8", None)])
+def test_zero3_frozen_rule_is_gated_on_the_deepspeed_release(deepspeed, required):
+    versions = {**TF5, "deepspeed": deepspeed}
+    d = by_setting(decide(facts(versions=versions, **ZERO3_PEFT)))
+    if required:
+        assert (d.rule_id, d.action, d.after) == ("zero3-frozen-needs-reentrant", "default", True)
+        d = by_setting(decide(facts(versions=versions, use_reentrant=False, use_reentrant_source="user", **ZERO3_PEFT)))
+        assert d.action == "error" and "deepspeed>=0.19.3" in d.reason
+    else:
+        assert (d.rule_id, d.after) == ("non-reentrant-default", False)
+
+
+def test_old_deepspeed_zero3_and_multi_gpu_rl_qlora_conflict_is_one_error_naming_the_way_out():
+    f = facts(versions={**TF5, "deepspeed": "0.19.2"}, world_size=2, rl_trainer=True, quantization="bitsandbytes_4bit",
+              **ZERO3_PEFT)
+    for mode in ("strict", "fix", "warn"):
+        (err,) = errors(decide(f, mode))
+        assert err.rule_id == "conflict"
+        assert "zero3-frozen-needs-reentrant" in err.reason and "distributed-rl-qlora-no-reentrant" in err.reason
+        assert "Upgrade to deepspeed>=0.19.3" in err.reason
+
+
+def test_distributed_rl_qlora_refuses_reentrant():
+    f = facts(world_size=2, rl_trainer=True, is_peft=True, quantization="bitsandbytes_4bit", use_reentrant=True,
+              use_reentrant_source="user", trainable_in_blocks=True, inputs_require_grad=True, stage="init_end")
+    assert errors(decide(f))[0].rule_id == "distributed-rl-qlora-no-reentrant"
+    assert not errors(decide(f.replace(world_size=1)))
+    assert not errors(decide(f.replace(rl_trainer=False)))
+
+
+@pytest.mark.parametrize(("source", "mode", "action"), [
+    ("user", "strict", "error"), ("user", "fix", "override"), ("user", "warn", "warn"),
+    ("trainer", "strict", "override"),  # TRL's configs switch checkpointing on by default
+])
+def test_fsdp_activation_checkpointing_conflict(source, mode, action):
+    f = facts(fsdp=True, fsdp_activation_checkpointing=True, gc_flag_source=source, stage="post_init")
+    d = by_setting(decide(f, mode), "activation_checkpointing")
+    assert (d.rule_id, d.action, d.after) == ("fsdp-activation-checkpointing", action, False)
+
+
+def test_unsloth_stands_back():
+    (d,) = decide(facts(unsloth=True, use_reentrant=True, use_reentrant_source="user", **FROZEN))
+    assert d.rule_id == "unsloth-owns-checkpointing" and d.action == "warn" and not d.applied

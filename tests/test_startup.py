@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import textwrap
+from pathlib import Path
 
 import pytest
 from startup_env import build_wheel, clean_env, make_venv
@@ -141,24 +142,27 @@ trainer = Trainer(model=model, args=args, train_dataset=tokenized_dataset(make_t
 trainer.train()
 funcs = [m._gradient_checkpointing_func for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
 cb = [c for c in trainer.callback_handler.callbacks if type(c).__name__ == "AutoSafeGCCallback"]
-print("RANK-RESULT", json.dumps({"rank": int(os.environ.get("RANK", 0)),
-      "running": sorted({f.keywords.get("use_reentrant") for f in funcs}),
-      "args": args.gradient_checkpointing_kwargs,
-      "decisions": [[d.stage, d.rule_id, d.action, repr(d.after)] for d in cb[0].decisions] if cb else None}))
+rank = int(os.environ.get("RANK", 0))
+with open(os.path.join(sys.argv[1] + "-results", f"rank{rank}.json"), "w") as fh:  # not stdout: ranks interleave
+    json.dump({"rank": rank, "running": sorted({f.keywords.get("use_reentrant") for f in funcs}),
+               "args": args.gradient_checkpointing_kwargs,
+               "decisions": [[d.stage, d.rule_id, d.action, repr(d.after)] for d in cb[0].decisions] if cb else None},
+              fh)
 """
 
 
-def _rank_results(stdout):
-    return [json.loads(line.split("RANK-RESULT ", 1)[1]) for line in stdout.splitlines() if "RANK-RESULT " in line]
+def _rank_results(out):
+    return [json.loads(p.read_text()) for p in sorted(Path(str(out) + "-results").glob("rank*.json"))]
 
 
 def test_a_trainer_script_that_never_mentions_the_plugin(venv_python, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)
+    (tmp_path / "out-results").mkdir()
     out = subprocess.run([str(venv_python), str(script), str(tmp_path / "out")], capture_output=True, text=True,
                          cwd=tmp_path, env=clean_env(TRL_GC_PLUGIN="1"), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    (result,) = _rank_results(out.stdout)
+    (result,) = _rank_results(tmp_path / "out")
     assert result["running"] == [False] and result["args"] == {"use_reentrant": False}
     assert (tmp_path / "out" / "gc_decisions.json").exists()
 
@@ -166,12 +170,13 @@ def test_a_trainer_script_that_never_mentions_the_plugin(venv_python, tmp_path):
 def test_torchrun_two_ranks_get_the_callback_and_the_same_decision(venv_python, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)
+    (tmp_path / "out-results").mkdir()
     out = subprocess.run([str(venv_python), "-m", "torch.distributed.run", "--nproc_per_node", "2",
                           "--master_port", "29533", str(script), str(tmp_path / "out")],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
                          env=clean_env(TRL_GC_PLUGIN="1", OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
-    results = sorted(_rank_results(out.stdout), key=lambda r: r["rank"])
+    results = _rank_results(tmp_path / "out")
     assert [r["rank"] for r in results] == [0, 1]
     assert results[0]["decisions"] and results[0]["decisions"] == results[1]["decisions"]
     assert all(r["running"] == [False] and r["args"] == {"use_reentrant": False} for r in results)

@@ -130,7 +130,12 @@ class SafeGCCallback(TrainerCallback):
         if not self._active or model is None:
             return
         facts = probe.facts_from_trainer(args, model, stage="train")
-        decisions = [d for d in decide(facts, self.mode) if d.action != "none"]
+        seen = {(d.rule_id, d.action, d.setting, repr(d.before), repr(d.after)) for d in self.decisions}
+        decisions = [
+            d
+            for d in decide(facts, self.mode)
+            if d.action != "none" and (d.rule_id, d.action, d.setting, repr(d.before), repr(d.after)) not in seen
+        ]
         if decisions:
             self.decisions.extend(decisions)
             self._refuse(args, decisions)

@@ -129,6 +129,19 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
         ]
 
     rules_here = applicable(facts, rules)
+    for rule in rules_here:
+        if rule.stand_back:  # another library owns checkpointing: say so and decide nothing
+            return [
+                _decision(
+                    rule,
+                    "warn",
+                    facts.use_reentrant,
+                    facts.use_reentrant,
+                    facts.use_reentrant_source,
+                    rule.message,
+                    facts,
+                )
+            ]
     by_kind = {kind: [r for r in rules_here if r.kind == kind] for kind in ("require", "prefer", "repair", "check")}
     repairs = {r.id: r for r in by_kind["repair"]}
     out: list[Decision] = []
@@ -324,19 +337,36 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
         )
 
     # 5. other settings, then checks
-    for rule in by_kind["prefer"] + by_kind["require"]:
+    for rule in by_kind["require"] + by_kind["prefer"]:
         if rule.setting == USE_REENTRANT:
             continue
-        current = _current(facts, rule.setting)
-        if current != rule.value:
+        current, who = _current(facts, rule.setting)
+        if current == rule.value:
+            continue
+        if rule.kind == "prefer" or who not in _EXPLICIT:
+            action: Action = "override" if rule.kind == "require" and who == "trainer" else "default"
             out.append(
                 _decision(
                     rule,
-                    _change(mode, "default"),
+                    _change(mode, action),
                     current,
                     rule.value,
-                    "model config",
-                    f"{rule.title}; restored after training.",
+                    who,
+                    f"{rule.title}." + (" " + rule.message if rule.kind == "require" else ""),
+                    facts,
+                )
+            )
+        else:
+            action = {"strict": "error", "fix": "override", "warn": "warn"}[mode]
+            verb = {"error": "is refused", "override": "is OVERRIDDEN", "warn": "breaks training"}[action]
+            out.append(
+                _decision(
+                    rule,
+                    action,
+                    current,
+                    rule.value,
+                    who,
+                    f"{rule.setting}={current!r} {verb}: {rule.condition}. " + rule.message,
                     facts,
                 )
             )
@@ -345,9 +375,12 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
     return out
 
 
-def _current(facts: Facts, setting: str) -> Any:
+def _current(facts: Facts, setting: str) -> tuple[Any, str]:
+    """The value of a setting other than `use_reentrant`, and who set it."""
     if setting == "model.config.use_cache":
-        return facts.use_cache
+        return facts.use_cache, "model config"
+    if setting == "activation_checkpointing":
+        return facts.gc_enabled, facts.gc_flag_source
     raise KeyError(f"no fact for setting {setting!r}")
 
 

@@ -48,8 +48,12 @@ class Facts:
         use_cache: `model.config.use_cache`.
         trainer_kind: short trainer name from the args class (`sft`, `dpo`, `grpo`, ... or `trainer`).
         generates: the trainer generates with the policy during training (GRPO, RLOO, online DPO...).
-        world_size / zero_stage / fsdp / ddp_find_unused_parameters / ddp_static_graph / unsloth:
-            launch facts, read for the distributed rules.
+        world_size / zero_stage / fsdp / fsdp_activation_checkpointing / ddp_find_unused_parameters /
+            ddp_static_graph: launch facts (from the launcher's environment, the args, the DeepSpeed config).
+        model_is_pretrained: the model handed to the Trainer is a `PreTrainedModel` (a `PeftModel` is not).
+        rl_trainer: an RL / preference trainer (DPO, GRPO, RLOO, KTO, ORPO, CPO, PPO, online DPO, ...).
+        gc_flag_source: who set checkpointing on (`trainer` when it is the config class's default, as in TRL).
+        unsloth: Unsloth is loaded (it replaces torch's checkpoint function and forces reentrant).
     """
 
     stage: Stage = "init_end"
@@ -76,9 +80,28 @@ class Facts:
     world_size: int = 1
     zero_stage: int | None = None
     fsdp: bool = False
+    fsdp_activation_checkpointing: bool = False
     ddp_find_unused_parameters: bool | None = None
     ddp_static_graph: bool | None = None
+    model_is_pretrained: bool | None = None
+    rl_trainer: bool = False
+    gc_flag_source: Source = "unset"
     unsloth: bool = False
+
+    @property
+    def ddp(self) -> bool:
+        """Plain torch DDP: several processes, no DeepSpeed, no FSDP."""
+        return self.world_size > 1 and self.zero_stage is None and not self.fsdp
+
+    @property
+    def ddp_find_unused(self) -> bool:
+        """Whether DDP will look for unused parameters, as transformers decides it: the argument when set; else
+        on for models that are not a `PreTrainedModel` (a `PeftModel`), off for those with checkpointing on."""
+        if not self.ddp or self.ddp_static_graph:
+            return False
+        if self.ddp_find_unused_parameters is not None:
+            return bool(self.ddp_find_unused_parameters)
+        return self.model_is_pretrained is False
 
     def replace(self, **changes: Any) -> Facts:
         """A copy with some fields changed (handy in tests and in the engine)."""

@@ -66,11 +66,15 @@ def raise_for_errors(decisions: list[Any], mode: str) -> None:
         return
     lines = [f"trl_gc_plugin refused this gradient-checkpointing setup (mode={mode}):"]
     for d in bad:
-        lines.append(f"- [{d.rule_id}] {d.setting}={d.before!r}: {d.reason}")
-        if d.after is not None:
+        lines.append(f"- [{d.rule_id}] {d.reason}")
+        if d.setting == "use_reentrant" and isinstance(d.after, bool):
             lines.append(
                 f"  Change: gradient_checkpointing_kwargs={{'use_reentrant': {d.after!r}}} "
                 "(activation_checkpointing_kwargs on transformers >= 5.23)."
+            )
+        elif d.setting == "activation_checkpointing" and isinstance(d.after, bool):
+            lines.append(
+                f"  Change: gradient_checkpointing={d.after!r} (activation_checkpointing on transformers >= 5.23)."
             )
         if d.evidence:
             lines.append("  Evidence: " + "; ".join(d.evidence))

@@ -7,6 +7,7 @@ of them at module level (torch and transformers are imported lazily, only when a
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -24,8 +25,12 @@ PACKAGES = ("transformers", "trl", "peft", "torch", "accelerate", "deepspeed", "
 # `enable_input_require_grads` and PEFT/TRL's fallback `make_inputs_require_grad`.
 INPUT_GRAD_HOOK_NAMES = frozenset({"make_inputs_require_grads", "make_inputs_require_grad"})
 
-# Trainer kinds by args class; the ones that generate with the policy while training.
+# Trainer kinds by args class; the ones that generate with the policy while training; RL / preference ones.
 GENERATING_TRAINERS = frozenset({"grpo", "rloo", "online_dpo", "ppo", "xpo", "nash_md", "gkd", "distillation"})
+RL_TRAINERS = frozenset(
+    {"dpo", "kto", "orpo", "cpo", "bco", "grpo", "rloo", "ppo", "online_dpo", "xpo", "nash_md", "reward", "prm"}
+)
+_TRUE = ("1", "true", "yes", "on")
 
 
 @functools.lru_cache(maxsize=1)
@@ -116,15 +121,78 @@ def trainer_kind(args: Any) -> str:
     return "trainer"
 
 
-def _world_size(args: Any) -> int:
-    for var in ("WORLD_SIZE",):
-        value = os.environ.get(var)
-        if value and value.isdigit():
-            return int(value)
-    try:
-        return int(getattr(args, "world_size", 1) or 1)
-    except Exception:
-        return 1
+def _world_size(args: Any, ask_args: bool) -> int:
+    """From the launcher (`WORLD_SIZE`, set by torchrun / accelerate / deepspeed), else from the args' distributed
+    state (only once the Trainer exists: reading it during `__post_init__` could set up devices early)."""
+    value = os.environ.get("WORLD_SIZE", "")
+    if value.isdigit():
+        return int(value)
+    if ask_args:
+        try:
+            return int(getattr(args, "world_size", 1) or 1)
+        except Exception:
+            return 1
+    return 1
+
+
+def _deepspeed_config(args: Any) -> dict[str, Any] | None:
+    """The DeepSpeed config as a dict: from the args (dict, JSON path, or the parsed `hf_deepspeed_config`), or from
+    accelerate's environment (`accelerate launch --use_deepspeed` / a DeepSpeed accelerate config)."""
+    hf = getattr(args, "hf_deepspeed_config", None)
+    if hf is not None and isinstance(getattr(hf, "config", None), dict):
+        return hf.config
+    value = getattr(args, "deepspeed", None)
+    if isinstance(value, dict):
+        return value
+    path = value if isinstance(value, str) and value else os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                loaded = json.load(fh)
+            return loaded if isinstance(loaded, dict) else None
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def zero_stage(args: Any) -> int | None:
+    """The DeepSpeed ZeRO stage in use, or None without DeepSpeed."""
+    plugin = getattr(args, "deepspeed_plugin", None)
+    stage = getattr(plugin, "zero_stage", None)
+    if isinstance(stage, int):
+        return stage
+    config = _deepspeed_config(args)
+    if config is not None:
+        stage = (config.get("zero_optimization") or {}).get("stage", 0)
+        try:
+            return int(stage)
+        except (TypeError, ValueError):  # "auto"
+            return None
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in _TRUE:
+        env_stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+        return int(env_stage) if env_stage.isdigit() else 0
+    return None
+
+
+def fsdp_facts(args: Any) -> tuple[bool, bool]:
+    """(FSDP in use, FSDP's own activation checkpointing on), from the args or accelerate's environment."""
+    fsdp = getattr(args, "fsdp", None)
+    on = bool(fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in _TRUE
+    config = getattr(args, "fsdp_config", None) or {}
+    ac = config.get("activation_checkpointing") if isinstance(config, dict) else None
+    if ac is None:
+        ac = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "")
+    return on, str(ac).lower() in _TRUE
+
+
+def _flag_source(args: Any) -> Source:
+    """`trainer` when checkpointing is on because the config class defaults it on (TRL's configs), else `user`."""
+    field_ = getattr(type(args), "__dataclass_fields__", {}).get(OLD_FLAG)
+    default = getattr(field_, "default", None)
+    on = bool(getattr(args, flag_field(args), False))
+    if not on:
+        return "unset"
+    return "trainer" if default is True else "user"
 
 
 def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
@@ -156,6 +224,8 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
                 changed = "new"
         gc_on = gc_on or bool(old_flag)
 
+    fsdp, fsdp_ac = fsdp_facts(args)
+    kind = trainer_kind(args)
     return Facts(
         stage=stage,  # type: ignore[arg-type]
         versions=dict(installed_versions()),
@@ -168,11 +238,16 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
         legacy_kwargs=legacy_kwargs,
         legacy_gc=legacy_gc,
         changed_field=changed,  # type: ignore[arg-type]
-        trainer_kind=trainer_kind(args),
-        generates=trainer_kind(args) in GENERATING_TRAINERS,
-        world_size=_world_size(args),
+        trainer_kind=kind,
+        generates=kind in GENERATING_TRAINERS,
+        rl_trainer=kind in RL_TRAINERS,
+        world_size=_world_size(args, ask_args=stage != "post_init"),
+        zero_stage=zero_stage(args),
+        fsdp=fsdp,
+        fsdp_activation_checkpointing=fsdp_ac,
         ddp_find_unused_parameters=getattr(args, "ddp_find_unused_parameters", None),
         ddp_static_graph=getattr(args, "ddp_static_graph", None),
+        gc_flag_source=_flag_source(args),
     )
 
 
@@ -326,8 +401,15 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
         frozen_params=frozen,
         inputs_require_grad=inputs_grad,
         use_cache=getattr(config, "use_cache", None),
+        model_is_pretrained=_is_pretrained(model),
         unsloth=_unsloth_patched(),
     )
+
+
+def _is_pretrained(model: Any) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
 
 
 def _unsloth_patched() -> bool:

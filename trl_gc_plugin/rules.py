@@ -49,6 +49,7 @@ class Rule:
             fails a gate that names it).
         remove_when: when the rule becomes dead weight.
         stages: the stages where the rule is evaluated (`runtime` for `verify` rules).
+        stand_back: when it applies, the plugin makes no other decision (another library owns checkpointing).
     """
 
     id: str
@@ -63,6 +64,7 @@ class Rule:
     versions: dict[str, str] = field(default_factory=dict)
     remove_when: str = ""
     stages: tuple[str, ...] = ("post_init", "init_end", "train")
+    stand_back: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """The rule as plain data (the predicate is represented by its `condition` text)."""
@@ -78,6 +80,7 @@ class Rule:
             "versions": dict(self.versions),
             "remove_when": self.remove_when,
             "stages": list(self.stages),
+            "stand_back": self.stand_back,
         }
 
 
@@ -128,6 +131,113 @@ RULES: tuple[Rule, ...] = (
         ),
         versions={"transformers": ">=5.23"},
         remove_when="transformers drops the deprecated `gradient_checkpointing*` aliases (v6), or TRL writes the new names",
+    ),
+    Rule(
+        id="unsloth-owns-checkpointing",
+        title="Unsloth replaces checkpointing",
+        kind="check",
+        setting="use_reentrant",
+        value=None,
+        when=lambda f: f.unsloth,
+        condition="Unsloth is loaded (`unsloth` imported): it swaps torch's checkpoint for `unsloth_checkpoint`",
+        message=(
+            "Unsloth's own checkpointing ignores `use_reentrant` (it always recomputes its own way), so the plugin "
+            "stands back and changes nothing; the setting has no effect here."
+        ),
+        evidence=("https://github.com/unslothai/unsloth (unsloth_checkpoint / use_gradient_checkpointing='unsloth')",),
+        remove_when="never: Unsloth owns checkpointing when loaded",
+        stand_back=True,
+    ),
+    Rule(
+        id="fsdp-activation-checkpointing",
+        title="FSDP's checkpointing or the Trainer's, not both",
+        kind="require",
+        setting="activation_checkpointing",
+        value=False,
+        when=lambda f: f.fsdp and f.fsdp_activation_checkpointing and f.gc_enabled,
+        condition="FSDP with `fsdp_config['activation_checkpointing']=True` and the Trainer's checkpointing on",
+        message=(
+            "transformers refuses both at once in Trainer.__init__. Keep FSDP's own activation checkpointing (it "
+            "wraps the blocks itself and is non-reentrant, so frozen and PEFT parameters train) and set "
+            "gradient_checkpointing=False (activation_checkpointing=False on transformers >= 5.23)."
+        ),
+        evidence=(
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/trainer.py (ValueError: both activation checkpointing options)",
+            "https://huggingface.co/docs/accelerate/usage_guides/fsdp",
+        ),
+        remove_when="transformers merges the two options",
+    ),
+    Rule(
+        id="zero3-frozen-needs-reentrant",
+        title="ZeRO-3 + frozen params on old DeepSpeed: reentrant",
+        kind="require",
+        setting=USE_REENTRANT,
+        value=True,
+        when=lambda f: bool(f.gc_enabled and f.zero_stage == 3 and f.frozen_params),
+        condition="DeepSpeed ZeRO-3, frozen parameters (PEFT, QLoRA, partial freezing), checkpointing on",
+        message=(
+            "DeepSpeed < 0.19.3 re-partitions frozen parameters before the non-reentrant recompute: "
+            "`CheckpointError: Recomputed values for the following tensors have different metadata` in the first "
+            "backward. Upgrade to deepspeed>=0.19.3 (DeepSpeed PR 8148) to use non-reentrant; otherwise use "
+            "reentrant with input gradients enabled (TRL calls `enable_input_require_grads()` for PEFT)."
+        ),
+        evidence=(
+            "https://github.com/huggingface/transformers/issues/47254",
+            "https://github.com/huggingface/trl/issues/2514",
+            "https://github.com/deepspeedai/DeepSpeed/pull/8148 (in_checkpoint_recompute guard; first released in 0.19.3)",
+            "https://github.com/axolotl-ai-cloud/axolotl (seed 001, rule 3: QLoRA + ZeRO-3 + use_reentrant False)",
+        ),
+        versions={"deepspeed": "<0.19.3"},
+        remove_when="the minimum supported DeepSpeed is >= 0.19.3",
+        stages=("init_end", "train"),
+    ),
+    Rule(
+        id="distributed-rl-qlora-no-reentrant",
+        title="multi-process RL + QLoRA: non-reentrant",
+        kind="require",
+        setting=USE_REENTRANT,
+        value=False,
+        when=lambda f: bool(
+            f.gc_enabled
+            and f.world_size > 1
+            and f.rl_trainer
+            and f.is_peft
+            and (f.quantization or "").startswith("bitsandbytes")
+        ),
+        condition="more than one process, an RL/preference trainer, a PEFT adapter on a bitsandbytes-quantized model",
+        message=(
+            "Reentrant checkpointing is broken for distributed RL training with QLoRA (Axolotl refuses it). "
+            "Use use_reentrant=False."
+        ),
+        evidence=(
+            "https://github.com/axolotl-ai-cloud/axolotl/blob/main/src/axolotl/utils/schemas/validation.py (seed 001, rule 4)",
+        ),
+        remove_when="TRL's RL trainers support reentrant checkpointing with QLoRA across processes",
+        stages=("init_end", "train"),
+    ),
+    Rule(
+        id="ddp-reentrant-find-unused",
+        title="DDP looking for unused parameters: non-reentrant",
+        kind="require",
+        setting=USE_REENTRANT,
+        value=False,
+        when=lambda f: f.gc_enabled and f.ddp_find_unused,
+        condition=(
+            "torch DDP (several processes, no DeepSpeed/FSDP) that will look for unused parameters: "
+            "`ddp_find_unused_parameters=True`, or unset with a model that is not a `PreTrainedModel` (a `PeftModel`), "
+            "and no `ddp_static_graph`"
+        ),
+        message=(
+            "Reentrant checkpointing runs each block's backward inside autograd's, so DDP sees its parameters become "
+            "ready twice: `RuntimeError: Expected to mark a variable ready only once` in the first backward. Use "
+            "use_reentrant=False, or ddp_find_unused_parameters=False, or ddp_static_graph=True (transformers 5)."
+        ),
+        evidence=(
+            "https://github.com/huggingface/transformers/pull/4659#issuecomment-643356021",
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/trainer.py (_build_accelerator_args: find_unused_parameters)",
+            "reproduced: torchrun 2 procs gloo, reentrant + find_unused -> 'Expected to mark a variable ready only once'",
+        ),
+        remove_when="never while torch DDP and reentrant checkpointing work this way",
     ),
     Rule(
         id="frozen-inputs-need-non-reentrant",
