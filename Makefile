@@ -14,7 +14,7 @@ EXTRA ?= deepspeed==0.19.8
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-tf$(TF)-trl$(TRL)$(if $(EXTRA),-$(subst =,,$(EXTRA)))
 
-.PHONY: venv demo test lint matrix clean bench-startup bench-overhead readme
+.PHONY: venv demo test lint matrix clean bench-startup bench-overhead bench-modes readme
 
 venv: $(STAMP)
 
@@ -45,6 +45,10 @@ bench-startup: venv
 
 bench-overhead: venv
 	$(PY) benchmarks/callback_overhead.py
+
+bench-modes: venv
+	$(PY) -m pip install -q "matplotlib>=3.7"
+	$(PY) benchmarks/modes.py
 
 # The CI matrix: latest transformers 5 + TRL (+ DeepSpeed); transformers 4.57 + latest TRL; transformers 4.57 +
 # TRL 0.26 (the TRL that enables checkpointing inside the trainer's __init__).

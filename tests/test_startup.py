@@ -214,3 +214,13 @@ def test_trl_cli(venv_python, tiny_checkpoint, tmp_path):
     decided = [d for d in decisions if d["setting"] == "use_reentrant"]
     assert decided[0]["stage"] == "post_init" and decided[0]["after"] is False
     assert all(d["action"] != "error" for d in decisions)
+
+
+def test_console_script_from_the_wheel(venv_python, tmp_path):
+    data = Path(__file__).with_name("data")
+    script = venv_python.parent / "trl-gc-check"
+    ok = subprocess.run([str(script), str(data / "trl_sft_lora.yaml")], capture_output=True, text=True,
+                        cwd=tmp_path, env=clean_env())
+    refused = subprocess.run([str(script), str(data / "trl_sft_lora_reentrant.yaml"), "--nproc", "2"],
+                             capture_output=True, text=True, cwd=tmp_path, env=clean_env())
+    assert (ok.returncode, refused.returncode) == (0, 1), ok.stderr + refused.stderr

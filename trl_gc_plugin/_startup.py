@@ -14,22 +14,16 @@ from __future__ import annotations
 import os
 import sys
 
+from ._flags import OFF, ON, parse_flag
+
 ENABLE_ENV = "TRL_GC_PLUGIN"
-ON = frozenset({"1", "true", "yes", "on"})
-OFF = frozenset({"", "0", "false", "no", "off"})
 TARGETS = ("transformers.training_args", "transformers.trainer")
+__all__ = ["OFF", "ON", "enabled", "run"]
 
 
 def enabled(value: str | None) -> bool | None:
     """True for 1/true/yes/on, False for unset/empty/0/false/no/off (any case), None for anything else."""
-    if value is None:
-        return False
-    text = value.strip().lower()
-    if text in ON:
-        return True
-    if text in OFF:
-        return False
-    return None
+    return False if value is None else parse_flag(value)
 
 
 _ran = False

@@ -9,9 +9,10 @@ from typing import Any
 from transformers import TrainerCallback
 
 from . import probe, verify
+from ._flags import parse_flag
 from .apply import apply, restore_use_cache, set_args_use_reentrant, set_model_use_reentrant
 from .decisions import Action, Decision, is_main_process, log_decisions, write_decisions
-from .engine import decide, final_use_reentrant
+from .engine import decide, final_use_reentrant, refused
 from .modes import Mode, resolve_mode
 from .patching import raise_for_errors
 from .rules import get_rule
@@ -23,12 +24,9 @@ AUDIT_ENV = "TRL_GC_PLUGIN_AUDIT"
 
 
 def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    return default
+    value = os.environ.get(name)
+    flag = parse_flag(value) if value else None
+    return default if flag is None else flag
 
 
 class SafeGCCallback(TrainerCallback):
@@ -198,7 +196,7 @@ class SafeGCCallback(TrainerCallback):
                 f"use_reentrant={value!r}. " + rule.message + " Switch the audit off with SafeGCCallback(audit=False) "
                 "or TRL_GC_PLUGIN_AUDIT=0."
             )
-            action: Action = {"strict": "error", "fix": "override", "warn": "warn"}[self.mode]
+            action: Action = refused(self.mode)
             if action == "override" and value is not True:
                 action = "warn"  # nothing the plugin can switch: report it
             verdicts = [self._verdict(rule, action, value, False if action == "override" else value, reason)]
@@ -312,18 +310,7 @@ class SafeGCCallback(TrainerCallback):
     def _verdict(
         rule: Any, action: Action, before: Any, after: Any, reason: str, setting: str | None = None
     ) -> Decision:
-        return Decision(
-            rule_id=rule.id,
-            action=action,
-            setting=setting or rule.setting,
-            before=before,
-            after=after,
-            source="runtime",
-            reason=reason,
-            evidence=rule.evidence,
-            applied=action in ("repair", "override"),
-            stage="train",
-        )
+        return Decision.from_rule(rule, action, before, after, "runtime", reason, "train", setting)
 
     def _record(self, args: Any, new: list[Decision]) -> None:
         if not new:

@@ -10,7 +10,10 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from .rules import Rule
 
 logger = logging.getLogger("trl_gc_plugin")
 
@@ -65,6 +68,32 @@ class Decision:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), default=repr)
+
+    @classmethod
+    def from_rule(
+        cls,
+        rule: Rule,
+        action: Action,
+        before: Any,
+        after: Any,
+        source: str,
+        reason: str,
+        stage: str,
+        setting: str | None = None,
+    ) -> Decision:
+        """A decision of `rule` (its id, setting and evidence); applied when the action changes something."""
+        return cls(
+            rule_id=rule.id,
+            action=action,
+            setting=setting or rule.setting,
+            before=before,
+            after=after,
+            source=source,
+            reason=reason,
+            evidence=rule.evidence,
+            applied=action in ("default", "override", "repair"),
+            stage=stage,
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Decision:

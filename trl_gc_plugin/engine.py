@@ -22,29 +22,25 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from ._flags import parse_flag
 from .decisions import Action, Decision
 from .facts import Facts
 from .modes import MODES, Mode
 from .rules import RULES, USE_REENTRANT, Rule
 
-_TRUE = {"true", "1", "yes", "on", "t", "y"}
-_FALSE = {"false", "0", "no", "off", "f", "n"}
 _EXPLICIT = {"user", "unknown"}
+_REFUSED: dict[str, Action] = {"strict": "error", "fix": "override", "warn": "warn"}
+_VERB = {"error": "is refused", "override": "is OVERRIDDEN", "warn": "breaks training"}
+
+
+def refused(mode: str) -> Action:
+    """What an explicit choice known to break training becomes: `error` (strict), `override` (fix), `warn`."""
+    return _REFUSED[mode]
 
 
 def coerce_bool(value: Any) -> bool | None:
     """`value` as a bool when it unambiguously spells one (`'false'`, `0`, `'yes'`...), else None."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-    return None
+    return parse_flag(value)
 
 
 def version_applies(rule: Rule, versions: dict[str, str | None]) -> bool:
@@ -76,18 +72,7 @@ def _decision(
     facts: Facts,
     setting: str | None = None,
 ) -> Decision:
-    return Decision(
-        rule_id=rule.id,
-        action=action,
-        setting=setting or rule.setting,
-        before=before,
-        after=after,
-        source=source,
-        reason=reason,
-        evidence=rule.evidence,
-        applied=action in ("default", "override", "repair"),
-        stage=facts.stage,
-    )
+    return Decision.from_rule(rule, action, before, after, source, reason, facts.stage, setting)
 
 
 def _change(mode: Mode, action: Action) -> Action:
@@ -220,7 +205,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
             )
             value = coerced
         else:
-            action: Action = {"strict": "error", "fix": "override", "warn": "warn"}[mode]
+            action: Action = refused(mode)
             out.append(
                 _decision(
                     rule,
@@ -291,8 +276,8 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
             )
             final = target
         elif strong:
-            action = {"strict": "error", "fix": "override", "warn": "warn"}[mode]
-            verb = {"error": "is refused", "override": "is OVERRIDDEN", "warn": "breaks training"}[action]
+            action = refused(mode)
+            verb = _VERB[action]
             out.append(
                 _decision(
                     rule,
@@ -357,8 +342,8 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
                 )
             )
         else:
-            action = {"strict": "error", "fix": "override", "warn": "warn"}[mode]
-            verb = {"error": "is refused", "override": "is OVERRIDDEN", "warn": "breaks training"}[action]
+            action = refused(mode)
+            verb = _VERB[action]
             out.append(
                 _decision(
                     rule,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from ._flags import parse_flag
 from .facts import Facts, Source
 
 NEW_KWARGS, OLD_KWARGS = "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"
@@ -30,7 +31,6 @@ GENERATING_TRAINERS = frozenset({"grpo", "rloo", "online_dpo", "ppo", "xpo", "na
 RL_TRAINERS = frozenset(
     {"dpo", "kto", "orpo", "cpo", "bco", "grpo", "rloo", "ppo", "online_dpo", "xpo", "nash_md", "reward", "prm"}
 )
-_TRUE = ("1", "true", "yes", "on")
 
 
 @functools.lru_cache(maxsize=1)
@@ -168,7 +168,7 @@ def zero_stage(args: Any) -> int | None:
             return int(stage)
         except (TypeError, ValueError):  # "auto"
             return None
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in _TRUE:
+    if parse_flag(os.environ.get("ACCELERATE_USE_DEEPSPEED", "")):
         env_stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
         return int(env_stage) if env_stage.isdigit() else 0
     return None
@@ -177,12 +177,12 @@ def zero_stage(args: Any) -> int | None:
 def fsdp_facts(args: Any) -> tuple[bool, bool]:
     """(FSDP in use, FSDP's own activation checkpointing on), from the args or accelerate's environment."""
     fsdp = getattr(args, "fsdp", None)
-    on = bool(fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in _TRUE
+    on = bool(fsdp) or bool(parse_flag(os.environ.get("ACCELERATE_USE_FSDP", "")))
     config = getattr(args, "fsdp_config", None) or {}
     ac = config.get("activation_checkpointing") if isinstance(config, dict) else None
     if ac is None:
         ac = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "")
-    return on, str(ac).lower() in _TRUE
+    return on, bool(parse_flag(str(ac)))
 
 
 def _flag_source(args: Any) -> Source:
