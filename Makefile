@@ -14,7 +14,7 @@ EXTRA ?= deepspeed==0.19.8
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-tf$(TF)-trl$(TRL)$(if $(EXTRA),-$(subst =,,$(EXTRA)))
 
-.PHONY: venv demo test lint matrix clean bench-startup bench-overhead bench-modes readme
+.PHONY: venv demo test lint matrix clean bench-startup bench-overhead bench-modes bench-zero3 readme
 
 venv: $(STAMP)
 
@@ -45,6 +45,9 @@ bench-startup: venv
 
 bench-overhead: venv
 	$(PY) benchmarks/callback_overhead.py
+
+bench-zero3: venv
+	$(PY) benchmarks/zero3_old_deepspeed.py
 
 bench-modes: venv
 	$(PY) -m pip install -q "matplotlib>=3.7"
