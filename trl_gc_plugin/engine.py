@@ -26,7 +26,7 @@ from ._flags import parse_flag
 from .decisions import Action, Decision
 from .facts import Facts
 from .modes import MODES, Mode
-from .rules import RULES, USE_REENTRANT, Rule
+from .rules import RULES, USE_REENTRANT, Rule, get_rule
 
 _EXPLICIT = {"user", "unknown"}
 _REFUSED: dict[str, Action] = {"strict": "error", "fix": "override", "warn": "warn"}
@@ -73,6 +73,13 @@ def _decision(
     setting: str | None = None,
 ) -> Decision:
     return Decision.from_rule(rule, action, before, after, source, reason, facts.stage, setting)
+
+
+def _refuse_explicit(rule: Rule, mode: Mode, current: Any, source: str, facts: Facts) -> Decision:
+    """An explicit value that a `require` rule says breaks training: error (strict), override (fix), warn."""
+    action = refused(mode)
+    reason = f"{rule.setting}={current!r} {_VERB[action]}: {rule.condition}. " + rule.message
+    return _decision(rule, action, current, rule.value, source, reason, facts)
 
 
 def _change(mode: Mode, action: Action) -> Action:
@@ -188,7 +195,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
 
     # 1b. a non-bool use_reentrant
     if value is not None and not isinstance(value, bool):
-        rule = repairs.get("invalid-use-reentrant") or _invalid_rule(rules)
+        rule = repairs.get("invalid-use-reentrant") or get_rule("invalid-use-reentrant")
         coerced = coerce_bool(value)
         if coerced is not None:
             out.append(
@@ -276,20 +283,9 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
             )
             final = target
         elif strong:
-            action = refused(mode)
-            verb = _VERB[action]
-            out.append(
-                _decision(
-                    rule,
-                    action,
-                    value,
-                    target,
-                    source,
-                    f"use_reentrant={value!r} {verb}: {rule.condition}. " + rule.message,
-                    facts,
-                )
-            )
-            if action == "override":
+            refusal = _refuse_explicit(rule, mode, value, source, facts)
+            out.append(refusal)
+            if refusal.action == "override":
                 final = target
         else:
             out.append(
@@ -342,19 +338,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
                 )
             )
         else:
-            action = refused(mode)
-            verb = _VERB[action]
-            out.append(
-                _decision(
-                    rule,
-                    action,
-                    current,
-                    rule.value,
-                    who,
-                    f"{rule.setting}={current!r} {verb}: {rule.condition}. " + rule.message,
-                    facts,
-                )
-            )
+            out.append(_refuse_explicit(rule, mode, current, who, facts))
     for rule in by_kind["check"]:
         out.append(_decision(rule, "warn", value, value, source, rule.message, facts))
     return out
@@ -367,13 +351,6 @@ def _current(facts: Facts, setting: str) -> tuple[Any, str]:
     if setting == "activation_checkpointing":
         return facts.gc_enabled, facts.gc_flag_source
     raise KeyError(f"no fact for setting {setting!r}")
-
-
-def _invalid_rule(rules: Sequence[Rule]) -> Rule:
-    for rule in rules:
-        if rule.id == "invalid-use-reentrant":
-            return rule
-    return RULES[0]
 
 
 def errors(decisions: Sequence[Decision]) -> list[Decision]:

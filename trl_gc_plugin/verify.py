@@ -25,7 +25,6 @@ class AuditResult:
     dead_blocks: list[str] = field(default_factory=list)
     dead_params: list[str] = field(default_factory=list)
     nonfinite_params: list[str] = field(default_factory=list)
-    skipped: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -50,7 +49,7 @@ def audit_gradients(model: Any) -> AuditResult:
     names = {id(m): n for n, m in base.named_modules()}
     result = AuditResult()
     finite_check: list[tuple[str, Any]] = []
-    for _module, block in _checkpointing_blocks(base):
+    for block in _checkpointing_blocks(base):
         trainable = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
         if not trainable:
             continue
@@ -68,10 +67,10 @@ def audit_gradients(model: Any) -> AuditResult:
     return result
 
 
-def _checkpointing_blocks(base: Any) -> list[tuple[Any, Any]]:
-    """(module, module) for the checkpointed blocks whose checkpointing is switched on."""
+def _checkpointing_blocks(base: Any) -> list[Any]:
+    """The checkpointed blocks whose checkpointing is switched on."""
     active = {id(m) for m, _ in probe.checkpoint_functions(base)}
-    return [(b, b) for b in probe.checkpointed_blocks(base) if id(b) in active]
+    return [b for b in probe.checkpointed_blocks(base) if id(b) in active]
 
 
 class Watch:
@@ -90,8 +89,8 @@ class Watch:
         self.args_value = start.get("use_reentrant") if start is not None else None  # None: warn mode left it unset
         base = probe.unwrap(model)
         funcs = probe.checkpoint_functions(base)
-        self.modules = [m for m, _ in funcs]
-        self.sentinel = self.modules[0] if self.modules else None
+        # one module read per step: a re-enable rewrites every module's function at once
+        self.sentinel = funcs[0][0] if funcs else None
         self.embeddings = probe._input_embeddings(model)
         self.dual_fields = probe.has_activation_fields(args)
 
