@@ -3,10 +3,12 @@
 1. Per-step overhead on the tiny model, where it is most visible: median step time of a real Trainer run with the
    callback (audit and drift check on) vs without, interleaved repetitions, one process; step time measured between
    consecutive `on_step_end` events by a timer callback registered last. Also the bare cost of one `on_step_end`.
-2. One-off cost of `on_init_end` (facts, decisions, apply, JSON) and of the first-step gradient audit on a model with
-   the parameter layout of a 7B Llama (hidden 4096, 32 layers, vocab 32000) built on the `meta` device (no memory;
-   gradients are meta tensors too, so the audit's finite-check reduction, one fused `_foreach_norm` on a real
-   device, is not part of this figure).
+2. One-off cost of `on_init_end` (facts, decisions, apply, JSON), of setting up and removing the first-forward
+   observation, and of the first-step gradient audit on a model with the parameter layout of a 7B Llama (hidden
+   4096, 32 layers, vocab 32000) built on the `meta` device (no memory; gradients are meta tensors too, so the
+   audit's finite-check reduction, one fused `_foreach_norm` on a real device, is not part of this figure).
+3. What the first-forward observation adds to the one training step it watches: a forward+backward of the tiny
+   model with the observation installed (and removed after) against one without, interleaved, medians.
 
     .venv/bin/python benchmarks/callback_overhead.py [--steps 60] [--repeats 5]
 """
@@ -37,6 +39,7 @@ from transformers import (
 )
 
 from trl_gc_plugin import SafeGCCallback, verify
+from trl_gc_plugin.observe import Observation
 from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
 
 
@@ -81,15 +84,57 @@ def per_step(steps: int, repeats: int) -> dict[str, object]:
     callback.on_init_end(args, state, control, model=model)
     callback.on_train_begin(args, state, control, model=model)
     assert callback._watch is not None and callback._watch.sentinel is not None  # the real per-step path
+    callback.on_step_end(args, state, control, model=model)  # the first step end removes the observation
+    assert callback._observation is None
+
+    def one_step() -> None:
+        callback.on_step_begin(args, state, control, model=model)
+        callback.on_step_end(args, state, control, model=model)
+
     n = 20000
-    step_end_us = timeit.timeit(lambda: callback.on_step_end(args, state, control, model=model), number=n) / n * 1e6
+    step_end_us = timeit.timeit(one_step, number=n) / n * 1e6
     return {
         "median_step_ms_without": round(without * 1e3, 3),
         "median_step_ms_with": round(with_ * 1e3, 3),
         "ratio_of_medians": round(with_ / without, 4),
         "per_repeat_median_ms": {k: [round(v * 1e3, 3) for v in vs] for k, vs in medians.items()},
-        "on_step_end_us": round(step_end_us, 2),
-        "on_step_end_share_of_step": round(step_end_us / (without * 1e6), 6),
+        "on_step_begin_plus_end_us": round(step_end_us, 2),
+        "per_step_share_of_step": round(step_end_us / (without * 1e6), 6),
+    }
+
+
+def first_forward(repeats: int) -> dict[str, object]:
+    """The one training step the observation watches: forward+backward with it vs without (tiny model)."""
+    model = make_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    tokenizer = make_tokenizer()
+    batch = {k: torch.tensor(v) for k, v in tokenized_dataset(tokenizer, n=2)[:2].items()}
+
+    def step(observe: bool) -> float:
+        start = time.perf_counter()
+        observation = Observation(model, lambda call: "report") if observe else None
+        if observation is not None:
+            observation.install()
+        model(**batch).loss.backward()
+        if observation is not None:
+            observation.remove()
+            assert len(observation.calls) == 2
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    for _ in range(5):
+        step(True), step(False)
+    times: dict[str, list[float]] = {"without": [], "with": []}
+    for _ in range(repeats):
+        times["with"].append(step(True))
+        times["without"].append(step(False))
+    without, with_ = statistics.median(times["without"]), statistics.median(times["with"])
+    return {
+        "median_step_ms_without": round(without * 1e3, 3),
+        "median_step_ms_with_observation": round(with_ * 1e3, 3),
+        "added_ms": round((with_ - without) * 1e3, 3),
+        "repeats": repeats,
     }
 
 
@@ -107,6 +152,12 @@ def one_off_7b() -> dict[str, object]:
     init_end = time.perf_counter() - start
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+    start = time.perf_counter()
+    observation = Observation(model, lambda call: "report")
+    stacks = observation.install()
+    observation.remove()
+    observe = time.perf_counter() - start
+    assert stacks == 1
     for p in model.parameters():
         p.grad = torch.empty_like(p)
     start = time.perf_counter()
@@ -116,8 +167,9 @@ def one_off_7b() -> dict[str, object]:
     return {
         "parameters": n_params,
         "on_init_end_ms": round(init_end * 1e3, 2),
+        "observation_install_remove_ms": round(observe * 1e3, 2),
         "audit_ms": round(audit * 1e3, 2),
-        "total_ms": round((init_end + audit) * 1e3, 2),
+        "total_ms": round((init_end + observe + audit) * 1e3, 2),
         "decisions": [d.line() for d in callback.decisions],
     }
 
@@ -137,6 +189,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "per_step_tiny_model": per_step(ns.steps, ns.repeats),
+        "first_forward_observation_tiny_model": first_forward(ns.repeats * 20),
         "one_off_7b_meta": one_off_7b(),
     }
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)

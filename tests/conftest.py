@@ -36,9 +36,21 @@ def no_patch_left_behind():
     assert list(trainer_module.DEFAULT_CALLBACKS) == defaults, "a test left DEFAULT_CALLBACKS changed"
 
 
+@pytest.fixture(autouse=True)
+def fresh_plugin_logging():
+    """Each test starts with the plugin's logging as a new process has it (no message seen yet, no handler)."""
+    from trl_gc_plugin import report
+
+    report.reset()
+    yield
+    report.reset()
+
+
 @pytest.fixture
 def plugin_log(caplog):
+    """Every record of the plugin's loggers, details included (as with the Trainer's log_level="info")."""
     caplog.set_level(logging.INFO, logger="trl_gc_plugin")
+    caplog.set_level(logging.INFO, logger="trl_gc_plugin.decisions")
     return caplog
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
 import pytest
+import torch
 import transformers.trainer as trainer_module
 from trainers import HAS_ACTIVATION_FIELDS, TF5, common_args, make_trainer
 from transformers import TrainingArguments
@@ -13,7 +15,7 @@ from transformers import TrainingArguments
 import trl_gc_plugin
 from trl_gc_plugin import GCConfigError, SafeGCCallback
 from trl_gc_plugin.callback import AutoSafeGCCallback
-from trl_gc_plugin.probe import get_record
+from trl_gc_plugin.probe import checkpoint_functions, get_record
 from trl_gc_plugin.testing import make_model
 
 
@@ -117,14 +119,27 @@ def test_string_value_from_yaml_is_coerced_and_garbage_refused(tmp_path, plugin_
 
 
 def test_strict_mode_error_changes_nothing(tmp_path):
-    """A refused setup is left exactly as the user wrote it."""
-    model = make_model()
-    model.get_input_embeddings().weight.requires_grad_(False)
+    """A refused setup is left exactly as the user wrote it: no parameter updated, config and hooks as they were."""
+    from peft import LoraConfig, get_peft_model
+
     if TF5:
         pytest.skip("transformers 5 adds the input-grad hook itself: reentrant is fine here")
-    with pytest.raises(GCConfigError):
+    model = get_peft_model(make_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    with pytest.raises(GCConfigError, match="frozen-inputs-need-non-reentrant"):  # certain: refused at once
         make_trainer("trainer", model, str(tmp_path), gc_kwargs={"use_reentrant": True}, callbacks=[SafeGCCallback()])
     assert model.config.use_cache is True
+
+    model = make_model()
+    model.get_input_embeddings().weight.requires_grad_(False)
+    trainer = make_trainer("trainer", model, str(tmp_path), gc_kwargs={"use_reentrant": True},
+                           callbacks=[SafeGCCallback()])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(GCConfigError, match="frozen-inputs-observed"):  # seen in the first forward
+        trainer.train()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert model.config.use_cache is True
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert all(isinstance(f, functools.partial) for _, f in checkpoint_functions(model))
 
 
 def test_installed_trainers_get_the_callback_once_even_when_also_passed(tmp_path, plugin_log):

@@ -50,9 +50,11 @@ def test_audit_catches_the_real_failure_in_warn_mode(tmp_path, plugin_log):
     assert "audit=False" in audit.reason
     assert len(unchanged_block_params(trainer.model, before)) == len(before)  # warn mode changed nothing
     assert "[gradient-audit] warn" in plugin_log.text
+    # the first forward saw it first, once per block stack
+    assert [d.action for d in verdicts(callback, "frozen-inputs-observed")] == ["warn"]
 
 
-def test_audit_catches_what_no_static_rule_sees(tmp_path):
+def test_the_first_forward_catches_what_no_static_rule_sees(tmp_path):
     callback = SafeGCCallback()
     trainer = make_trainer("trainer", detached_embeddings(), str(tmp_path), gc_kwargs={"use_reentrant": True},
                            callbacks=[callback])
@@ -63,22 +65,25 @@ def test_audit_catches_what_no_static_rule_sees(tmp_path):
         trainer.train()
         assert unchanged_block_params(trainer.model, before) == []
         assert verdicts(callback, "gradient-audit")[0].action == "none"
+        assert verdicts(callback, "frozen-inputs-observed") == []
         return
-    with pytest.raises(GCConfigError, match="gradient-audit") as err:
+    with pytest.raises(GCConfigError, match="frozen-inputs-observed") as err:
         trainer.train()
-    assert "got no gradient at the first optimizer step" in str(err.value)
-    assert len(unchanged_block_params(trainer.model, before)) == len(before)  # raised before optimizer.step()
+    assert "model.layers.0 ran with use_reentrant=True" in str(err.value)
+    assert len(unchanged_block_params(trainer.model, before)) == len(before)  # raised in the first forward
 
 
 @pytest.mark.skipif(TF5, reason="nothing to fix on transformers 5")
-def test_audit_in_fix_mode_switches_to_non_reentrant(tmp_path):
+def test_fix_mode_repairs_the_first_step_and_switches_to_non_reentrant(tmp_path):
     callback = SafeGCCallback(mode="fix")
     trainer = make_trainer("trainer", detached_embeddings(), str(tmp_path), gc_kwargs={"use_reentrant": True},
-                           callbacks=[callback])
+                           callbacks=[callback], max_steps=1)
     before = block_params(trainer.model)
     trainer.train()
-    assert verdicts(callback, "gradient-audit")[0].action == "override"
-    assert unchanged_block_params(trainer.model, before) == []  # steps 2 and 3 trained the layers
+    (seen,) = verdicts(callback, "frozen-inputs-observed")
+    assert seen.action == "override" and seen.after is False
+    assert verdicts(callback, "gradient-audit")[0].action == "none"  # the repaired first step trained every block
+    assert unchanged_block_params(trainer.model, before) == []
     assert model_use_reentrant(trainer.model) is False
     assert trainer.args.gradient_checkpointing_kwargs["use_reentrant"] is False
 

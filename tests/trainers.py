@@ -96,10 +96,11 @@ def gc_kwargs_for(use_reentrant: Any) -> dict[str, Any] | None:
 
 
 def make_trainer(kind: str, model, output_dir: str, gc: bool = True, gc_kwargs: dict | None = None,
-                 callbacks: list | None = None, peft_config=None, max_steps: int = 3):
-    """A real trainer of `kind` on the tiny datasets, with checkpointing `gc` and `gc_kwargs`."""
+                 callbacks: list | None = None, peft_config=None, max_steps: int = 3, **overrides: Any):
+    """A real trainer of `kind` on the tiny datasets, with checkpointing `gc` and `gc_kwargs` (and `overrides` of
+    the common arguments, e.g. `save_strategy`)."""
     tokenizer = make_tokenizer()
-    gc_fields = dict(gradient_checkpointing=gc, gradient_checkpointing_kwargs=gc_kwargs)
+    gc_fields = dict(gradient_checkpointing=gc, gradient_checkpointing_kwargs=gc_kwargs, **overrides)
     if kind == "trainer":
         from transformers import Trainer, TrainingArguments
 

@@ -12,8 +12,6 @@ from typing import Any
 from . import probe
 from .decisions import Decision
 
-USE_CACHE_ATTR = "_trl_gc_plugin_use_cache"
-
 
 def write_kwargs(args: Any, kwargs: dict[str, Any] | None) -> None:
     """Store `kwargs` in every kwargs field the args have, as one object (so later in-place edits reach both)."""
@@ -48,6 +46,7 @@ def set_model_use_reentrant(model: Any, value: bool) -> int:
     """
     changed = 0
     for module, func in probe.checkpoint_functions(probe.unwrap(model)):
+        func = getattr(func, "original", func)  # an observer of the first forward stands in for the real one
         if isinstance(func, functools.partial):
             if func.keywords.get("use_reentrant") is value:
                 continue
@@ -59,23 +58,23 @@ def set_model_use_reentrant(model: Any, value: bool) -> int:
     return changed
 
 
-def set_use_cache(model: Any, value: bool) -> None:
-    """Set `model.config.use_cache`, remembering the first value seen so `restore_use_cache` can put it back."""
-    config = getattr(probe.unwrap(model), "config", None)
-    if config is None:
-        return
-    if USE_CACHE_ATTR not in config.__dict__:
-        config.__dict__[USE_CACHE_ATTR] = config.use_cache
-    config.use_cache = value
+class CacheSwitch:
+    """`use_cache=False` in every config of the model while training steps run, and the user's values whenever
+    the Trainer saves or evaluates and after training, so no checkpoint's `config.json` carries the change.
 
+    The original values are kept here, never on the configs (a config's attributes end up in `config.json`).
+    """
 
-def restore_use_cache(model: Any) -> bool:
-    """Undo `set_use_cache`; True if something was restored."""
-    config = getattr(probe.unwrap(model), "config", None)
-    if config is None or USE_CACHE_ATTR not in config.__dict__:
-        return False
-    config.use_cache = config.__dict__.pop(USE_CACHE_ATTR)
-    return True
+    def __init__(self, model: Any) -> None:
+        self.configs = [c for c in probe.model_configs(model) if c.use_cache is True]
+
+    def off(self) -> None:
+        for config in self.configs:
+            config.use_cache = False
+
+    def restore(self) -> None:
+        for config in self.configs:
+            config.use_cache = True
 
 
 def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[Decision]:
@@ -99,9 +98,7 @@ def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[D
                 continue
             set_model_use_reentrant(model, bool(d.after))
         elif d.setting == "model.config.use_cache":
-            if model is None:
-                continue
-            set_use_cache(model, bool(d.after))
+            continue  # carried out step by step by the callback's CacheSwitch
         else:
             raise KeyError(f"no way to apply a decision on {d.setting!r}")
         done.append(d)

@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
-import logging
+import functools
 import os
-from typing import Any
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from transformers import TrainerCallback
 
-from . import probe, verify
+from . import probe, report, verify
 from ._flags import parse_flag
-from .apply import apply, restore_use_cache, set_args_use_reentrant, set_model_use_reentrant
-from .decisions import Action, Decision, is_main_process, log_decisions, write_decisions
+from ._weak import WeakIdMap
+from .apply import CacheSwitch, apply, set_args_use_reentrant, set_model_use_reentrant
+from .decisions import Action, Decision, Level, write_decisions
 from .engine import decide, final_use_reentrant, refused
+from .errors import GCConfigError
 from .modes import Mode, resolve_mode
-from .patching import raise_for_errors
-from .rules import get_rule
+from .observe import Call, Observation, Verdict
+from .patching import installed_mode, raise_for_errors
+from .rules import RULES, get_rule
 
-logger = logging.getLogger("trl_gc_plugin")
-
-_CLAIM = "_trl_gc_plugin_owner"
 AUDIT_ENV = "TRL_GC_PLUGIN_AUDIT"
+
+_STAND_BACK = frozenset(r.id for r in RULES if r.stand_back)
+
+_OWNERS: WeakIdMap[SafeGCCallback] = WeakIdMap()
+"""Which callback acts for a Trainer, keyed by the Trainer's `TrainerState` (kept off the state object itself)."""
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -29,30 +38,63 @@ def _env_flag(name: str, default: bool) -> bool:
     return default if flag is None else flag
 
 
+def _guarded(event: F) -> F:
+    """A plugin bug never stops training: anything but a deliberate `GCConfigError` is logged once and the callback
+    stands down for the rest of the run."""
+
+    @functools.wraps(event)
+    def wrapper(self: SafeGCCallback, *args: Any, **kwargs: Any) -> Any:
+        if self._broken:
+            return None
+        try:
+            return event(self, *args, **kwargs)
+        except GCConfigError:
+            raise
+        except Exception as exc:
+            self._broken = True
+            self._active = False
+            self._stop_watching()
+            report.note(
+                f"internal error in {event.__name__} ({type(exc).__name__}: {exc}); training goes on without the "
+                "plugin's checks. Please report it.",
+                "warning",
+            )
+            return None
+
+    return wrapper  # type: ignore[return-value]
+
+
 class SafeGCCallback(TrainerCallback):
     """A [`~transformers.TrainerCallback`] that makes gradient checkpointing safe for the run it is attached to.
 
     At `on_init_end` it reads the arguments and the model, decides `use_reentrant` with the rule table
     (`trl_gc_plugin.RULES`), validates the combination, writes the decision into the arguments (both the
     `activation_checkpointing*` and the deprecated `gradient_checkpointing*` names, as one object) and into a
-    model that already checkpoints, and logs every decision. Then it verifies the running training:
+    model that already checkpoints, and logs a one-line summary. Then it verifies the running training:
 
-    - `on_train_begin` (checkpointing is live): the model runs what was decided, else it is repaired; with
-      `parity_check=True`, gradients with and without checkpointing are compared once on a synthetic batch.
+    - `on_train_begin` (checkpointing is live): the model runs what was decided, else it is repaired; one-shot hooks
+      watch the first training forward of every checkpointing stack (`observe.py`): a block that runs reentrant with
+      trainable parameters and inputs that do not require grad is the silent failure, refused (a value you set,
+      strict mode), repaired, or reported before the backward.
     - `on_pre_optimizer_step`, first step only (`audit=True`): every checkpointed block with trainable parameters
-      received a gradient.
-    - `on_step_end`, every step, a few attribute reads: the arguments and the model still hold the decision (DPO and
-      GRPO re-enable checkpointing every step), and the embeddings carry one input-require-grad hook, not a pile.
-    - `on_train_end`: restores what it changed on the model config.
+      received a gradient; a block without one is blamed on checkpointing only with that evidence, otherwise reported
+      as unused by the loss.
+    - `on_step_begin` / `on_step_end`: `use_cache` off for the step and back for saves; the arguments and the model
+      still hold the decision (DPO and GRPO re-enable checkpointing every step), and the embeddings carry one
+      input-require-grad hook, not a pile. A few attribute reads.
+    - `on_train_end`: puts back what it changed on the model config.
+
+    Nothing is stored on the arguments, the trainer state or the model config: checkpoints written under the plugin
+    load where it is not installed.
 
     Args:
         mode (`str`, *optional*):
-            `"strict"` (default): fill unset values, repair upstream inconsistencies, raise `GCConfigError` before
-            the first optimizer step for an explicit choice known to break training (or a failed audit). `"fix"`: as
-            strict, but override such a choice with a loud warning. `"warn"`: change nothing, log what strict/fix
-            would do. `None` reads `TRL_GC_PLUGIN_MODE`.
+            `"strict"` (default): fill unset values, repair upstream inconsistencies, raise `GCConfigError` before any
+            parameter update for an explicit choice known to break training. `"fix"`: as strict, but override such a
+            choice with a loud warning. `"warn"`: change nothing, log what strict/fix would do. Any case. `None`: the
+            mode given to `install()`, else `TRL_GC_PLUGIN_MODE`, else strict.
         write_json (`bool`, *optional*, defaults to `True`):
-            Write the decisions to `<output_dir>/gc_decisions.json` (main process only).
+            Write the decisions to `<output_dir>/gc_decisions.json` (main process, checkpointing on).
         audit (`bool`, *optional*):
             The first-step gradient audit; defaults to `TRL_GC_PLUGIN_AUDIT`, then on.
         parity_check (`bool`, *optional*, defaults to `False`):
@@ -60,7 +102,7 @@ class SafeGCCallback(TrainerCallback):
             passes on a batch of one 16-token sequence).
 
     Environment:
-        TRL_GC_PLUGIN_MODE: the mode when `mode` is None.
+        TRL_GC_PLUGIN_MODE: the mode when `mode` is None and `install()` gave none.
         TRL_GC_PLUGIN_AUDIT: `0` switches the gradient audit off when `audit` is None.
 
     Attributes:
@@ -90,27 +132,51 @@ class SafeGCCallback(TrainerCallback):
         audit: bool | None = None,
         parity_check: bool = False,
     ) -> None:
-        self.mode: Mode = resolve_mode(mode)
+        self.mode: Mode = resolve_mode(mode, installed_mode())
         self.write_json = write_json
         self.audit = _env_flag(AUDIT_ENV, True) if audit is None else audit
         self.parity_check = parity_check
-        self.decisions: list[Decision] = []
+        self._decisions: list[Decision] = []
+        self._owner: SafeGCCallback | None = None
         self._active = False
+        self._broken = False
+        self._reset_run()
+        report.setup()
+
+    @property
+    def decisions(self) -> list[Decision]:
+        """The decisions for the last Trainer this callback saw (those of the acting callback when this one stood
+        by)."""
+        return self._owner.decisions if self._owner is not None else self._decisions
+
+    @decisions.setter
+    def decisions(self, value: list[Decision]) -> None:
+        self._decisions = value
+
+    def _reset_run(self) -> None:
         self._final: tuple[Any, str] = (None, "unset")
         self._watch: verify.Watch | None = None
+        self._observation: Observation | None = None
+        self._cache: CacheSwitch | None = None
+        self._cache_off = False
         self._audit_pending = False
         self._reported: dict[str, int] = {}
+        self._args: Any = None
+        self._model: Any = None
+        self._json_path: str | None = None
+        self.observed: dict[str, Call] = {}
 
     # --- events ------------------------------------------------------------------------------------------------
 
+    @_guarded
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        owner = state.__dict__.get(_CLAIM)
-        if owner is not None and owner is not self:
+        owner = self._owner_for(state)
+        if owner is not self:
             self._become_passive(owner)
             return
-        state.__dict__[_CLAIM] = self
-        self._active = True
-        self._watch, self._reported = None, {}
+        self._active, self._owner = True, None
+        self._reset_run()
+        report.follow_trainer(args)
         if model is None:
             return
         facts = probe.facts_from_trainer(args, model, stage="init_end")
@@ -119,14 +185,21 @@ class SafeGCCallback(TrainerCallback):
         self.decisions = (list(record.decisions) if record is not None else []) + decisions
         self._refuse(args, decisions)
         apply(decisions, args, model)
+        self._cache_off = any(d.applied and d.setting == "model.config.use_cache" for d in decisions)
         self._final = final_use_reentrant(decisions, facts.use_reentrant, facts.use_reentrant_source)
         probe.remember(args, *self._final)
         self._publish(args, decisions)
+        if report.is_main_process(args):
+            report.logger.info(
+                report.summary_line(self.decisions, self.mode, self._final[0], self._final[1], self._json_path)
+            )
 
+    @_guarded
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         """Checkpointing is live now: check the model runs what was decided; repair it when it does not."""
         if not self._active or model is None:
             return
+        self._args, self._model = args, model
         facts = probe.facts_from_trainer(args, model, stage="train")
         seen = {(d.rule_id, d.action, d.setting, repr(d.before), repr(d.after)) for d in self.decisions}
         decisions = [
@@ -141,22 +214,40 @@ class SafeGCCallback(TrainerCallback):
             self._final = final_use_reentrant(decisions, *self._final)
             probe.remember(args, *self._final)
             self._publish(args, decisions)
+        if self._cache_off:  # the configs as the Trainer leaves them (transformers 5 writes args.use_cache itself)
+            self._cache = CacheSwitch(model)
         value = self._final[0]
-        if not isinstance(value, bool):  # warn mode left it unset: watch what actually runs
+        if not isinstance(value, bool):  # warn mode or a stand-back left it unset: watch what actually runs
             value = probe.model_use_reentrant(model)
         if isinstance(value, bool):
             self._watch = verify.Watch(args, model, value)
+        if probe.checkpointing_on(model):  # the runtime checks run even when the plugin stands back from deciding
+            self._observation = Observation(model, self._on_frozen_inputs)
+            self._observation.install()
             self._audit_pending = self.audit
             if self.parity_check:
                 self._parity(args, model)
 
+    @_guarded
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._cache is not None:
+            self._cache.off()
+
+    @_guarded
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if not self._audit_pending or model is None:
             return
         self._audit_pending = False
         self._audit(args, model)
 
+    @_guarded
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self._cache is not None:
+            self._cache.restore()  # a checkpoint saved after this step keeps the user's config
+        if self._observation is not None:  # the first step is over: nothing of the observation stays
+            self._observation.remove()
+            self.observed = dict(self._observation.calls)
+            self._observation = None
         watch = self._watch
         if watch is None:
             return
@@ -166,14 +257,53 @@ class SafeGCCallback(TrainerCallback):
         if watch.embeddings is not None and watch.input_hooks() > 1:
             self._dedupe_hooks(args, watch)
 
+    @_guarded
     def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if not self._active:
             return
-        if model is not None and restore_use_cache(model):
-            logger.debug("model.config.use_cache restored")
+        self._stop_watching()
         repeats = {k: n for k, n in self._reported.items() if n > 1}
-        if repeats and is_main_process(args):
-            logger.warning("trl_gc_plugin: repeated during training (first occurrence logged above): %s", repeats)
+        if repeats:
+            report.note(
+                f"repeated during training (first occurrence logged above): {repeats}",
+                "info",
+                report.is_main_process(args),
+            )
+
+    # --- the first forward ---------------------------------------------------------------------------------------
+
+    def _on_frozen_inputs(self, call: Call) -> Verdict:
+        """A block ran reentrant with trainable parameters and inputs that do not require grad (observe.py)."""
+        rule = get_rule("frozen-inputs-observed")
+        value, source = self._final
+        explicit = value is True and source in ("user", "unknown")
+        verdict: Verdict
+        if self.mode == "warn" or self._stands_back():
+            self._reported["frozen-inputs"] = self._reported.get("frozen-inputs", 0) + 1
+            if self._reported["frozen-inputs"] > 1:  # said once; the audit lists every block
+                return "report"
+            action, verdict = "warn", "report"
+        elif explicit and self.mode == "strict":
+            action, verdict = "error", "raise"
+        else:
+            action, verdict = ("override" if explicit else "repair"), "repair"
+        what = {
+            "raise": "refused before the backward",
+            "repair": "this call's input made to require grad; use_reentrant=False from now on",
+            "report": "nothing changed (warn mode): its parameters get no gradient",
+        }[verdict]
+        reason = (
+            f"{call.module} ran with use_reentrant=True (set by {source}), holds trainable parameters, and none of its "
+            f"inputs requires grad: reentrant checkpointing gives it no gradient; {what}. " + rule.message
+        )
+        decision = self._verdict(rule, action, True, verdict != "repair", reason)
+        self._record(self._args, [decision])
+        if verdict == "raise":
+            self._stop_watching()
+            raise_for_errors([decision], self.mode)
+        if verdict == "repair":
+            self._switch(self._args, self._model, False)
+        return verdict
 
     # --- verification --------------------------------------------------------------------------------------------
 
@@ -183,23 +313,59 @@ class SafeGCCallback(TrainerCallback):
         if sharded:
             self._record(args, [self._verdict(rule, "none", None, None, f"Skipped: {sharded}.")])
             return
-        result = verify.audit_gradients(model)
+        result = verify.audit_gradients(model, self._observation)
         value = self._watch.value if self._watch is not None else None
-        if result.ok:
-            reason = f"{result.checked} checkpointed block(s) with trainable parameters all received gradients."
-            verdicts = [self._verdict(rule, "none", result.checked, result.checked, reason)]
-        else:
-            blocks = ", ".join(result.dead_blocks[:6]) + (" ..." if len(result.dead_blocks) > 6 else "")
+        verdicts: list[Decision] = []
+        if result.ok and result.checked == 0:
             reason = (
-                f"{len(result.dead_blocks)} of {result.checked} checkpointed block(s) with trainable parameters got "
-                f"no gradient at the first optimizer step ({blocks}; e.g. {result.dead_params[0]}); effective "
-                f"use_reentrant={value!r}. " + rule.message + " Switch the audit off with SafeGCCallback(audit=False) "
+                "No checkpointed block with trainable parameters was found to audit: the model checkpoints outside "
+                "transformers' convention (`GradientCheckpointingLayer`, `_gradient_checkpointing_func`), e.g. by "
+                "calling torch.utils.checkpoint itself; not covered by the audit."
+            )
+            verdicts.append(self._verdict(rule, "none", 0, 0, reason, level="info"))
+        elif result.ok:
+            reason = f"{result.checked} checkpointed block(s) with trainable parameters all received gradients."
+            verdicts.append(self._verdict(rule, "none", result.checked, result.checked, reason))
+        if result.broken:
+            names = _names(result.broken)
+            reason = (
+                f"{len(result.broken)} of {result.checked} checkpointed block(s) with trainable parameters got no "
+                f"gradient at the first optimizer step ({names}): the first forward saw them run reentrant "
+                f"(use_reentrant={value!r}) with inputs that do not require grad. "
+                + rule.message
+                + " Switch the audit off with SafeGCCallback(audit=False) "
                 "or TRL_GC_PLUGIN_AUDIT=0."
             )
             action: Action = refused(self.mode)
             if action == "override" and value is not True:
                 action = "warn"  # nothing the plugin can switch: report it
-            verdicts = [self._verdict(rule, action, value, False if action == "override" else value, reason)]
+            verdicts.append(self._verdict(rule, action, value, False if action == "override" else value, reason))
+        if result.unused:
+            verdicts.append(
+                self._verdict(
+                    rule,
+                    "none",
+                    len(result.unused),
+                    len(result.unused),
+                    f"{len(result.unused)} trainable checkpointed block(s) got no gradient because the loss does not "
+                    f"use them ({_names(result.unused)}); checkpointing is not the cause (they ran with inputs that "
+                    "require grad, or non-reentrant, or not at all). They will not train, with or without "
+                    "checkpointing.",
+                    level="info",
+                )
+            )
+        if result.unverified:
+            verdicts.append(
+                self._verdict(
+                    rule,
+                    "warn",
+                    None,
+                    None,
+                    f"{len(result.unverified)} checkpointed block(s) with trainable parameters got no gradient and the "
+                    f"first forward was not observed for them ({_names(result.unverified)}), so the cause is unknown; "
+                    "not refused. Run once with SafeGCCallback(parity_check=True) to compare with no checkpointing.",
+                )
+            )
         if result.nonfinite_params:
             verdicts.append(
                 self._verdict(
@@ -212,18 +378,19 @@ class SafeGCCallback(TrainerCallback):
                 )
             )
         self._record(args, verdicts)
-        if verdicts[0].action == "override":
+        if any(v.action == "override" for v in verdicts):
             self._switch(args, model, False)
         raise_for_errors(verdicts, self.mode)
 
     def _repair_drift(self, args: Any, model: Any, drifted: list[tuple[str, Any]]) -> None:
         assert self._watch is not None
         rule, value = get_rule("checkpointing-drift"), self._watch.value
+        report_only = self.mode == "warn" or self._stands_back()
         verdicts = []
         for setting, found in drifted:
             count = self._reported.get(f"drift:{setting}", 0) + 1
             self._reported[f"drift:{setting}"] = count
-            action: Action = "warn" if self.mode == "warn" else "repair"
+            action: Action = "warn" if report_only else "repair"
             if count == 1:
                 verdicts.append(
                     self._verdict(
@@ -235,7 +402,7 @@ class SafeGCCallback(TrainerCallback):
                         setting=setting,
                     )
                 )
-        if self.mode != "warn":
+        if not report_only:
             self._switch(args, model, value)
         self._record(args, verdicts)
 
@@ -257,6 +424,7 @@ class SafeGCCallback(TrainerCallback):
                         before,
                         watch.input_hooks(),
                         f"{before} input-require-grad hooks on the input embeddings; kept one.",
+                        level="info",
                     )
                 ],
             )
@@ -304,13 +472,34 @@ class SafeGCCallback(TrainerCallback):
         self._final = (value, "plugin")
         probe.remember(args, *self._final)
 
+    def _stands_back(self) -> bool:
+        """Another library or the model's own code owns checkpointing (a `stand_back` rule applied): the plugin
+        decides nothing and only reports what its checks see."""
+        return any(d.rule_id in _STAND_BACK for d in self.decisions)
+
+    def _stop_watching(self) -> None:
+        """Remove every trace of the run from the model (observation hooks) and its config (use_cache)."""
+        if self._observation is not None:
+            self._observation.remove()
+            self._observation = None
+        if self._cache is not None:
+            self._cache.restore()
+            self._cache = None
+        self._watch = None
+
     # --- helpers -----------------------------------------------------------------------------------------------
 
     @staticmethod
     def _verdict(
-        rule: Any, action: Action, before: Any, after: Any, reason: str, setting: str | None = None
+        rule: Any,
+        action: Action,
+        before: Any,
+        after: Any,
+        reason: str,
+        setting: str | None = None,
+        level: Level | None = None,
     ) -> Decision:
-        return Decision.from_rule(rule, action, before, after, "runtime", reason, "train", setting)
+        return Decision.from_rule(rule, action, before, after, "runtime", reason, "train", setting, level)
 
     def _record(self, args: Any, new: list[Decision]) -> None:
         if not new:
@@ -319,10 +508,12 @@ class SafeGCCallback(TrainerCallback):
         self._publish(args, new)
 
     def _publish(self, args: Any, new: list[Decision]) -> None:
-        main = is_main_process(args)
-        log_decisions(new, main)
-        if main and self.write_json:
-            write_decisions(self.decisions, getattr(args, "output_dir", None))
+        """Log the new decisions (main process) and rewrite `gc_decisions.json` when checkpointing is involved."""
+        main = report.is_main_process(args)
+        report.log_decisions(new, main)
+        worth_a_file = any(d.rule_id != "checkpointing-off" for d in self.decisions)
+        if main and self.write_json and worth_a_file:
+            self._json_path = write_decisions(self.decisions, getattr(args, "output_dir", None)) or self._json_path
 
     def _refuse(self, args: Any, decisions: list[Decision]) -> None:
         """Before anything is applied: in strict/fix mode, log and raise for `error` decisions."""
@@ -330,19 +521,49 @@ class SafeGCCallback(TrainerCallback):
             self._publish(args, decisions)
             raise_for_errors(decisions, self.mode)
 
+    def _owner_for(self, state: Any) -> SafeGCCallback:
+        """The callback that acts for this Trainer: an explicitly passed `SafeGCCallback` before the one `install()`
+        or `TRL_GC_PLUGIN=1` registered (its settings are the user's for this Trainer), else the first to arrive."""
+        owner = _OWNERS.get(state)
+        if owner is None:
+            peers = _explicit_callbacks_of_this_trainer() if self.auto_registered else []
+            owner = next((p for p in peers if p is not self), self)
+            _OWNERS.set(state, owner)
+        return owner
+
     def _become_passive(self, owner: SafeGCCallback) -> None:
-        """Registered twice (explicitly and through TRL_GC_PLUGIN / install()): the first instance acts."""
+        """Registered twice (explicitly and through TRL_GC_PLUGIN / install()): one instance acts."""
         self._active = False
         self._watch = None
-        self.decisions = owner.decisions
+        self._owner = owner
         if owner.mode != self.mode:
-            logger.warning(
-                "SafeGCCallback is registered twice for this Trainer; the first one (mode=%s) acts, this one "
-                "(mode=%s) stands by. Set TRL_GC_PLUGIN_MODE=%s, or drop one of the registrations.",
-                owner.mode,
-                self.mode,
-                self.mode,
+            report.note(
+                f"SafeGCCallback is registered twice for this Trainer: the one passed to the Trainer acts "
+                f"(mode={owner.mode}); the one from install()/TRL_GC_PLUGIN (mode={self.mode}) stands by.",
+                "warning",
             )
+
+
+def _names(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")
+
+
+def _explicit_callbacks_of_this_trainer() -> list[SafeGCCallback]:
+    """The `SafeGCCallback`s passed explicitly to the Trainer whose callback handler is calling us now (read-only
+    look at the calling `CallbackHandler.call_event` frame; empty if it cannot be found)."""
+    try:
+        frame = sys._getframe(1)
+        for _ in range(6):
+            if frame is None:
+                break
+            handler = frame.f_locals.get("self")
+            callbacks = getattr(handler, "callbacks", None)
+            if type(handler).__name__ == "CallbackHandler" and isinstance(callbacks, list):
+                return [c for c in callbacks if isinstance(c, SafeGCCallback) and not c.auto_registered]
+            frame = frame.f_back
+    except Exception:  # never let the look fail the run
+        pass
+    return []
 
 
 def _low_precision() -> tuple[Any, ...]:

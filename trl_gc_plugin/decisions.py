@@ -1,13 +1,12 @@
-"""The `Decision` record, and how decisions are logged and written.
+"""The `Decision` record, and the `gc_decisions.json` file.
 
 A decision is the one structured thing the plugin produces: the engine returns them, `apply.py` carries them out,
-the logger prints them, `gc_decisions.json` stores them and the tests assert on them.
+`report.py` logs them, `gc_decisions.json` stores them and the tests assert on them.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -15,20 +14,24 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from .rules import Rule
 
-logger = logging.getLogger("trl_gc_plugin")
-
 Action = Literal["default", "override", "repair", "warn", "error", "none"]
+Level = Literal["info", "warning", "error"]
 
 DECISIONS_FILE = "gc_decisions.json"
 
-_LEVELS: dict[str, int] = {
-    "none": logging.INFO,
-    "default": logging.INFO,
-    "repair": logging.WARNING,
-    "warn": logging.WARNING,
-    "override": logging.WARNING,
-    "error": logging.ERROR,
-}
+
+def level_of(action: Action, rule_level: Level = "warning") -> Level:
+    """The log level of a decision: refusals are errors; a value of the user's replaced, or a setup that breaks
+    training kept in warn mode, is a warning; repairs and checks take their rule's level (`warning` when the user
+    should change something, `info` for routine repairs of upstream behaviour); the rest (defaults filled, nothing
+    to do) is information."""
+    if action == "error":
+        return "error"
+    if action in ("override", "warn"):
+        return "warning"
+    if action == "repair":
+        return rule_level
+    return "info"
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ class Decision:
         reason: one line saying why.
         evidence: links to the issues, PRs and code behind the rule.
         applied: whether `after` was written.
-        stage: `post_init`, `init_end` or `train`.
+        stage: `post_init`, `init_end` or `train` (runtime checks: `train`).
+        level: how it is logged: `error` (refused), `warning` (the user should change something), `info`.
     """
 
     rule_id: str
@@ -60,6 +64,7 @@ class Decision:
     evidence: tuple[str, ...] = field(default_factory=tuple)
     applied: bool = False
     stage: str = "init_end"
+    level: Level = "info"
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -80,8 +85,10 @@ class Decision:
         reason: str,
         stage: str,
         setting: str | None = None,
+        level: Level | None = None,
     ) -> Decision:
-        """A decision of `rule` (its id, setting and evidence); applied when the action changes something."""
+        """A decision of `rule` (its id, setting and evidence); applied when the action changes something; logged
+        at `level`, by default the one `level_of` gives for the action and the rule."""
         return cls(
             rule_id=rule.id,
             action=action,
@@ -93,12 +100,14 @@ class Decision:
             evidence=rule.evidence,
             applied=action in ("default", "override", "repair"),
             stage=stage,
+            level=level or level_of(action, rule.level),
         )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Decision:
         data = dict(data)
         data["evidence"] = tuple(data.get("evidence", ()))
+        data.setdefault("level", level_of(data["action"]))
         return cls(**data)
 
     @property
@@ -107,45 +116,41 @@ class Decision:
         return self.action in ("default", "override", "repair") or (self.action == "warn" and self.after != self.before)
 
     def line(self) -> str:
-        """The one-line log form."""
+        """The one-line log form: rule id, action, the change, who set the value before, and the first sentence
+        of the reason (the whole reason is in `gc_decisions.json`; `python -m trl_gc_plugin rules` explains each
+        rule)."""
         verb = "" if self.applied or self.action in ("none", "error") else " (not applied)"
+        if self.source == "runtime":  # a check of the running training: what it found is the reason
+            return f"[{self.rule_id}] {self.action}{verb}: {first_sentence(self.reason)}"
         if self.action == "none" or self.before == self.after:
             change = f"{self.setting}={self.before!r}"
         else:
             change = f"{self.setting}: {self.before!r} -> {self.after!r}"
-        return f"[{self.rule_id}] {self.action}{verb}: {change} (set by {self.source}). {self.reason}"
+        who = "was unset" if self.source == "unset" else f"set by {self.source}"
+        return f"[{self.rule_id}] {self.action}{verb}: {change} ({who}). {first_sentence(self.reason)}"
 
 
-def is_main_process(args: Any = None) -> bool:
-    """True on the main process: rank 0 of `args`' distributed state when given, else of the launcher's env vars."""
-    if args is not None:
-        try:
-            return int(args.process_index) == 0
-        except Exception:  # args not fully built, or no distributed state yet
-            pass
-    for var in ("RANK", "LOCAL_RANK"):
-        value = os.environ.get(var)
-        if value not in (None, ""):
-            try:
-                return int(value) == 0
-            except ValueError:
-                return True
-    return True
+def first_sentence(text: str, limit: int = 240) -> str:
+    """The first sentence of `text` (up to `limit` characters)."""
+    for end in (". ", "; see "):
+        cut = text.find(end)
+        if cut != -1:
+            text = text[: cut + 1]
+            break
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def log_decisions(decisions: list[Decision], main_process: bool = True) -> None:
-    """Log each decision on the `trl_gc_plugin` logger, at a level that matches its action (main process only)."""
-    if not main_process:
-        return
-    for decision in decisions:
-        logger.log(_LEVELS.get(decision.action, logging.INFO), decision.line())
+def decisions_path(output_dir: str | os.PathLike[str] | None) -> str | None:
+    """Where `write_decisions` puts the file for `output_dir`."""
+    return os.path.join(os.fspath(output_dir), DECISIONS_FILE) if output_dir else None
 
 
 def write_decisions(decisions: list[Decision], output_dir: str | os.PathLike[str] | None) -> str | None:
-    """Write `decisions` to `<output_dir>/gc_decisions.json`; returns the path, or None without an output dir."""
-    if not output_dir:
+    """Write `decisions` to `<output_dir>/gc_decisions.json`; returns the path, or None when there is no output
+    directory. The directory is never created here: the Trainer creates it on the process that saves, and where it
+    does not exist the plugin writes nothing."""
+    if not output_dir or not os.path.isdir(output_dir):
         return None
-    os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(os.fspath(output_dir), DECISIONS_FILE)
     with open(path, "w", encoding="utf-8") as fh:
         json.dump([d.to_dict() for d in decisions], fh, indent=2, default=repr)

@@ -16,6 +16,7 @@ A plugin default never overrides a value the user set.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ._flags import parse_flag
-from .decisions import Action, Decision
+from .decisions import Action, Decision, Level
 from .facts import Facts
 from .modes import MODES, Mode
 from .rules import RULES, USE_REENTRANT, Rule, get_rule
@@ -71,8 +72,9 @@ def _decision(
     reason: str,
     facts: Facts,
     setting: str | None = None,
+    level: Level | None = None,
 ) -> Decision:
-    return Decision.from_rule(rule, action, before, after, source, reason, facts.stage, setting)
+    return Decision.from_rule(rule, action, before, after, source, reason, facts.stage, setting, level)
 
 
 def _refuse_explicit(rule: Rule, mode: Mode, current: Any, source: str, facts: Facts) -> Decision:
@@ -82,9 +84,11 @@ def _refuse_explicit(rule: Rule, mode: Mode, current: Any, source: str, facts: F
     return _decision(rule, action, current, rule.value, source, reason, facts)
 
 
-def _change(mode: Mode, action: Action) -> Action:
-    """In warn mode every change becomes a `warn` (logged, not applied)."""
-    return "warn" if mode == "warn" and action in ("default", "override", "repair") else action
+def _in_warn_mode(decision: Decision) -> Decision:
+    """In warn mode every change becomes a `warn` (logged, not applied), at the level the change would have had."""
+    if decision.action not in ("default", "override", "repair"):
+        return decision
+    return dataclasses.replace(decision, action="warn", applied=False)
 
 
 def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -> list[Decision]:
@@ -132,6 +136,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
                     facts.use_reentrant_source,
                     rule.message,
                     facts,
+                    level=rule.level,
                 )
             ]
     by_kind = {kind: [r for r in rules_here if r.kind == kind] for kind in ("require", "prefer", "repair", "check")}
@@ -150,7 +155,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
                 out.append(
                     _decision(
                         rule,
-                        _change(mode, "repair"),
+                        "repair",
                         not facts.legacy_gc,
                         facts.legacy_gc,
                         "unknown",
@@ -166,7 +171,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
                 out.append(
                     _decision(
                         rule,
-                        _change(mode, "repair"),
+                        "repair",
                         facts.use_reentrant,
                         legacy_value,
                         "unknown",
@@ -182,7 +187,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
             out.append(
                 _decision(
                     rule,
-                    _change(mode, "repair"),
+                    "repair",
                     None,
                     None,
                     source,
@@ -201,7 +206,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
             out.append(
                 _decision(
                     rule,
-                    _change(mode, "repair"),
+                    "repair",
                     value,
                     coerced,
                     source,
@@ -254,7 +259,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
             out.append(
                 _decision(
                     rule,
-                    _change(mode, "default"),
+                    "default",
                     None,
                     target,
                     "unset",
@@ -272,7 +277,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
             out.append(
                 _decision(
                     rule,
-                    _change(mode, action),
+                    action,
                     value,
                     target,
                     source,
@@ -297,6 +302,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
                     source,
                     f"use_reentrant={value!r} kept as set; {target!r} is preferred. " + rule.message,
                     facts,
+                    level="info",
                 )
             )
 
@@ -307,7 +313,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
         out.append(
             _decision(
                 stale,
-                _change(mode, "repair"),
+                "repair",
                 facts.model_use_reentrant,
                 effective,
                 "trainer",
@@ -329,7 +335,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
             out.append(
                 _decision(
                     rule,
-                    _change(mode, action),
+                    action,
                     current,
                     rule.value,
                     who,
@@ -340,8 +346,8 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
         else:
             out.append(_refuse_explicit(rule, mode, current, who, facts))
     for rule in by_kind["check"]:
-        out.append(_decision(rule, "warn", value, value, source, rule.message, facts))
-    return out
+        out.append(_decision(rule, "warn", value, value, source, rule.message, facts, level=rule.level))
+    return [_in_warn_mode(d) for d in out] if mode == "warn" else out
 
 
 def _current(facts: Facts, setting: str) -> tuple[Any, str]:

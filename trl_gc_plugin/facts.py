@@ -43,8 +43,11 @@ class Facts:
         quantization: the quantization method (`bitsandbytes_4bit`, `gptq`, ...), `None` if not quantized.
         trainable_in_blocks: some trainable parameter lives inside a checkpointed block.
         frozen_params: some parameter is frozen.
-        inputs_require_grad: the hidden states entering the first checkpointed block will require grad
-            (input embeddings trainable, or an input-require-grad hook registered).
+        inputs_require_grad: whether the hidden states entering the checkpointed blocks will require grad: True
+            (input embeddings trainable, or an input-require-grad hook registered or to be registered by the
+            Trainer), False only when certain (no trainable parameter and no hook upstream of the blocks), None when
+            it depends on the data flow (a learned position embedding, an embedding norm, a vision tower): then the
+            first training forward settles it (`observe.py`).
         use_cache: `model.config.use_cache`.
         trainer_kind: short trainer name from the args class (`sft`, `dpo`, `grpo`, ... or `trainer`).
         generates: the trainer generates with the policy during training (GRPO, RLOO, online DPO...).
@@ -54,6 +57,8 @@ class Facts:
         rl_trainer: an RL / preference trainer (DPO, GRPO, RLOO, KTO, ORPO, CPO, PPO, online DPO, ...).
         gc_flag_source: who set checkpointing on (`trainer` when it is the config class's default, as in TRL).
         unsloth: Unsloth is loaded (it replaces torch's checkpoint function and forces reentrant).
+        legacy_checkpointing: the model uses the pre-4.35 `_set_gradient_checkpointing(module, value)` format, for
+            which transformers ignores the checkpointing kwargs (remote code written before 4.35).
     """
 
     stage: Stage = "init_end"
@@ -87,6 +92,7 @@ class Facts:
     rl_trainer: bool = False
     gc_flag_source: Source = "unset"
     unsloth: bool = False
+    legacy_checkpointing: bool = False
 
     @property
     def ddp(self) -> bool:

@@ -17,9 +17,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import probe
+from . import probe, report
 from .apply import apply
-from .decisions import is_main_process, log_decisions
 from .engine import decide, errors, final_use_reentrant
 from .errors import GCConfigError
 from .modes import Mode
@@ -47,12 +46,13 @@ def _user_use_reentrant(args: Any) -> tuple[bool, Any]:
 
 def post_init_decide(args: Any, mode: Mode, user_given: bool, user_value: Any) -> list[Any]:
     """What the patched `__post_init__` runs once the original has: decide on the arguments alone, apply, record."""
-    args.__dict__[probe.RECORD_ATTR] = probe.PostInitRecord(user_given=user_given, user_value=user_value)
+    probe.start_record(args, user_given, user_value)
     facts = probe.facts_from_args(args, stage="post_init")
     if not facts.gc_enabled:
         return []
     decisions = decide(facts, mode)
-    log_decisions(decisions, is_main_process())
+    report.follow_trainer(args)
+    report.log_decisions(decisions, report.is_main_process())
     raise_for_errors(decisions, mode)
     apply(decisions, args)
     probe.remember(args, *final_use_reentrant(decisions, facts.use_reentrant, facts.use_reentrant_source), decisions)
@@ -163,6 +163,12 @@ def uninstall() -> None:
             while cb in defaults:
                 defaults.remove(cb)
         _state.update(original=None, mode=None, callback=None)
+
+
+def installed_mode() -> Mode | None:
+    """The mode `install()` (or `TRL_GC_PLUGIN=1`) was given, when installed: the callbacks it registers, and any
+    `SafeGCCallback(mode=None)`, use it."""
+    return _state["mode"]
 
 
 def is_installed() -> bool:

@@ -14,11 +14,11 @@ from importlib import metadata
 from typing import Any
 
 from ._flags import parse_flag
+from ._weak import WeakIdMap
 from .facts import Facts, Source
 
 NEW_KWARGS, OLD_KWARGS = "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"
 NEW_FLAG, OLD_FLAG = "activation_checkpointing", "gradient_checkpointing"
-RECORD_ATTR = "_trl_gc_plugin_record"
 
 PACKAGES = ("transformers", "trl", "peft", "torch", "accelerate", "deepspeed", "bitsandbytes")
 
@@ -47,7 +47,8 @@ def installed_versions() -> dict[str, str | None]:
 
 @dataclass
 class PostInitRecord:
-    """What the post-init patch saw and did, kept on the args object (attribute `_trl_gc_plugin_record`).
+    """What the plugin saw and did about one `TrainingArguments` object. Kept in `RECORDS`, outside the object
+    (the Trainer pickles the arguments into every checkpoint; nothing of the plugin may travel with them).
 
     Args:
         user_given: the user's kwargs had a `use_reentrant` key at construction.
@@ -67,13 +68,23 @@ class PostInitRecord:
     decisions: list[Any] = field(default_factory=list)
 
 
+RECORDS: WeakIdMap[PostInitRecord] = WeakIdMap()
+
+
+def start_record(args: Any, user_given: bool, user_value: Any) -> PostInitRecord:
+    """A fresh record for `args` (called when the arguments are built)."""
+    record = PostInitRecord(user_given=user_given, user_value=user_value)
+    RECORDS.set(args, record)
+    return record
+
+
 def remember(args: Any, value: Any, source: str, decisions: list[Any] | None = None) -> PostInitRecord:
-    """Record on `args` the `use_reentrant` now in force and who chose it, and which objects the kwargs fields hold,
-    so a later look (the callback, the next event) can tell who set a value and see later reassignments."""
+    """Record the `use_reentrant` now in force for `args` and who chose it, and which objects the kwargs fields
+    hold, so a later look (the callback, the next event) can tell who set a value and see later reassignments."""
     record = get_record(args)
     if record is None:
         record = PostInitRecord()
-        args.__dict__[RECORD_ATTR] = record
+        RECORDS.set(args, record)
     record.value, record.value_source = value, source
     record.new_id = id(getattr(args, NEW_KWARGS, None))
     record.old_id = id(getattr(args, OLD_KWARGS, None))
@@ -83,8 +94,7 @@ def remember(args: Any, value: Any, source: str, decisions: list[Any] | None = N
 
 
 def get_record(args: Any) -> PostInitRecord | None:
-    record = getattr(args, "__dict__", {}).get(RECORD_ATTR)
-    return record if isinstance(record, PostInitRecord) else None
+    return RECORDS.get(args)
 
 
 def has_activation_fields(args: Any) -> bool:
@@ -263,6 +273,23 @@ def _source(value: Any, kwargs: Any, record: PostInitRecord | None) -> Source:
     return "trainer"
 
 
+def _source_without_record(facts: Facts, peft: bool) -> Source:
+    """Who wrote a `use_reentrant` found in the arguments when the plugin did not see them being built (only the
+    callback is used): transformers' own `Trainer` never writes it, so it is the user's; TRL's trainers write it in
+    their `__init__` in two known cases (transformers < 5: `setdefault("use_reentrant", False)`; PEFT + DeepSpeed
+    ZeRO-3: `True`), so a value equal to what TRL would write there is the trainer's, anything else the user's."""
+    if facts.trainer_kind == "trainer":
+        return "user"
+    tf = facts.version("transformers")
+    from packaging.version import Version
+
+    if facts.use_reentrant is False and tf is not None and Version(tf) < Version("5.0.0"):
+        return "trainer"
+    if facts.use_reentrant is True and peft and facts.zero_stage == 3:
+        return "trainer"
+    return "user"
+
+
 # --- model facts -----------------------------------------------------------------------------------------------
 
 
@@ -316,6 +343,11 @@ def checkpoint_functions(model: Any) -> list[tuple[Any, Any]]:
     ]
 
 
+def checkpointing_on(model: Any) -> bool:
+    """Some module of the model has checkpointing switched on (any format, the pre-4.35 one included)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in unwrap(model).modules())
+
+
 def effective_use_reentrant(func: Any) -> bool:
     """The `use_reentrant` a checkpoint function really runs with (a missing key means torch's default: True)."""
     keywords = getattr(func, "keywords", None) or {}
@@ -349,6 +381,30 @@ def _input_embeddings(model: Any) -> Any:
         return None
 
 
+def model_configs(model: Any) -> list[Any]:
+    """Every config object the model's modules read (the top-level one, and those of sub-models: a VLM's text and
+    vision models, an encoder-decoder's stacks), each once."""
+    seen: dict[int, Any] = {}
+    for module in unwrap(model).modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "use_cache") and id(config) not in seen:
+            seen[id(config)] = config
+    return list(seen.values())
+
+
+def training_use_cache(args: Any, model: Any) -> bool:
+    """Whether some config the model reads will have `use_cache=True` while training: transformers >= 5 has a
+    `TrainingArguments.use_cache` (default False) that the Trainer writes into the top-level config after
+    `on_init_end`; sub-model configs (a VLM's `text_config`, ...) keep their own value."""
+    base = unwrap(model)
+    top = getattr(base, "config", None)
+    has_field = "use_cache" in getattr(type(args), "__dataclass_fields__", {})
+    return any(
+        bool(args.use_cache) if (config is top and has_field) else getattr(config, "use_cache", False) is True
+        for config in model_configs(base)
+    )
+
+
 def quantization_of(model: Any) -> str | None:
     base = unwrap(model)
     if getattr(base, "is_loaded_in_4bit", False):
@@ -375,6 +431,33 @@ def _will_add_input_hook(base: Any, facts: Facts) -> bool:
     return Version(tf) >= Version("5.0.0") and getattr(base, "main_input_name", None) == "input_ids"
 
 
+def _nothing_upstream(model: Any, base: Any, blocks: list[Any]) -> bool:
+    """Whether the inputs of the checkpointed blocks certainly do not require grad: no trainable parameter outside
+    the blocks except the output embeddings (an untied `lm_head` only reads the last block's output), and no forward
+    hook on any module outside the blocks (a hook may make a tensor require grad). Anything else - a learned
+    position embedding, an embedding norm, a trainable vision tower or head - may or may not feed the blocks; that
+    is settled by observing the first forward (`observe.py`), not guessed here."""
+    inside = {id(m) for b in blocks for m in b.modules()}
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    try:
+        head = base.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = None
+    emb = _input_embeddings(model)
+    emb_params = {id(p) for p in emb.parameters()} if emb is not None else set()
+    head_params = {id(p) for p in head.parameters()} - emb_params if head is not None else set()
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in in_blocks and id(p) not in head_params:
+            return False
+    head_modules = {id(m) for m in head.modules()} if head is not None else set()
+    for m in model.modules():
+        if id(m) in inside or id(m) in head_modules:
+            continue
+        if m._forward_hooks or m._forward_pre_hooks:
+            return False
+    return True
+
+
 def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
     """Facts from the arguments and the (unwrapped) model, as `on_init_end` sees them."""
     facts = facts_from_args(args, stage=stage)
@@ -388,22 +471,42 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
     hooked = input_grad_hooks(model) > 0
     gc_on_model = bool(checkpoint_functions(base))
     gc_enabled = facts.gc_enabled or gc_on_model
-    # Hooks the Trainer itself will add when it enables checkpointing in train() count too.
-    inputs_grad = emb_trainable or hooked or (facts.gc_enabled and _will_add_input_hook(base, facts))
-    config = getattr(base, "config", None)
+    # True: the embeddings require grad or carry the input hook (the Trainer's own, added in train(), counts too);
+    # False: certainly not (nothing trainable or hooked upstream of the blocks); None: settled at the first forward.
+    inputs_grad: bool | None = True
+    if not (emb_trainable or hooked or (facts.gc_enabled and _will_add_input_hook(base, facts))):
+        inputs_grad = False if _nothing_upstream(model, base, blocks) else None
+    peft = is_peft_model(model)
+    source = facts.use_reentrant_source
+    if source == "unknown" and get_record(args) is None:
+        source = _source_without_record(facts, peft)
     return facts.replace(
+        use_reentrant_source=source,
         gc_enabled=gc_enabled,
         model_gc_enabled=gc_on_model,
         model_use_reentrant=model_use_reentrant(base) if gc_on_model else None,
-        is_peft=is_peft_model(model),
+        is_peft=peft,
         quantization=quantization_of(model),
         trainable_in_blocks=trainable_in_blocks,
         frozen_params=frozen,
         inputs_require_grad=inputs_grad,
-        use_cache=getattr(config, "use_cache", None),
+        use_cache=training_use_cache(args, base),
         model_is_pretrained=_is_pretrained(model),
         unsloth=_unsloth_patched(),
+        legacy_checkpointing=uses_legacy_format(base),
     )
+
+
+def uses_legacy_format(model: Any) -> bool:
+    """The model overrides `_set_gradient_checkpointing` with the pre-4.35 `(module, value)` signature: transformers
+    then calls it on every module and ignores the checkpointing kwargs (it says so in a warning)."""
+    import inspect
+
+    method = getattr(model, "_set_gradient_checkpointing", None)
+    try:
+        return method is not None and "value" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _is_pretrained(model: Any) -> bool:

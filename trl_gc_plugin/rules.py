@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .decisions import Level
 from .facts import Facts
 
 RuleKind = Literal["require", "prefer", "repair", "check", "verify"]
@@ -50,6 +51,9 @@ class Rule:
         remove_when: when the rule becomes dead weight.
         stages: the stages where the rule is evaluated (`runtime` for `verify` rules).
         stand_back: when it applies, the plugin makes no other decision (another library owns checkpointing).
+        level: how its repairs and checks are logged: `warning` when the user should change something, `info` for
+            routine repairs of upstream behaviour (shown with the Trainer's `log_level="info"`). Refusals are always
+            errors and overrides of a user's value always warnings.
     """
 
     id: str
@@ -65,6 +69,7 @@ class Rule:
     remove_when: str = ""
     stages: tuple[str, ...] = ("post_init", "init_end", "train")
     stand_back: bool = False
+    level: Level = "warning"
 
     def to_dict(self) -> dict[str, Any]:
         """The rule as plain data (the predicate is represented by its `condition` text)."""
@@ -81,6 +86,7 @@ class Rule:
             "remove_when": self.remove_when,
             "stages": list(self.stages),
             "stand_back": self.stand_back,
+            "level": self.level,
         }
 
 
@@ -131,6 +137,7 @@ RULES: tuple[Rule, ...] = (
         ),
         versions={"transformers": ">=5.23"},
         remove_when="transformers drops the deprecated `gradient_checkpointing*` aliases (v6), or TRL writes the new names",
+        level="info",
     ),
     Rule(
         id="unsloth-owns-checkpointing",
@@ -146,6 +153,33 @@ RULES: tuple[Rule, ...] = (
         ),
         evidence=("https://github.com/unslothai/unsloth (unsloth_checkpoint / use_gradient_checkpointing='unsloth')",),
         remove_when="never: Unsloth owns checkpointing when loaded",
+        stand_back=True,
+        level="info",
+    ),
+    Rule(
+        id="legacy-checkpointing-format",
+        title="pre-4.35 checkpointing format: the kwargs never reach the model",
+        kind="check",
+        setting="use_reentrant",
+        value=None,
+        when=lambda f: f.gc_enabled and f.legacy_checkpointing,
+        condition=(
+            "the model defines `_set_gradient_checkpointing(module, value)` (remote code written before transformers "
+            "4.35)"
+        ),
+        message=(
+            "transformers calls the model's own `_set_gradient_checkpointing` and ignores the checkpointing kwargs, so "
+            "`use_reentrant` (yours or the plugin's) has no effect: the model's code calls torch.utils.checkpoint "
+            "itself, usually without `use_reentrant`, which torch runs reentrant. The plugin decides nothing here; its "
+            "runtime checks still run, but a block checkpointed outside transformers' convention is not seen. Update "
+            "the model code to the current format (drop its `_set_gradient_checkpointing`) to control the mode."
+        ),
+        evidence=(
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/modeling_utils.py "
+            "(_is_using_old_format: 'We will also silently ignore `activation_checkpointing_kwargs`')",
+            "reproduced: tests/custom_models.py LegacyModel (the kwargs never reach it; torch runs it reentrant)",
+        ),
+        remove_when="transformers drops the old `_set_gradient_checkpointing(module, value)` format",
         stand_back=True,
     ),
     Rule(
@@ -247,9 +281,11 @@ RULES: tuple[Rule, ...] = (
         value=False,
         when=_frozen_inputs,
         condition=(
-            "checkpointing on, trainable parameters inside checkpointed blocks, and the hidden states entering them "
-            "do not require grad (input embeddings frozen and no input-require-grad hook): LoRA/QLoRA without "
-            "`enable_input_require_grads()`, frozen embeddings, partially frozen models"
+            "checkpointing on, trainable parameters inside checkpointed blocks, and their inputs certainly do not "
+            "require grad: no trainable parameter and no forward hook outside the blocks except an untied output "
+            "head, and no input-require-grad hook now or from the Trainer (LoRA/QLoRA without "
+            "`enable_input_require_grads()` on transformers 4.x). Anything that may feed the blocks (learned "
+            "positions, embedding norms, token types, a vision tower) leaves the verdict to `frozen-inputs-observed`"
         ),
         message=(
             "With use_reentrant=True, a checkpointed block whose inputs do not require grad produces outputs that do "
@@ -325,6 +361,7 @@ RULES: tuple[Rule, ...] = (
         ),
         remove_when="TRL <= 0.26 is no longer supported and PEFT takes its kwargs from the Trainer",
         stages=("init_end", "train"),
+        level="info",
     ),
     Rule(
         id="use-cache-off",
@@ -346,6 +383,7 @@ RULES: tuple[Rule, ...] = (
         ),
         remove_when="transformers stops building a cache in training forwards",
         stages=("init_end",),
+        level="info",
     ),
 )
 
@@ -357,6 +395,35 @@ def _at_runtime(f: Facts) -> bool:
 
 RULES += (
     Rule(
+        id="frozen-inputs-observed",
+        title="a block ran reentrant with inputs that do not require grad",
+        kind="verify",
+        setting="use_reentrant",
+        value=False,
+        when=_at_runtime,
+        condition=(
+            "first training forward of each checkpointing stack (decoder, encoder, vision or audio tower): a "
+            "checkpointed call ran with use_reentrant=True, its module holds trainable parameters, and none of its "
+            "positional tensor inputs requires grad. Seen by one-shot hooks that are gone after the first step"
+        ),
+        message=(
+            "Reentrant checkpointing returns outputs that do not require grad when none of its inputs does, so the "
+            "block's trainable parameters get no gradient (torch only warns 'None of the inputs have "
+            "requires_grad=True'). A value you set: strict mode raises before the backward; fix mode makes this call's "
+            "input require grad and switches to use_reentrant=False for the rest of the run; warn mode logs. A value "
+            "the trainer or the library default chose is repaired the same way in strict mode. Keep reentrant by "
+            "calling `model.enable_input_require_grads()` (transformers 4.x hooks only the top-level input "
+            "embeddings, not a vision tower's)."
+        ),
+        evidence=(
+            "https://github.com/huggingface/transformers/issues/21381",
+            "https://docs.pytorch.org/docs/stable/checkpoint.html (reentrant: at least one input must require grad)",
+            "reproduced: transformers 4.57.6, reentrant, frozen input embeddings -> 0/18 layer parameters train",
+        ),
+        remove_when="never while torch keeps the reentrant variant's requires-grad semantics",
+        stages=("runtime",),
+    ),
+    Rule(
         id="gradient-audit",
         title="every checkpointed block got gradients",
         kind="verify",
@@ -366,17 +433,22 @@ RULES += (
         condition=(
             "first optimizer step (before `optimizer.step()` and `zero_grad`): a checkpointed block with trainable "
             "parameters none of which received a gradient; judged per block, so one unused expert or branch is fine. "
-            "Skipped under DeepSpeed/FSDP (sharded gradients). Off with `SafeGCCallback(audit=False)` or "
-            "`TRL_GC_PLUGIN_AUDIT=0`"
+            "It is blamed on checkpointing only with evidence (the first forward saw it run reentrant with inputs "
+            "that did not require grad); otherwise it is reported once, at INFO, as a trainable block the loss does "
+            "not use (e.g. the last vision layer of a LLaVA model with `vision_feature_layer=-2`). Covers blocks "
+            "checkpointed through transformers (`GradientCheckpointingLayer`, `_gradient_checkpointing_func`); a "
+            "custom module calling `torch.utils.checkpoint` itself is not seen. Skipped under DeepSpeed/FSDP "
+            "(sharded gradients). Off with `SafeGCCallback(audit=False)` or `TRL_GC_PLUGIN_AUDIT=0`"
         ),
         message=(
-            "Checkpointed blocks with trainable parameters got no gradient: they will never train. The usual cause is "
-            "reentrant checkpointing whose inputs do not require grad (frozen or detached embeddings, adapters without "
-            "`enable_input_require_grads()`); use_reentrant=False fixes it. Strict mode raises before the first "
-            "optimizer step; fix mode switches to non-reentrant for the following steps; warn mode logs."
+            "Checkpointed blocks with trainable parameters got no gradient. When the first forward saw them run "
+            "reentrant with inputs that do not require grad, checkpointing is the cause: strict mode raises before "
+            "the first optimizer step, fix mode switches to non-reentrant for the following steps, warn mode logs. "
+            "Otherwise the loss does not use them, with or without checkpointing: reported, never refused."
         ),
         evidence=(
             "https://github.com/huggingface/transformers/issues/21381",
+            "https://github.com/huggingface/trl/issues/1936 (LLaVA: the last vision layer gets no gradient)",
             "reproduced: transformers 4.57.6, reentrant, frozen/detached embeddings -> no layer gradient",
         ),
         remove_when="never: it checks the outcome, whatever the cause",
@@ -401,6 +473,7 @@ RULES += (
             "https://github.com/huggingface/trl/blob/v1.16.0/trl/models/utils.py (disable_gradient_checkpointing re-enables with args.gradient_checkpointing_kwargs)",
         ),
         remove_when="never: it checks the outcome",
+        level="info",
         stages=("runtime",),
     ),
     Rule(
@@ -421,6 +494,7 @@ RULES += (
         ),
         versions={"transformers": ">=5.0"},
         remove_when="transformers stops registering a new hook per enable",
+        level="info",
         stages=("runtime",),
     ),
     Rule(

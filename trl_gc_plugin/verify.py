@@ -19,16 +19,27 @@ from . import probe
 
 @dataclass
 class AuditResult:
-    """Blocks (checkpointed, with trainable parameters) that got no gradient at all, and non-finite gradients."""
+    """Checkpointed blocks with trainable parameters that got no gradient at all, sorted by cause.
+
+    Args:
+        checked: blocks with trainable parameters that were checked.
+        broken: blocks without a gradient that the first forward saw run reentrant with inputs that do not require
+            grad: checkpointing is the cause.
+        unused: blocks without a gradient that ran with inputs requiring grad, or non-reentrant, or did not run:
+            the loss does not use them; not checkpointing's doing.
+        unverified: blocks without a gradient whose stack's first forward was not observed.
+        nonfinite_params: parameters with a non-finite gradient.
+    """
 
     checked: int = 0
-    dead_blocks: list[str] = field(default_factory=list)
-    dead_params: list[str] = field(default_factory=list)
+    broken: list[str] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)
     nonfinite_params: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.dead_blocks
+        return not (self.broken or self.unused or self.unverified)
 
 
 def gradients_are_sharded(args: Any) -> str | None:
@@ -40,31 +51,48 @@ def gradients_are_sharded(args: Any) -> str | None:
     return None
 
 
-def audit_gradients(model: Any) -> AuditResult:
+def audit_gradients(model: Any, observation: Any = None) -> AuditResult:
     """Judge per block: a block passes if any of its trainable parameters has a gradient (an unused expert or an
-    unused branch in one batch is fine); it fails if none has."""
+    unused branch in one batch is fine). A block that has none is blamed on checkpointing only with the evidence of
+    the first forward (`observation`, an `observe.Observation`): it ran reentrant with inputs that do not require
+    grad. The blocks are those the first forward saw checkpointed, and every `GradientCheckpointingLayer` with
+    checkpointing on."""
     import torch
 
     base = probe.unwrap(model)
     names = {id(m): n for n, m in base.named_modules()}
+    modules = {n: m for n, m in base.named_modules()}
+    calls = dict(getattr(observation, "calls", {}) or {})
+    observed_stacks = set(getattr(observation, "observed_stacks", []) or [])
+    blocks = {names.get(id(b), type(b).__name__): b for b in _checkpointing_blocks(base)}
+    blocks.update({name: modules[name] for name in calls if name in modules})
     result = AuditResult()
     finite_check: list[tuple[str, Any]] = []
-    for block in _checkpointing_blocks(base):
+    for prefix, block in blocks.items():
         trainable = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
         if not trainable:
             continue
         result.checked += 1
         with_grad = [(n, p.grad) for n, p in trainable if p.grad is not None]
-        prefix = names.get(id(block), type(block).__name__)
         if not with_grad:
-            result.dead_blocks.append(prefix)
-            result.dead_params.extend(f"{prefix}.{n}" for n, _ in trainable)
+            call = calls.get(prefix)
+            if call is not None and call.loses_gradients:
+                result.broken.append(prefix)
+            elif call is not None or _under_observed_stack(prefix, observed_stacks):
+                result.unused.append(prefix)
+            else:
+                result.unverified.append(prefix)
         finite_check.extend((f"{prefix}.{n}", g) for n, g in with_grad if g.device.type != "meta")
     if finite_check:
         norms = torch._foreach_norm([g for _, g in finite_check])
         finite = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
         result.nonfinite_params = [name for (name, _), ok in zip(finite_check, finite, strict=True) if not ok]
     return result
+
+
+def _under_observed_stack(block: str, stacks: set[str]) -> bool:
+    """The block lives under a stack whose first training forward was observed (so it did not run checkpointed)."""
+    return any(stack == "" or block.startswith(stack + ".") for stack in stacks)
 
 
 def _checkpointing_blocks(base: Any) -> list[Any]:

@@ -1,0 +1,57 @@
+"""The architecture zoo: no false refusals and no missed silent failures, on every architecture.
+
+For every (architecture, variant, use_reentrant): a no-checkpointing reference, the same run without the plugin, and
+with it (strict). The plugin run must train every trainable parameter the reference trains; it may stop - before
+any parameter update - only where the run without the plugin trains fewer or crashes. Where strict refuses, fix mode
+must train what the reference trains.
+
+`ZOO=slice` (set by CI on the environments that are not the reference one) runs a representative slice: one
+architecture of each kind.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from zoo import ZOO
+from zoo_run import REENTRANT, VARIANTS, Outcome, run
+
+SLICE = ("llama", "gpt2", "bart", "llava", "mamba", "qwen3_moe")
+ARCHS = [a.name for a in ZOO if os.environ.get("ZOO", "full") != "slice" or a.name in SLICE]
+
+_references: dict[tuple[str, str], Outcome] = {}
+
+
+def reference(arch: str, variant: str) -> Outcome:
+    key = (arch, variant)
+    if key not in _references:
+        _references[key] = run(arch, variant, gc=False)
+        assert _references[key].error is None, _references[key].error
+        assert _references[key].changed, "the reference trains nothing: the setup is broken"
+    return _references[key]
+
+
+@pytest.mark.parametrize("use_reentrant", REENTRANT, ids=lambda v: f"reentrant={v}")
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zoo(arch, variant, use_reentrant):
+    ref = reference(arch, variant)
+    bare = run(arch, variant, use_reentrant)
+    plugin = run(arch, variant, use_reentrant, plugin="strict")
+    bare_loses = bare.error is not None or not ref.changed <= bare.changed
+    if plugin.refused:
+        assert plugin.changed_at_error == frozenset(), "refused after parameters were updated"
+        assert bare_loses, f"false refusal: the run without the plugin trains everything ({plugin.error})"
+        fixed = run(arch, variant, use_reentrant, plugin="fix")
+        assert fixed.error is None, fixed.error
+        assert ref.changed <= fixed.changed, f"fix mode left untrained: {sorted(ref.changed - fixed.changed)[:4]}"
+        return
+    assert plugin.error is None, plugin.error
+    missed = sorted(ref.changed - plugin.changed)
+    assert not missed, f"{len(missed)} parameters the reference trains did not train: {missed[:4]}"
+    # nothing the audit calls checkpointing's fault on a run that trains everything
+    assert not [d for d in plugin.decisions if d.rule_id == "gradient-audit" and d.action == "error"]
+    if use_reentrant != "unset" and not [d for d in plugin.decisions if d.action in ("override", "repair")
+                                         and d.setting == "use_reentrant"]:
+        assert plugin.running is use_reentrant, "a value the user set was changed without a decision saying so"

@@ -1,0 +1,239 @@
+"""First-forward observation: what each checkpointed block really runs with, seen once, then gone.
+
+Static facts can say for certain that a block's inputs will not require grad only in simple cases (nothing trainable
+before the blocks). Everything else - learned position embeddings, embedding norms, token types, a trainable vision
+tower, a user hook - is settled by looking: on the first training forward (module in train mode, grad enabled) of
+each checkpointing *stack* (the module whose forward runs the checkpointed blocks: a decoder, an encoder, a vision
+tower), a forward pre-hook on the stack wraps the checkpoint function of the modules under it for that one forward,
+and a forward post-hook puts the originals back and removes both hooks. Each wrapped call records which module it
+checkpoints, the `use_reentrant` it really runs with, whether any positional tensor input requires grad (only
+positional inputs count: transformers passes keyword arguments inside a `functools.partial`, which reentrant
+checkpointing does not see) and whether the module holds trainable parameters.
+
+Reentrant + trainable parameters + no positional input that requires grad is the silent failure, known before the
+backward: `torch.utils.checkpoint`'s reentrant function returns outputs that do not require grad, so the block's
+parameters get no gradient. The owner (the callback) decides what to do through `on_frozen`: raise, repair (the
+call's first floating-point input is made to require grad, as transformers' `enable_input_require_grads` hook does),
+or report. After the first step every hook that is still there (a stack that did not run) is removed, so the
+steady-state cost is zero.
+
+Works the same on transformers 4.x (where `GradientCheckpointingLayer` checkpoints in `__call__`) and 5.x (in
+`forward`), and for models whose stack calls `self._gradient_checkpointing_func(layer.__call__, ...)` itself: the
+checkpointed module is read off the function it is handed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from . import probe
+from .errors import GCConfigError
+
+logger = logging.getLogger("trl_gc_plugin")
+
+Verdict = Literal["raise", "repair", "report"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """The first checkpointed call of one module.
+
+    Args:
+        module: its qualified name in the model (e.g. `model.layers.0`).
+        reentrant: the `use_reentrant` it ran with (a missing key is torch's default: reentrant).
+        inputs_require_grad: some positional tensor input required grad.
+        trainable: the module holds trainable parameters.
+    """
+
+    module: str
+    reentrant: bool
+    inputs_require_grad: bool
+    trainable: bool
+
+    @property
+    def loses_gradients(self) -> bool:
+        """The silent failure: reentrant, trainable parameters, and no input that requires grad."""
+        return self.reentrant and self.trainable and not self.inputs_require_grad
+
+
+def _target(function: Any, owner: Any) -> Any:
+    """The module a checkpoint function is asked to run: `partial(forward, self, ...)` (transformers 5),
+    `partial(super().__call__, ...)` (4.x), `layer.__call__` (stacks that checkpoint their layers); else `owner`."""
+    import torch
+
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if isinstance(function, functools.partial):
+            if function.args and isinstance(function.args[0], torch.nn.Module):
+                return function.args[0]
+            function = function.func
+            continue
+        bound = getattr(function, "__self__", None)
+        return bound if isinstance(bound, torch.nn.Module) else owner
+    return owner
+
+
+def _require_grad(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Make the first floating-point tensor argument require grad (a tensor that does not is always a leaf)."""
+    import torch
+
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.is_floating_point():
+            arg.requires_grad_(True)
+            break
+    return args
+
+
+class _Observer:
+    """Stands in for one module's checkpoint function during one forward of its stack."""
+
+    __slots__ = ("observation", "original", "owner")
+
+    def __init__(self, observation: Observation, owner: Any, original: Any) -> None:
+        self.observation, self.owner, self.original = observation, owner, original
+
+    @property
+    def keywords(self) -> dict[str, Any]:  # read by probe.effective_use_reentrant
+        return getattr(self.original, "keywords", None) or {}
+
+    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        args = self.observation.see(self, function, args)
+        return self.original(function, *args, **kwargs)
+
+
+class Observation:
+    """The one-shot observation of a model's first training forward.
+
+    Args:
+        model: the model (a PEFT or DDP wrapper is unwrapped).
+        on_frozen: called with the `Call` of a block that loses its gradients; returns `"raise"` (the callback
+            raises from inside it), `"repair"` or `"report"`.
+    """
+
+    def __init__(self, model: Any, on_frozen: Callable[[Call], Verdict]) -> None:
+        self.base = probe.unwrap(model)
+        self.on_frozen = on_frozen
+        self.calls: dict[str, Call] = {}
+        self.observed_stacks: list[str] = []
+        self.failures = 0
+        self._names = {id(m): n for n, m in self.base.named_modules()}
+        self._handles: dict[int, list[Any]] = {}
+        self._active: dict[int, list[tuple[Any, _Observer]]] = {}
+
+    # --- set up / tear down ------------------------------------------------------------------------------------
+
+    def stacks(self) -> dict[int, tuple[Any, list[Any]]]:
+        """{id(stack): (stack, owners)}: the modules whose forward runs checkpointed blocks, and the modules under
+        each that hold a checkpoint function."""
+        try:
+            from transformers.modeling_layers import GradientCheckpointingLayer
+        except ImportError:  # transformers < 4.52: every owner calls its own function for its layers
+            GradientCheckpointingLayer = ()  # type: ignore[assignment,misc]
+        import torch
+
+        parents = {id(child): parent for parent in self.base.modules() for child in parent.children()}
+        containers = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
+        out: dict[int, tuple[Any, list[Any]]] = {}
+        for owner, _ in probe.checkpoint_functions(self.base):
+            stack = owner
+            if isinstance(owner, GradientCheckpointingLayer):
+                stack = parents.get(id(owner), owner)
+                while isinstance(stack, containers) and id(stack) in parents:
+                    stack = parents[id(stack)]
+            out.setdefault(id(stack), (stack, []))[1].append(owner)
+        return out
+
+    def install(self) -> int:
+        """Hook every checkpointing stack; returns how many. Safe to call again (hooks the stacks not hooked yet)."""
+        stacks = self.stacks()
+        for key, (stack, owners) in stacks.items():
+            if key in self._handles or self._names.get(key) in self.observed_stacks:
+                continue
+            pre = stack.register_forward_pre_hook(functools.partial(self._enter, key, owners))
+            post = stack.register_forward_hook(functools.partial(self._leave, key), always_call=True)
+            self._handles[key] = [pre, post]
+        return len(self._handles)
+
+    def remove(self) -> None:
+        """Put every function back and remove every hook (idempotent)."""
+        for key in list(self._active):
+            self._restore(key)
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
+        self._handles.clear()
+
+    @property
+    def pending(self) -> bool:
+        """Some stack is still hooked (has not run a training forward yet)."""
+        return bool(self._handles)
+
+    # --- hooks ---------------------------------------------------------------------------------------------------
+
+    def _enter(self, key: int, owners: list[Any], module: Any, args: Any) -> None:
+        import torch
+
+        if key in self._active or not (module.training and torch.is_grad_enabled()):
+            return
+        wrapped = []
+        for owner in owners:
+            func = getattr(owner, "_gradient_checkpointing_func", None)
+            if func is None or isinstance(func, _Observer) or not getattr(owner, "gradient_checkpointing", False):
+                continue
+            observer = _Observer(self, owner, func)
+            owner._gradient_checkpointing_func = observer
+            wrapped.append((owner, observer))
+        self._active[key] = wrapped
+
+    def _leave(self, key: int, module: Any, args: Any, output: Any) -> None:
+        if key not in self._active:
+            return
+        self._restore(key)
+        self.observed_stacks.append(self._names.get(key, type(module).__name__))
+        for handle in self._handles.pop(key, []):
+            handle.remove()
+
+    def _restore(self, key: int) -> None:
+        for owner, observer in self._active.pop(key, []):
+            # a switch of mode during the forward (fix mode) replaced the observer: keep what is there now
+            if owner.__dict__.get("_gradient_checkpointing_func") is observer:
+                owner._gradient_checkpointing_func = observer.original
+
+    def see(self, observer: _Observer, function: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Record one checkpointed call; on the silent failure ask `on_frozen` (which may raise)."""
+        import torch
+
+        try:
+            if not torch.is_grad_enabled():
+                return args
+            target = _target(function, observer.owner)
+            name = self._names.get(id(target), type(target).__name__)
+            if name in self.calls:
+                return args
+            call = Call(
+                module=name,
+                reentrant=probe.effective_use_reentrant(observer.original),
+                inputs_require_grad=any(isinstance(a, torch.Tensor) and a.requires_grad for a in args),
+                trainable=any(p.requires_grad for p in target.parameters()),
+            )
+            self.calls[name] = call
+        except Exception:  # a plugin bug never stops training
+            self.failures += 1
+            logger.debug("trl_gc_plugin: first-forward observation failed", exc_info=True)
+            return args
+        if not call.loses_gradients:
+            return args
+        try:
+            verdict = self.on_frozen(call)
+        except GCConfigError:  # the one deliberate way out: the owner refuses the run
+            raise
+        except Exception:
+            self.failures += 1
+            logger.debug("trl_gc_plugin: first-forward verdict failed", exc_info=True)
+            return args
+        return _require_grad(args) if verdict == "repair" else args
