@@ -59,6 +59,22 @@ class Facts:
         unsloth: Unsloth is loaded (it replaces torch's checkpoint function and forces reentrant).
         legacy_checkpointing: the model uses the pre-4.35 `_set_gradient_checkpointing(module, value)` format, for
             which transformers ignores the checkpointing kwargs (remote code written before 4.35).
+        kwargs_keys: the keys of the checkpointing kwargs other than `use_reentrant` (`every_n_layers`, `offload`,
+            `preserve_rng_state`, `context_fn`, `determinism_check`, `debug`, ...).
+        every_n_layers / offload: transformers >= 5.23's layer selection and activation offloading, as asked for in
+            the kwargs (None / False when not asked for).
+        preserve_rng_state: the kwargs' `preserve_rng_state` (None: torch's default, True).
+        selective: per-op (selective) checkpointing is asked for (a `context_fn` in the kwargs, or a launcher's
+            selective mode); only the non-reentrant implementation has it.
+        accelerator: an accelerator (CUDA, XPU, MPS, ...) is available for offloading to copy from; None unknown.
+        dropout: some dropout probability of the model is > 0 (None: unknown).
+        shared_state_layers: some layers read tensors another layer computed outside their inputs (cross-layer KV
+            sharing, `num_kv_shared_layers`); None unknown.
+        deepspeed_activation_checkpointing: the DeepSpeed config has an `activation_checkpointing` block.
+        gc_running_blocks: how many blocks really checkpoint (live flags, train mode), None before checkpointing is
+            enabled.
+        fsdp_wrapped: FSDP really wraps the model (None: not known yet); False with `fsdp` set means another wrapper
+            (DDP) was used.
     """
 
     stage: Stage = "init_end"
@@ -93,6 +109,17 @@ class Facts:
     gc_flag_source: Source = "unset"
     unsloth: bool = False
     legacy_checkpointing: bool = False
+    kwargs_keys: tuple[str, ...] = ()
+    every_n_layers: int | None = None
+    offload: bool = False
+    preserve_rng_state: bool | None = None
+    selective: bool = False
+    accelerator: bool | None = None
+    dropout: bool | None = None
+    shared_state_layers: bool | None = None
+    deepspeed_activation_checkpointing: bool = False
+    gc_running_blocks: int | None = None
+    fsdp_wrapped: bool | None = None
 
     @property
     def ddp(self) -> bool:
