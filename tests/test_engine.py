@@ -189,12 +189,12 @@ def test_stages():
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.id)
 def test_every_rule_is_documented(rule):
     assert rule.id and rule.title and rule.condition and rule.message and rule.remove_when
-    assert rule.kind in ("require", "prefer", "repair", "check", "verify")
+    assert rule.kind in ("require", "prefer", "repair", "check", "verify", "plan")
     assert rule.evidence and any(e.startswith("https://") for e in rule.evidence)
     for spec in rule.versions.values():
         SpecifierSet(spec)  # parses
     assert set(rule.stages) <= {"post_init", "init_end", "train", "runtime"} and rule.stages
-    assert (rule.kind == "verify") == (rule.stages == ("runtime",))
+    assert (rule.kind in ("verify", "plan")) == (rule.stages == ("runtime",))
     assert rule.to_dict()["id"] == rule.id
 
 

@@ -13,6 +13,8 @@ Kinds:
 - `repair`: an upstream inconsistency the plugin fixes in strict and fix mode (logged only in warn mode).
 - `check`: a warning only.
 - `verify`: a check of the running training (stage `runtime`), done by the callback, not by the engine.
+- `plan`: how much to checkpoint within a memory budget (`memory_budget=`), chosen at train begin from a measurement
+  of the model (`planner.py`), not by the engine.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Literal
 from .decisions import Level
 from .facts import Facts
 
-RuleKind = Literal["require", "prefer", "repair", "check", "verify"]
+RuleKind = Literal["require", "prefer", "repair", "check", "verify", "plan"]
 
 USE_REENTRANT = "use_reentrant"
 """The setting most rules are about: `use_reentrant` in the checkpointing kwargs of the args (both field names)."""
@@ -515,6 +517,40 @@ RULES += (
     ),
 )
 
+
+RULES += (
+    Rule(
+        id="memory-plan",
+        title="the cheapest checkpointing that fits the memory budget",
+        kind="plan",
+        setting="checkpointing_plan",
+        value=None,
+        when=_at_runtime,
+        condition=(
+            "a memory budget is given (`SafeGCCallback(memory_budget=...)`, `install(memory_budget=...)`, "
+            "`TRL_GC_PLUGIN_BUDGET`): the activation memory of every allowed candidate (no checkpointing, every n-th "
+            "block, every block, selective per-op saving, offloading) is predicted from the bytes autograd saves in "
+            "one forward of the model's layout, and the fastest one that fits is applied to the live model"
+        ),
+        message=(
+            "Checkpointing every block costs a recompute of every block; when part of that memory would fit, "
+            "checkpointing fewer blocks (or keeping the matmul outputs) is faster and gives the same gradients "
+            "(non-reentrant checkpointing recomputes exactly). Only candidates the other rules allow are considered "
+            "(selective needs non-reentrant, offloading an accelerator and transformers >= 5.23). A budget nothing fits "
+            "is refused in strict mode; fix mode takes the lowest-memory plan with a warning."
+        ),
+        evidence=(
+            "https://arxiv.org/abs/2205.05198 (Korthikanti et al. 2022, Reducing Activation Recomputation in Large "
+            "Transformer Models)",
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/modeling_utils.py "
+            "(activation_checkpointing_enable: every_n_layers, offload)",
+            "https://docs.pytorch.org/docs/stable/checkpoint.html (create_selective_checkpoint_contexts)",
+        ),
+        remove_when="transformers or torch plans checkpointing against a memory budget itself",
+        stages=("runtime",),
+        level="info",
+    ),
+)
 
 def get_rule(rule_id: str) -> Rule:
     """The rule with this id (KeyError if none)."""
