@@ -5,11 +5,14 @@ and times `python -c pass` in interleaved rounds:
 
 - installed, TRL_GC_PLUGIN unset   vs  not installed      -> ratio of medians (target <= 1.01)
 - installed, TRL_GC_PLUGIN=1       vs  installed, unset   -> added milliseconds (target <= 5 ms)
+- installed, TRL_GC_PLUGIN=0       vs  installed, unset   -> added milliseconds (the `.pth` line tests only whether
+  the variable is set; the start-up hook reads an off value and returns)
 
 and, inside `python -S`, the time `site.main()` takes (the part a `.pth` file can add, without the process-spawn
 noise of a whole start-up); and checks that with the variable set neither torch nor transformers is imported at start-up. It runs twice: in
 bare venvs, and in venvs that also hold setuptools' `distutils-precedence.pth` (an import line, as most
 environments with setuptools have), where the interpreter has already paid for its first `.pth` `exec`.
+Instruction counts per candidate `.pth` line (deterministic, where these timings are not): `benchmarks/pth_cost.py`.
 
     .venv/bin/python benchmarks/startup.py [--runs 40] [--out benchmarks/results/startup.json]
 """
@@ -73,9 +76,9 @@ def measure(base: Path, wheel: Path, extra_pth: str | None, runs: int) -> dict[s
     cwd = str(base)
     with_plugin = make_venv(base / "with", wheel, extra_pth)
     without = make_venv(base / "without", None, extra_pth)
-    unset, on = clean_env(), clean_env(TRL_GC_PLUGIN="1")
+    unset, on, off = clean_env(), clean_env(TRL_GC_PLUGIN="1"), clean_env(TRL_GC_PLUGIN="0")
     cases = {"not_installed": (without, unset), "installed_unset": (with_plugin, unset),
-             "installed_set": (with_plugin, on)}
+             "installed_set": (with_plugin, on), "installed_off": (with_plugin, off)}
     for python, env in cases.values():  # warm the OS caches; a start-up that complains is no baseline
         err = subprocess.run([str(python), "-c", "pass"], env=env, cwd=cwd, capture_output=True, text=True).stderr
         if err:
@@ -97,9 +100,11 @@ def measure(base: Path, wheel: Path, extra_pth: str | None, runs: int) -> dict[s
         "median_site_processing_us": {k: round(v * 1e6) for k, v in site_med.items()},
         "site_added_us_installed_unset": round((site_med["installed_unset"] - site_med["not_installed"]) * 1e6),
         "site_added_us_when_set": round((site_med["installed_set"] - site_med["installed_unset"]) * 1e6),
+        "site_added_us_when_off": round((site_med["installed_off"] - site_med["installed_unset"]) * 1e6),
         "ratio_installed_unset_vs_not_installed": round(med["installed_unset"] / med["not_installed"], 4),
         "added_ms_installed_unset": round((med["installed_unset"] - med["not_installed"]) * 1e3, 3),
         "added_ms_when_set": round((med["installed_set"] - med["installed_unset"]) * 1e3, 3),
+        "added_ms_when_off": round((med["installed_off"] - med["installed_unset"]) * 1e3, 3),
         "heavy_modules_at_startup_when_set": probe,
     }
 

@@ -40,7 +40,10 @@ def make_venv(path: Path, wheel: Path | None, extra_pth: str | None = None) -> P
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRL_GC_PLUGIN", "PYTHONPATH"))}
+    """This environment without the plugin's variables (`_TRL_GC_PLUGIN_WARNED` included), `PYTHONPATH` and the
+    launcher's rank variables the start-up hook reads, plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TRL_GC_PLUGIN", "_TRL_GC_PLUGIN", "PYTHONPATH")) and k not in ("RANK", "LOCAL_RANK")}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env

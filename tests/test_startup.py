@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import textwrap
 from pathlib import Path
@@ -36,41 +37,52 @@ PROBE = """
 
 
 def test_wheel_ships_the_start_up_files(venv_python):
+    import ast
     import zipfile
 
     (wheel,) = list(venv_python.parents[2].glob("dist/*.whl"))
-    names = zipfile.ZipFile(wheel).namelist()
+    archive = zipfile.ZipFile(wheel)
+    names = archive.namelist()
     assert "trl_gc_plugin.pth" in names and "trl_gc_plugin.start" in names
-    assert zipfile.ZipFile(wheel).read("trl_gc_plugin.start").decode().strip() == "trl_gc_plugin._startup:run"
-    # the .pth's own off-list (checked before anything is imported) is the hook's
-    import ast
-
-    from trl_gc_plugin._startup import OFF
-
-    line = zipfile.ZipFile(wheel).read("trl_gc_plugin.pth").decode()
-    assert set(ast.literal_eval(line[line.index("not in ") + 7: line.index(") and") + 1])) == OFF
+    assert archive.read("trl_gc_plugin.start").decode().strip() == "trl_gc_plugin._startup:run"
+    # read, not imported: importing `_startup` runs the hook
+    startup = ast.parse(archive.read("trl_gc_plugin/_startup.py").decode())
+    constants = {t.id: n.value.value for n in startup.body if isinstance(n, ast.Assign)
+                 for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
+    functions = {n.name for n in startup.body if isinstance(n, ast.FunctionDef)}
+    assert "run" in functions and ast.unparse(startup.body[-1]) == "run()"  # importing the module runs the hook
+    # the .pth: one import line that tests the hook's variable, and nothing else, before importing the hook
+    text = archive.read("trl_gc_plugin.pth").decode()
+    assert text.count("\n") == 1 and text.startswith("import ")
+    imports, check = ast.parse(text).body
+    assert ast.unparse(imports) == "import os"
+    assert ast.unparse(check) == f"{constants['ENABLE_ENV']!r} in os.environ and __import__('trl_gc_plugin._startup')"
 
 
 AT_STARTUP = """
     import sys
-    print(sorted(m for m in ("torch", "transformers", "trl_gc_plugin") if m in sys.modules),
+    print(sorted(m for m in sys.modules if m.startswith(("torch", "transformers", "trl_gc_plugin"))),
           [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "_TransformersFinder"])
 """
+HOOK = "['trl_gc_plugin', 'trl_gc_plugin._flags', 'trl_gc_plugin._startup']"
 
 
-@pytest.mark.parametrize(("value", "armed"), [(None, False), ("", False), ("0", False), ("false", False),
-                                              ("OFF", False), ("no", False), ("1", True), ("true", True),
-                                              ("YES", True), ("on", True)])
-def test_start_up_imports_nothing_heavy_and_arms_only_when_enabled(venv_python, tmp_path, value, armed):
+@pytest.mark.parametrize(("value", "expected"), [
+    (None, "[] []"),  # the .pth line tests the variable and imports nothing
+    *[(off, f"{HOOK} []") for off in ("", "0", "false", "OFF", "no")],  # the hook reads the value and returns
+    *[(on, f"{HOOK} ['_TransformersFinder']") for on in ("1", "true", "YES", "on")],
+    ("maybe", f"{HOOK} ['_TransformersFinder']"),  # armed to warn, if training code is ever imported
+])
+def test_start_up_imports_nothing_heavy_and_arms_only_when_set(venv_python, tmp_path, value, expected):
     env = {} if value is None else {"TRL_GC_PLUGIN": value}
     out = py(venv_python, AT_STARTUP, tmp_path, **env)
-    assert out.returncode == 0 and out.stderr == "", out.stderr
-    expected = "['trl_gc_plugin'] ['_TransformersFinder']" if armed else "[] []"
+    assert out.returncode == 0 and out.stderr == "", out.stderr  # no warning either: nothing imports transformers
     assert out.stdout.strip() == expected
 
 
-def test_unset_patches_nothing_when_transformers_is_imported(venv_python, tmp_path):
-    out = py(venv_python, PROBE, tmp_path)
+@pytest.mark.parametrize("value", [None, "0"])
+def test_unset_or_off_patches_nothing_when_transformers_is_imported(venv_python, tmp_path, value):
+    out = py(venv_python, PROBE, tmp_path, **({} if value is None else {"TRL_GC_PLUGIN": value}))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-5:] == ["[]", "[]", "False", "[]", "[]"], out.stdout
     assert "trl_gc_plugin" not in out.stderr
@@ -83,32 +95,71 @@ def test_set_patches_when_transformers_is_imported_and_the_hook_removes_itself(v
     assert out.stdout.strip().endswith("[] ['_TransformersFinder'] True ['AutoSafeGCCallback'] []"), out.stdout
 
 
-def test_other_values_warn_once_and_patch_nothing(venv_python, tmp_path):
-    out = py(venv_python, AT_STARTUP, tmp_path, TRL_GC_PLUGIN="maybe")
-    assert out.returncode == 0
-    assert out.stderr.count("trl_gc_plugin: ignoring TRL_GC_PLUGIN='maybe'") == 1, out.stderr
-    assert "1/true/yes/on" in out.stderr
-    assert out.stdout.strip().endswith("[]")  # nothing armed
+WARNING = "trl_gc_plugin: ignoring TRL_GC_PLUGIN="
+
+# imports both targets, then starts three children that import the training code too (a stub `transformers`
+# package for them: what the hook reacts to is the module names, and torch takes seconds to import)
+LAUNCH = """
+    import json, os, subprocess, sys
+    import transformers.training_args, transformers.trainer
+    from transformers import TrainingArguments
+    import transformers.trainer as t
+    patched = getattr(TrainingArguments.__post_init__, "__trl_gc_plugin_wrapper__", False)
+    registered = [c.__name__ for c in t.DEFAULT_CALLBACKS if "SafeGC" in c.__name__]
+    left = [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "_TransformersFinder"]
+    stub = os.path.abspath("stub")  # in the test's tmp_path
+    os.makedirs(os.path.join(stub, "transformers"))
+    for name in ("__init__", "training_args", "trainer"):
+        open(os.path.join(stub, "transformers", name + ".py"), "w").close()
+    child = "import transformers.trainer; print(transformers.trainer.__file__)"
+    children = {
+        "inherits": {},  # the marker this process set, the same value: silent
+        "other value": {"TRL_GC_PLUGIN": "perhaps"},  # a different value: warns
+        "rank 1": {"TRL_GC_PLUGIN": "perhaps", "RANK": "1"},  # not the main rank: silent
+    }
+    runs = {name: subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, cwd=stub,
+                                 env={**os.environ, "PYTHONPATH": stub, **extra}) for name, extra in children.items()}
+    print(json.dumps({"patched": patched, "registered": registered, "left": left,
+                      "marker": os.environ.get("_TRL_GC_PLUGIN_WARNED"), "stub": stub,
+                      "children": {name: [run.stdout, run.stderr] for name, run in runs.items()}}))
+"""
+
+
+def test_an_invalid_value_warns_once_where_training_code_is_imported_and_once_per_launch(venv_python, tmp_path):
+    out = py(venv_python, LAUNCH, tmp_path, TRL_GC_PLUGIN="maybe")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count(WARNING) == 1 and "TRL_GC_PLUGIN='maybe'" in out.stderr, out.stderr
+    assert "1/true/yes/on" in out.stderr and "Nothing was patched" in out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert (result["patched"], result["registered"], result["left"]) == (False, [], [])
+    assert result["marker"] == "maybe"
+    children = {name: stderr for name, (stdout, stderr) in result["children"].items()}
+    assert all(stdout.startswith(result["stub"]) for stdout, _ in result["children"].values()), result["children"]
+    assert WARNING not in children["inherits"], children["inherits"]
+    assert children["other value"].count(WARNING) == 1 and "'perhaps'" in children["other value"]
+    assert WARNING not in children["rank 1"], children["rank 1"]
 
 
 def test_the_variable_never_names_a_module(venv_python, tmp_path):
     (tmp_path / "evil.py").write_text("print('IMPORTED')\n")
     out = py(venv_python, "pass", tmp_path, TRL_GC_PLUGIN="evil", PYTHONPATH=str(tmp_path))
-    assert "IMPORTED" not in out.stdout and out.returncode == 0
+    assert "IMPORTED" not in out.stdout and out.returncode == 0 and out.stderr == ""
 
 
-def test_transformers_already_imported_patches_at_once(venv_python, tmp_path):
-    code = """
+@pytest.mark.parametrize(("value", "expected"), [("1", "True ['AutoSafeGCCallback']"), ("maybe", "False []")])
+def test_transformers_already_imported_is_handled_at_once(venv_python, tmp_path, value, expected):
+    code = f"""
         import os, transformers.trainer as t
         from transformers import TrainingArguments
-        os.environ["TRL_GC_PLUGIN"] = "1"
-        from trl_gc_plugin import _startup
-        _startup.run()
+        os.environ["TRL_GC_PLUGIN"] = {value!r}
+        from trl_gc_plugin import _startup  # importing it runs the hook
+        _startup.run()  # a second call does nothing
         print(getattr(TrainingArguments.__post_init__, "__trl_gc_plugin_wrapper__", False),
               [c.__name__ for c in t.DEFAULT_CALLBACKS if "SafeGC" in c.__name__])
     """
     out = py(venv_python, code, tmp_path)
-    assert out.stdout.strip() == "True ['AutoSafeGCCallback']", out.stderr
+    assert out.stdout.strip() == expected, out.stderr
+    assert out.stderr.count(WARNING) == (value == "maybe"), out.stderr
 
 
 def test_a_failing_patch_is_logged_and_never_breaks_the_import(venv_python, tmp_path):
@@ -183,11 +234,12 @@ def test_torchrun_two_ranks_get_the_callback_and_the_same_decision(venv_python, 
     written = json.loads((tmp_path / "out" / "gc_decisions.json").read_text())
     assert [[d["stage"], d["rule_id"], d["action"], repr(d["after"])] for d in written] == results[0]["decisions"]
     # logged by the main process only: one line per decision, not one per rank
-    logged = [line for line in out.stderr.splitlines() if line.startswith("trl_gc_plugin [")]
+    logged = [line for line in out.stderr.splitlines() if re.match(r"trl_gc_plugin(\.\w+)? \[", line)]
     assert len(logged) == len(results[0]["decisions"]), logged
 
 
-def test_trl_cli(venv_python, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("value", ["1", "maybe"])
+def test_trl_cli(venv_python, tiny_checkpoint, tmp_path, value):
     data = tmp_path / "data"
     data.mkdir()
     (data / "train.jsonl").write_text("".join(json.dumps({"text": f"the quick brown fox {i}"}) + "\n"
@@ -208,8 +260,13 @@ def test_trl_cli(venv_python, tiny_checkpoint, tmp_path):
     """))
     cli = "import sys; from trl.cli import main; sys.exit(main())"
     out = subprocess.run([str(venv_python), "-c", cli, "sft", "--config", str(config)], capture_output=True,
-                         text=True, cwd=tmp_path, env=clean_env(TRL_GC_PLUGIN="1"), timeout=300)
+                         text=True, cwd=tmp_path, env=clean_env(TRL_GC_PLUGIN=value), timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
+    if value == "maybe":  # the CLI process and the training process it launches: one warning, nothing patched
+        assert out.stderr.count(WARNING) == 1, out.stderr[-4000:]
+        assert not (tmp_path / "out" / "gc_decisions.json").exists()
+        return
+    assert WARNING not in out.stderr
     decisions = json.loads((tmp_path / "out" / "gc_decisions.json").read_text())
     decided = [d for d in decisions if d["setting"] == "use_reentrant"]
     assert decided[0]["stage"] == "post_init" and decided[0]["after"] is False
