@@ -27,35 +27,50 @@ def write_flag(args: Any, value: bool) -> None:
             setattr(args, name, value)
 
 
-def set_args_use_reentrant(args: Any, value: bool | None) -> None:
-    """Set `use_reentrant` in the kwargs the Trainer reads, keeping every other key (`every_n_layers`, ...)."""
+def set_args_kwarg(args: Any, key: str, value: Any) -> None:
+    """Set `key` in the kwargs the Trainer reads (`None` removes it), keeping every other key."""
     kwargs = dict(probe.read_kwargs(args) or {})
     if value is None:
-        kwargs.pop("use_reentrant", None)
+        kwargs.pop(key, None)
     else:
-        kwargs["use_reentrant"] = value
+        kwargs[key] = value
     write_kwargs(args, kwargs)
 
 
-def set_model_use_reentrant(model: Any, value: bool) -> int:
-    """Rewrite the checkpoint function of every checkpointing module of `model` to run with `use_reentrant=value`.
+def set_args_use_reentrant(args: Any, value: bool | None) -> None:
+    """Set `use_reentrant` in the kwargs the Trainer reads, keeping every other key (`every_n_layers`, ...)."""
+    set_args_kwarg(args, "use_reentrant", value)
 
-    The `functools.partial` transformers stores is rebuilt with the same function and other keywords, so
-    `every_n_layers`, offloading and any torch kwargs survive, and no hook is added. Returns how many modules
-    changed.
+
+def set_model_kwarg(model: Any, key: str, value: Any) -> int:
+    """Rewrite the checkpoint function of every checkpointing module of `model` to run with `key=value` (`None`
+    removes the keyword).
+
+    The `functools.partial` transformers stores is rebuilt with the same function and other keywords, so offloading
+    and any torch kwargs survive, and no hook is added. Returns how many modules changed.
     """
     changed = 0
     for module, func in probe.checkpoint_functions(probe.unwrap(model)):
         func = getattr(func, "original", func)  # an observer of the first forward stands in for the real one
         if isinstance(func, functools.partial):
-            if func.keywords.get("use_reentrant") is value:
+            if func.keywords.get(key, None) is value and (value is not None or key not in func.keywords):
                 continue
-            new = functools.partial(func.func, *func.args, **{**func.keywords, "use_reentrant": value})
+            keywords = {**func.keywords, key: value}
+            if value is None:
+                del keywords[key]
+            new = functools.partial(func.func, *func.args, **keywords)
+        elif value is None:
+            continue
         else:
-            new = functools.partial(func, use_reentrant=value)
+            new = functools.partial(func, **{key: value})
         module._gradient_checkpointing_func = new
         changed += 1
     return changed
+
+
+def set_model_use_reentrant(model: Any, value: bool) -> int:
+    """Rewrite the checkpoint function of every checkpointing module of `model` to run with `use_reentrant=value`."""
+    return set_model_kwarg(model, "use_reentrant", value)
 
 
 class CacheSwitch:
@@ -99,6 +114,14 @@ def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[D
             set_model_use_reentrant(model, bool(d.after))
         elif d.setting == "model.config.use_cache":
             continue  # carried out step by step by the callback's CacheSwitch
+        elif d.setting in ("preserve_rng_state", "offload"):
+            value = None if d.setting == "offload" else d.after  # offload=False: the key goes
+            set_args_kwarg(args, d.setting, value)
+            if model is not None:
+                set_model_kwarg(model, d.setting, value)
+        elif d.setting == "checkpointing_kwargs":  # transformers < 5.23: torch must not get them
+            for key in d.before or ():
+                set_args_kwarg(args, key, None)
         else:
             raise KeyError(f"no way to apply a decision on {d.setting!r}")
         done.append(d)

@@ -17,6 +17,8 @@ from .apply import CacheSwitch, apply, set_args_use_reentrant, set_model_use_ree
 from .decisions import Action, Decision, Level, write_decisions
 from .engine import decide, final_use_reentrant, refused
 from .errors import GCConfigError
+from .facts import Facts
+from .keep import EnableGuard, every_n_pattern
 from .modes import Mode, resolve_mode
 from .observe import Call, Observation, Verdict
 from .patching import installed_mode, raise_for_errors
@@ -159,6 +161,8 @@ class SafeGCCallback(TrainerCallback):
         self._observation: Observation | None = None
         self._cache: CacheSwitch | None = None
         self._cache_off = False
+        self._every_n: int | None = None
+        self._guard: EnableGuard | None = None
         self._audit_pending = False
         self._reported: dict[str, int] = {}
         self._args: Any = None
@@ -186,6 +190,8 @@ class SafeGCCallback(TrainerCallback):
         self._refuse(args, decisions)
         apply(decisions, args, model)
         self._cache_off = any(d.applied and d.setting == "model.config.use_cache" for d in decisions)
+        if any(d.applied and d.setting == "checkpointing_kwargs" for d in decisions):
+            self._every_n = facts.every_n_layers  # transformers < 5.23: the plugin applies it itself
         self._final = final_use_reentrant(decisions, facts.use_reentrant, facts.use_reentrant_source)
         probe.remember(args, *self._final)
         self._publish(args, decisions)
@@ -216,6 +222,7 @@ class SafeGCCallback(TrainerCallback):
             self._publish(args, decisions)
         if self._cache_off:  # the configs as the Trainer leaves them (transformers 5 writes args.use_cache itself)
             self._cache = CacheSwitch(model)
+        self._keep_what_was_enabled(facts, model)
         value = self._final[0]
         if not isinstance(value, bool):  # warn mode or a stand-back left it unset: watch what actually runs
             value = probe.model_use_reentrant(model)
@@ -251,7 +258,7 @@ class SafeGCCallback(TrainerCallback):
         watch = self._watch
         if watch is None:
             return
-        drifted = watch.drift()
+        drifted = watch.drift() + (self._guard.drifted() if self._guard is not None else [])
         if drifted:
             self._repair_drift(args, model, drifted)
         if watch.embeddings is not None and watch.input_hooks() > 1:
@@ -390,20 +397,20 @@ class SafeGCCallback(TrainerCallback):
         for setting, found in drifted:
             count = self._reported.get(f"drift:{setting}", 0) + 1
             self._reported[f"drift:{setting}"] = count
-            action: Action = "warn" if report_only else "repair"
-            if count == 1:
-                verdicts.append(
-                    self._verdict(
-                        rule,
-                        action,
-                        found,
-                        value,
-                        f"{setting} drifted to {found!r} mid-training; decided {value!r}.",
-                        setting=setting,
-                    )
-                )
+            if count > 1:
+                continue
+            if setting in ("layer_pattern", "checkpoint_function") and self._guard is not None:
+                expected: Any = self._guard.pattern if setting == "layer_pattern" else "as enabled at train begin"
+                reason = f"{setting} drifted to {found!r} mid-training; restored to {expected!r}."
+            else:
+                expected, reason = value, f"{setting} drifted to {found!r} mid-training; decided {value!r}."
+            verdicts.append(
+                self._verdict(rule, "warn" if report_only else "repair", found, expected, reason, setting=setting)
+            )
         if not report_only:
             self._switch(args, model, value)
+            if self._guard is not None:
+                self._guard.reapply()
         self._record(args, verdicts)
 
     def _dedupe_hooks(self, args: Any, watch: verify.Watch) -> None:
@@ -472,13 +479,32 @@ class SafeGCCallback(TrainerCallback):
         self._final = (value, "plugin")
         probe.remember(args, *self._final)
 
+    def _keep_what_was_enabled(self, facts: Facts, model: Any) -> None:
+        """Apply `every_n_layers` where transformers cannot (< 5.23), and keep the layer pattern, the offload wrapper
+        and the plugin's keywords across re-enables (TRL's DPO/GRPO/KTO/RLOO re-enable with the raw kwargs every
+        step)."""
+        if self._stands_back() or not probe.checkpointing_on(model):
+            return
+        layer_kwargs = probe.reads_layer_kwargs(facts.versions)
+        if self._every_n:
+            blocks = probe.checkpointed_blocks(probe.unwrap(model))
+            for block, on in zip(blocks, every_n_pattern(len(blocks), self._every_n), strict=True):
+                block.gradient_checkpointing = on
+        if self._every_n or (layer_kwargs and (facts.every_n_layers or facts.offload)):
+            self._guard = EnableGuard(model, layer_kwargs)
+            self._guard.install()
+
     def _stands_back(self) -> bool:
         """Another library or the model's own code owns checkpointing (a `stand_back` rule applied): the plugin
         decides nothing and only reports what its checks see."""
         return any(d.rule_id in _STAND_BACK for d in self.decisions)
 
     def _stop_watching(self) -> None:
-        """Remove every trace of the run from the model (observation hooks) and its config (use_cache)."""
+        """Remove every trace of the run from the model (observation hooks, the enable guard) and its config
+        (use_cache)."""
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
         if self._observation is not None:
             self._observation.remove()
             self._observation = None

@@ -110,7 +110,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    if not facts.gc_enabled:
+    if not facts.gc_enabled and not facts.fsdp_activation_checkpointing:
         return [
             Decision(
                 rule_id="checkpointing-off",
@@ -345,9 +345,22 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
             )
         else:
             out.append(_refuse_explicit(rule, mode, current, who, facts))
+    # repairs of a setting other than use_reentrant (those above are repaired on the way to the value)
+    for rule in by_kind["repair"]:
+        if rule.setting in _REPAIRED_ABOVE:
+            continue
+        current, who = _current(facts, rule.setting)
+        out.append(_decision(rule, "repair", current, rule.value, who, rule.message, facts))
     for rule in by_kind["check"]:
         out.append(_decision(rule, "warn", value, value, source, rule.message, facts, level=rule.level))
     return [_in_warn_mode(d) for d in out] if mode == "warn" else out
+
+
+_REPAIRED_ABOVE = frozenset({USE_REENTRANT, "activation_checkpointing_kwargs", "model.use_reentrant"})
+"""Repairs `decide` folds into the choice of `use_reentrant` (field disagreement, a non-bool value, a stale model)."""
+
+LAYER_KWARGS = ("every_n_layers", "offload")
+"""Checkpointing kwargs transformers >= 5.23 reads itself (it takes them out before calling torch)."""
 
 
 def _current(facts: Facts, setting: str) -> tuple[Any, str]:
@@ -356,6 +369,12 @@ def _current(facts: Facts, setting: str) -> tuple[Any, str]:
         return facts.use_cache, "model config"
     if setting == "activation_checkpointing":
         return facts.gc_enabled, facts.gc_flag_source
+    if setting == "preserve_rng_state":  # only ever written by the user
+        return facts.preserve_rng_state, "user"
+    if setting == "offload":
+        return facts.offload, "user"
+    if setting == "checkpointing_kwargs":  # the kwargs torch must not get
+        return tuple(k for k in LAYER_KWARGS if k in facts.kwargs_keys), "user"
     raise KeyError(f"no fact for setting {setting!r}")
 
 

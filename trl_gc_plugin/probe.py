@@ -236,6 +236,9 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
 
     fsdp, fsdp_ac = fsdp_facts(args)
     kind = trainer_kind(args)
+    given = kwargs if isinstance(kwargs, dict) else {}
+    every = given.get("every_n_layers")
+    ds_config = _deepspeed_config(args)
     return Facts(
         stage=stage,  # type: ignore[arg-type]
         versions=dict(installed_versions()),
@@ -258,6 +261,30 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
         ddp_find_unused_parameters=getattr(args, "ddp_find_unused_parameters", None),
         ddp_static_graph=getattr(args, "ddp_static_graph", None),
         gc_flag_source=_flag_source(args),
+        kwargs_keys=tuple(sorted(str(k) for k in given if k != "use_reentrant")),
+        every_n_layers=every if isinstance(every, int) and not isinstance(every, bool) else None,
+        offload=bool(parse_flag(given.get("offload", False))),
+        preserve_rng_state=parse_flag(given["preserve_rng_state"]) if "preserve_rng_state" in given else None,
+        selective="context_fn" in given or bool(parse_flag(given.get("selective", False))),
+        deepspeed_activation_checkpointing=deepspeed_activation_checkpointing(ds_config),
+    )
+
+
+DEEPSPEED_AC_KEYS = (
+    "partition_activations",
+    "cpu_checkpointing",
+    "contiguous_memory_optimization",
+    "number_checkpoints",
+    "synchronize_checkpoint_boundary",
+    "profile",
+)
+
+
+def deepspeed_activation_checkpointing(config: Any) -> bool:
+    """The DeepSpeed config asks for DeepSpeed's own activation checkpointing (a block with a truthy setting)."""
+    block = config.get("activation_checkpointing") if isinstance(config, dict) else None
+    return isinstance(block, dict) and any(
+        block.get(k) not in (None, False, 0, "false", "none") for k in DEEPSPEED_AC_KEYS
     )
 
 
@@ -332,6 +359,19 @@ def checkpointed_blocks(model: Any) -> list[Any]:
         ):
             blocks.append(module)
     return blocks
+
+
+def block_pattern(model: Any) -> tuple[bool, ...]:
+    """The live per-block checkpointing flags (one per `GradientCheckpointingLayer`, in module order)."""
+    return tuple(getattr(b, "gradient_checkpointing", False) is True for b in checkpointed_blocks(unwrap(model)))
+
+
+def reads_layer_kwargs(versions: dict[str, str | None]) -> bool:
+    """transformers >= 5.23 reads `every_n_layers` / `offload` itself (before, they would reach torch)."""
+    from packaging.version import Version
+
+    tf = versions.get("transformers")
+    return tf is not None and Version(tf) >= Version("5.23.0")
 
 
 def checkpoint_functions(model: Any) -> list[tuple[Any, Any]]:
@@ -494,7 +534,44 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
         model_is_pretrained=_is_pretrained(model),
         unsloth=_unsloth_patched(),
         legacy_checkpointing=uses_legacy_format(base),
+        accelerator=accelerator_available(),
+        dropout=has_dropout(base),
+        shared_state_layers=shares_layer_state(base),
     )
+
+
+def accelerator_available() -> bool:
+    """An accelerator (CUDA, XPU, MPS, ...) that activation offloading could copy from."""
+    import torch
+
+    current = getattr(getattr(torch, "accelerator", None), "current_accelerator", None)
+    if current is not None:
+        try:
+            return current() is not None
+        except Exception:
+            pass
+    return bool(torch.cuda.is_available())
+
+
+def has_dropout(model: Any) -> bool:
+    """Some dropout is active in training: an `nn.Dropout` with p > 0, or a config's `*dropout*` probability > 0
+    (attention dropout is applied functionally, from the config)."""
+    import torch
+
+    base = unwrap(model)
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in base.modules()):
+        return True
+    for config in model_configs(base):
+        for key, value in vars(config).items():
+            if "dropout" in key and isinstance(value, float) and value > 0:
+                return True
+    return False
+
+
+def shares_layer_state(model: Any) -> bool:
+    """Some layers read tensors another layer computed, outside their own inputs: cross-layer KV sharing
+    (`num_kv_shared_layers`, Gemma 3n / Gemma 4)."""
+    return any((getattr(c, "num_kv_shared_layers", 0) or 0) > 0 for c in model_configs(unwrap(model)))
 
 
 def uses_legacy_format(model: Any) -> bool:

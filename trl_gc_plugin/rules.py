@@ -33,6 +33,9 @@ USE_REENTRANT = "use_reentrant"
 
 TORCH_CHECKPOINT_DOCS = "https://docs.pytorch.org/docs/stable/checkpoint.html"
 
+NON_REENTRANT_ONLY = frozenset({"context_fn", "debug", "determinism_check"})
+"""Checkpointing kwargs only torch's non-reentrant implementation has."""
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -276,6 +279,165 @@ RULES: tuple[Rule, ...] = (
         remove_when="never while torch DDP and reentrant checkpointing work this way",
     ),
     Rule(
+        id="non-reentrant-only-kwargs",
+        title="context_fn / debug / determinism_check: non-reentrant only",
+        kind="require",
+        setting=USE_REENTRANT,
+        value=False,
+        when=lambda f: bool(f.gc_enabled and (f.selective or set(f.kwargs_keys) & NON_REENTRANT_ONLY)),
+        condition=(
+            "the checkpointing kwargs hold `context_fn` (selective per-op checkpointing), `debug` or "
+            "`determinism_check`, or TRL's `selective: true`"
+        ),
+        message=(
+            "Only torch's non-reentrant implementation has them: with use_reentrant=True, `context_fn` and "
+            "`debug=True` raise 'Passing `context_fn` or `debug` is only supported when use_reentrant=False' in the "
+            "first forward, and `determinism_check` is silently ignored. Use use_reentrant=False."
+        ),
+        evidence=(
+            TORCH_CHECKPOINT_DOCS,
+            "reproduced: torch 2.13, GPT-2, use_reentrant=True + context_fn -> ValueError in the first forward",
+        ),
+        remove_when="torch's reentrant checkpoint accepts these options",
+    ),
+    Rule(
+        id="shared-layer-state-needs-non-reentrant",
+        title="layers sharing state: non-reentrant",
+        kind="require",
+        setting=USE_REENTRANT,
+        value=False,
+        when=lambda f: bool(f.gc_enabled and f.shared_state_layers),
+        condition=(
+            "some layers read tensors another layer computed outside their inputs: cross-layer KV sharing "
+            "(`num_kv_shared_layers` > 0, Gemma 4)"
+        ),
+        message=(
+            "Reentrant checkpointing runs the forward under no_grad, so the KV states a layer stores for later layers "
+            "carry no graph: the gradients through the shared states are lost and the others are wrong, silently "
+            "(the gradient audit sees gradients and passes). Non-reentrant is exact. Use use_reentrant=False."
+        ),
+        evidence=(
+            "https://github.com/unslothai/unsloth-zoo/pull/813 (Gemma 3n / Gemma 4 KV sharing under checkpointing)",
+            "reproduced: transformers 5.23.0, Gemma 4 text, 4 layers, num_kv_shared_layers=2: reentrant gradients "
+            "differ from no checkpointing (max relative difference 0.52); non-reentrant equal",
+        ),
+        versions={"transformers": ">=5.0"},
+        remove_when="transformers passes shared KV states as checkpoint inputs",
+        stages=("init_end", "train"),
+    ),
+    Rule(
+        id="shared-layer-state-prefers-non-reentrant",
+        title="layers sharing state: non-reentrant preferred (not reproduced on 4.x)",
+        kind="prefer",
+        setting=USE_REENTRANT,
+        value=False,
+        when=lambda f: bool(f.gc_enabled and f.shared_state_layers),
+        condition="as `shared-layer-state-needs-non-reentrant`, on transformers 4.x (Gemma 3n)",
+        message=(
+            "Reported for Gemma 3n's KV sharing (unsloth-zoo PR 813) but not reproduced here: transformers 4.57.6 "
+            "Gemma 3n with num_kv_shared_layers=2 gave reentrant gradients equal to no checkpointing. Kept with a "
+            "warning rather than refused; use_reentrant=False is exact either way."
+        ),
+        evidence=(
+            "https://github.com/unslothai/unsloth-zoo/pull/813",
+            "not reproduced: transformers 4.57.6, Gemma 3n text, 4 layers, num_kv_shared_layers=2 (equal gradients)",
+        ),
+        versions={"transformers": "<5.0"},
+        remove_when="transformers 4.x is no longer supported",
+        stages=("init_end", "train"),
+    ),
+    Rule(
+        id="preserve-rng-state-with-dropout",
+        title="dropout needs the RNG state preserved",
+        kind="require",
+        setting="preserve_rng_state",
+        value=True,
+        when=lambda f: bool(f.gc_enabled and f.dropout and f.preserve_rng_state is False),
+        condition="`preserve_rng_state=False` in the checkpointing kwargs and some dropout probability of the model > 0",
+        message=(
+            "The recompute draws other dropout masks than the forward did, so the gradients do not belong to the loss "
+            "that was computed: silently wrong (no error, the audit sees gradients). Keep preserve_rng_state=True "
+            "(torch's default) or set every dropout to 0."
+        ),
+        evidence=(
+            "https://github.com/allenai/OLMo-core/pull/828",
+            "reproduced: torch 2.13, GPT-2 with dropout 0.1, preserve_rng_state=False: gradients differ from no "
+            "checkpointing (max relative difference 1.23), reentrant and non-reentrant; True: equal",
+            TORCH_CHECKPOINT_DOCS,
+        ),
+        remove_when="never while recomputation replays random ops",
+        stages=("init_end", "train"),
+    ),
+    Rule(
+        id="offload-needs-accelerator",
+        title="activation offloading needs an accelerator",
+        kind="require",
+        setting="offload",
+        value=False,
+        when=lambda f: bool(f.gc_enabled and f.offload and f.accelerator is False),
+        condition="`offload: true` in the checkpointing kwargs and no accelerator (CUDA, XPU, MPS...) on this machine",
+        message=(
+            "transformers wraps the checkpoint in `save_on_cpu(pin_memory=True)`, which raises 'pin_memory=True "
+            "requires a CUDA or other accelerator backend' in the first forward; on a CPU-only machine the "
+            "activations are already in host memory, so there is nothing to offload. Drop `offload`."
+        ),
+        evidence=(
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/modeling_utils.py "
+            "(_activation_checkpointing_enable: save_on_cpu(pin_memory=True))",
+            "reproduced: transformers 5.23.0, CPU only, offload=True -> RuntimeError in the first forward",
+        ),
+        versions={"transformers": ">=5.23"},
+        remove_when="transformers skips offloading without an accelerator",
+        stages=("init_end", "train"),
+    ),
+    Rule(
+        id="layer-kwargs-need-transformers-5.23",
+        title="every_n_layers / offload before transformers 5.23",
+        kind="repair",
+        setting="checkpointing_kwargs",
+        value=None,
+        when=lambda f: bool(f.gc_enabled and {"every_n_layers", "offload"} & set(f.kwargs_keys)),
+        condition="`every_n_layers` or `offload` in the checkpointing kwargs on transformers < 5.23",
+        message=(
+            "transformers < 5.23 passes them to torch.utils.checkpoint: non-reentrant silently ignores them (every "
+            "layer checkpointed, nothing offloaded), reentrant raises 'Unexpected keyword arguments' in the first "
+            "forward. The plugin takes them out of the kwargs torch gets, applies every_n_layers itself (per-layer "
+            "flags, kept across TRL's per-step re-enables); offloading needs transformers >= 5.23."
+        ),
+        evidence=(
+            "reproduced: transformers 4.57.6, every_n_layers=2: non-reentrant checkpoints every layer, reentrant "
+            "raises ValueError: Unexpected keyword arguments: every_n_layers",
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/trainer.py (pops every_n_layers "
+            "and offload before enabling)",
+        ),
+        versions={"transformers": "<5.23"},
+        remove_when="the minimum supported transformers is >= 5.23",
+    ),
+    Rule(
+        id="deepspeed-activation-checkpointing-ignored",
+        title="DeepSpeed's activation_checkpointing block does nothing here",
+        kind="check",
+        setting="deepspeed.activation_checkpointing",
+        value=None,
+        when=lambda f: f.deepspeed_activation_checkpointing,
+        condition=(
+            "the DeepSpeed config has an `activation_checkpointing` block (`partition_activations`, "
+            "`cpu_checkpointing`, ...)"
+        ),
+        message=(
+            "Hugging Face models checkpoint through transformers (torch.utils.checkpoint), never through "
+            "deepspeed.checkpointing, so that block is not applied: no activation is partitioned or moved to the CPU. "
+            "Turn checkpointing on with gradient_checkpointing=True and remove the block to avoid the confusion."
+        ),
+        evidence=(
+            "https://github.com/deepspeedai/DeepSpeed/issues/5704 (a DeepSpeed maintainer: the block only applies to "
+            "models that call deepspeed.checkpointing)",
+            "reproduced: DeepSpeed 0.19.8 + Trainer with the block: deepspeed.checkpointing is never configured",
+        ),
+        remove_when="transformers routes checkpointing through deepspeed.checkpointing under DeepSpeed",
+        stages=("post_init", "init_end"),
+    ),
+    Rule(
         id="frozen-inputs-need-non-reentrant",
         title="frozen inputs + reentrant = no gradients",
         kind="require",
@@ -371,14 +533,22 @@ RULES: tuple[Rule, ...] = (
         kind="prefer",
         setting="model.config.use_cache",
         value=False,
-        when=lambda f: bool(f.gc_enabled and f.use_cache and not f.generates),
-        condition="checkpointing on, `model.config.use_cache` is True, and the trainer does not generate during training",
+        when=lambda f: bool((f.gc_enabled or f.fsdp_activation_checkpointing) and f.use_cache and not f.generates),
+        condition=(
+            "checkpointing on (the Trainer's or FSDP's own), `use_cache` True in some config the model reads (the "
+            "top-level one or a sub-model's: `text_config`, `decoder`...), and the trainer does not generate during "
+            "training"
+        ),
         message=(
-            "A KV cache is useless in a training forward and incompatible with recomputation; transformers drops it "
-            "per layer with a warning. The plugin turns it off for the run and restores it at the end of training, "
-            "so the saved model keeps its config."
+            "A KV cache is useless in a training forward and incompatible with recomputation: transformers drops it "
+            "per layer with a warning when it checkpoints, but under FSDP's own activation checkpointing the layers "
+            "keep writing it and the recompute sees a longer cache: CheckpointError. The plugin turns it off in "
+            "every config for the training steps only; checkpoints and the model after training keep yours."
         ),
         evidence=(
+            "https://github.com/huggingface/transformers/issues/34928",
+            "reproduced: transformers 4.57.6, decoder layers wrapped by torch's checkpoint_wrapper (what FSDP's "
+            "activation checkpointing does) + use_cache=True -> CheckpointError in the backward; use_cache=False trains",
             "https://github.com/axolotl-ai-cloud/axolotl (seed 001, rule 5)",
             "https://github.com/OpenRLHF/OpenRLHF (seed 003: use_cache=False with gradient checkpointing)",
             "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/modeling_layers.py (GradientCheckpointingLayer)",
@@ -551,6 +721,7 @@ RULES += (
         level="info",
     ),
 )
+
 
 def get_rule(rule_id: str) -> Rule:
     """The rule with this id (KeyError if none)."""

@@ -1,0 +1,129 @@
+"""Keep what was enabled: the layer pattern, the offload wrapper and the plugin's extra keywords survive re-enables.
+
+TRL's DPO, GRPO, KTO and RLOO switch checkpointing off and back on every step with
+`model.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)`: the raw argument kwargs. On transformers
+>= 5.23 that puts `every_n_layers` / `offload` into the kwargs torch's checkpoint gets (every layer checkpointed
+again, the offload wrapper replaced by plain `checkpoint`, and with reentrant `ValueError: Unexpected keyword
+arguments: every_n_layers` in the next forward); before 5.23 nothing understands them at all. `EnableGuard` stands in
+for the model's `gradient_checkpointing_enable` (an instance attribute on the unwrapped model, which PEFT wrappers
+reach through their `__getattr__`; transformers 5's `activation_checkpointing_enable` routes through it too) for the
+duration of training: it hands `every_n_layers` / `offload` to transformers as arguments where it reads them (>=
+5.23) or takes them out (< 5.23), calls the real method, and then puts back the recorded per-block flags and the
+checkpoint function's wrapper and extra keywords (a plan's `context_fn`), leaving `use_reentrant` to the call (the
+drift check watches that one). `remove()` deletes the instance attribute: the model is as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from . import probe
+
+LAYER_KWARGS = ("every_n_layers", "offload")
+_MARK = "__trl_gc_plugin_enable_guard__"
+
+
+class EnableGuard:
+    """Records the live checkpointing of a model (block flags, checkpoint functions) and restores it after every
+    re-enable.
+
+    Args:
+        model: the model the Trainer trains (a PEFT or DDP wrapper is unwrapped).
+        layer_kwargs: whether this transformers reads `every_n_layers` / `offload` itself (>= 5.23).
+    """
+
+    def __init__(self, model: Any, layer_kwargs: bool) -> None:
+        self.base = probe.unwrap(model)
+        self.layer_kwargs = layer_kwargs
+        self.pattern: tuple[bool, ...] = ()
+        self.funcs: dict[int, Any] = {}
+        self.record()
+
+    def record(self) -> None:
+        """Take the model's current state as the one to keep (after the Trainer's enable, and after each change the
+        plugin makes on purpose)."""
+        self.pattern = probe.block_pattern(self.base)
+        self.funcs = {id(m): getattr(f, "original", f) for m, f in probe.checkpoint_functions(self.base)}
+        for block in probe.checkpointed_blocks(self.base):  # blocks switched off keep their function too
+            func = block.__dict__.get("_gradient_checkpointing_func")
+            if func is not None:
+                self.funcs.setdefault(id(block), getattr(func, "original", func))
+
+    def install(self) -> None:
+        if self.base.__dict__.get("gradient_checkpointing_enable") is not None:
+            return  # someone (TRL's selective checkpointing, an earlier guard) wraps it already: leave it alone
+        original = self.base.gradient_checkpointing_enable
+
+        def gradient_checkpointing_enable(gradient_checkpointing_kwargs: Any = None, **kwargs: Any) -> Any:
+            torch_kwargs = dict(gradient_checkpointing_kwargs or {})
+            for key in LAYER_KWARGS:
+                value = torch_kwargs.pop(key, None)
+                if self.layer_kwargs and value is not None:
+                    kwargs.setdefault(key, value)
+            result = original(gradient_checkpointing_kwargs=torch_kwargs or None, **kwargs)
+            self.reapply()
+            return result
+
+        setattr(gradient_checkpointing_enable, _MARK, True)
+        self.base.gradient_checkpointing_enable = gradient_checkpointing_enable
+
+    def remove(self) -> None:
+        current = self.base.__dict__.get("gradient_checkpointing_enable")
+        if current is not None and getattr(current, _MARK, False):
+            del self.base.__dict__["gradient_checkpointing_enable"]
+
+    def drifted(self) -> list[tuple[str, Any]]:
+        """(what, found) where the live model no longer holds the recorded pattern or checkpoint function."""
+        found: list[tuple[str, Any]] = []
+        pattern = probe.block_pattern(self.base)
+        if self.pattern and pattern != self.pattern:
+            found.append(("layer_pattern", pattern))
+        for module, func in probe.checkpoint_functions(self.base):
+            want = self.funcs.get(id(module))
+            func = getattr(func, "original", func)
+            if want is not None and _wrapped(func) is not _wrapped(want):
+                found.append(("checkpoint_function", getattr(_wrapped(func), "__name__", repr(func))))
+                break
+        return found
+
+    def reapply(self) -> None:
+        """Put back the recorded block flags and, for every module, the recorded checkpoint function (its wrapper
+        and keywords) with the `use_reentrant` the module runs now."""
+        if not self.pattern and not self.funcs:
+            return
+        blocks = probe.checkpointed_blocks(self.base)
+        if len(blocks) == len(self.pattern):
+            for block, on in zip(blocks, self.pattern, strict=True):
+                block.gradient_checkpointing = on
+        for module in self.base.modules():
+            want = self.funcs.get(id(module))
+            now = module.__dict__.get("_gradient_checkpointing_func")
+            if want is None or now is None or not isinstance(want, functools.partial):
+                continue
+            mode = getattr(getattr(now, "original", now), "keywords", {}).get("use_reentrant")
+            keywords = dict(want.keywords)
+            if mode is not None:
+                keywords["use_reentrant"] = mode
+            restored = functools.partial(want.func, *want.args, **keywords)
+            if not _same(restored, getattr(now, "original", now)):
+                module._gradient_checkpointing_func = restored
+
+
+def _wrapped(func: Any) -> Any:
+    return func.func if isinstance(func, functools.partial) else func
+
+
+def _same(a: Any, b: Any) -> bool:
+    return (
+        isinstance(a, functools.partial)
+        and isinstance(b, functools.partial)
+        and a.func is b.func
+        and a.args == b.args
+        and a.keywords == b.keywords
+    )
+
+
+def every_n_pattern(blocks: int, n: int) -> tuple[bool, ...]:
+    """transformers >= 5.23's `every_n_layers`: block `i` checkpoints when `i % n == 0`."""
+    return tuple(i % max(int(n), 1) == 0 for i in range(blocks))
