@@ -26,6 +26,8 @@ ZERO3 = {
                           "stage3_prefetch_bucket_size": 1000},
     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
     "zero_force_ds_cpu_optimizer": False,
+    # DeepSpeed's own activation checkpointing: never applied to a Hugging Face model (recorded below)
+    "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
 }
 
 
@@ -56,6 +58,7 @@ def run(out: str, plugin: str) -> dict:
     with deepspeed.zero.GatheredParameters(list(lora.values())):
         result["lora_changed"] = sum(not torch.equal(p.detach(), before[n]) for n, p in lora.items())
     result["lora_total"] = len(lora)
+    result["deepspeed_checkpointing_configured"] = deepspeed.checkpointing.is_configured()
     result["running"] = model_use_reentrant(trainer.model)
     if callbacks:
         result["decisions"] = [[d.rule_id, d.action, repr(d.after)] for d in callbacks[0].decisions]

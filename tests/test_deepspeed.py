@@ -83,3 +83,12 @@ def test_trl_peft_zero3_field_bug_and_its_repair(sft_zero3_results):
     assert fixed["running"] is True  # what TRL asked for now runs
     # DeepSpeed >= 0.19.3 has the recompute fix: the old-DeepSpeed rule does not apply here
     assert not [d for d in fixed["decisions"] if d[0] == "zero3-frozen-needs-reentrant"]
+
+
+def test_deepspeeds_activation_checkpointing_block_does_nothing_here(sft_zero3_results):
+    """The config asks DeepSpeed to partition and offload activations; DeepSpeed never configures its checkpointing
+    for a Hugging Face model (transformers checkpoints through torch), with or without the plugin, which says so."""
+    for result in sft_zero3_results.values():
+        assert result["deepspeed_checkpointing_configured"] is False
+    said = [d for d in sft_zero3_results["strict"]["decisions"] if d[0] == "deepspeed-activation-checkpointing-ignored"]
+    assert said and said[0][1] == "warn"

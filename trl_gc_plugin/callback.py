@@ -228,8 +228,9 @@ class SafeGCCallback(TrainerCallback):
             value = probe.model_use_reentrant(model)
         if isinstance(value, bool):
             self._watch = verify.Watch(args, model, value)
+        self._asked_vs_running(args, model)
         if probe.checkpointing_on(model):  # the runtime checks run even when the plugin stands back from deciding
-            self._observation = Observation(model, self._on_frozen_inputs)
+            self._observation = Observation(model, self._on_frozen_inputs, self._on_keyword_inputs)
             self._observation.install()
             self._audit_pending = self.audit
             if self.parity_check:
@@ -254,6 +255,8 @@ class SafeGCCallback(TrainerCallback):
         if self._observation is not None:  # the first step is over: nothing of the observation stays
             self._observation.remove()
             self.observed = dict(self._observation.calls)
+            if self._asked(args) and not self.observed and self._observation.eval_forwards:
+                self._not_running(args, "the first training step's forwards ran in eval mode, so no block checkpointed")
             self._observation = None
         watch = self._watch
         if watch is None:
@@ -279,15 +282,17 @@ class SafeGCCallback(TrainerCallback):
 
     # --- the first forward ---------------------------------------------------------------------------------------
 
+    def _explicit(self) -> tuple[bool, str]:
+        """Whether the running `use_reentrant=True` is the user's own choice (or of unknown origin), and its source."""
+        value, source = self._final
+        return value is True and source in ("user", "unknown"), source
+
     def _on_frozen_inputs(self, call: Call) -> Verdict:
         """A block ran reentrant with trainable parameters and inputs that do not require grad (observe.py)."""
         rule = get_rule("frozen-inputs-observed")
-        value, source = self._final
-        explicit = value is True and source in ("user", "unknown")
-        verdict: Verdict
+        explicit, source = self._explicit()
         if self.mode == "warn" or self._stands_back():
-            self._reported["frozen-inputs"] = self._reported.get("frozen-inputs", 0) + 1
-            if self._reported["frozen-inputs"] > 1:  # said once; the audit lists every block
+            if self._count("frozen-inputs") > 1:  # said once; the audit lists every block
                 return "report"
             action, verdict = "warn", "report"
         elif explicit and self.mode == "strict":
@@ -297,12 +302,46 @@ class SafeGCCallback(TrainerCallback):
         what = {
             "raise": "refused before the backward",
             "repair": "this call's input made to require grad; use_reentrant=False from now on",
-            "report": "nothing changed (warn mode): its parameters get no gradient",
+            "report": "nothing changed: its parameters get no gradient",
         }[verdict]
         reason = (
             f"{call.module} ran with use_reentrant=True (set by {source}), holds trainable parameters, and none of its "
             f"inputs requires grad: reentrant checkpointing gives it no gradient; {what}. " + rule.message
         )
+        return self._observed(rule, action, verdict, reason)
+
+    def _on_keyword_inputs(self, call: Call, shared_with: str | None) -> Verdict:
+        """A reentrant block got a tensor that requires grad as a keyword argument (observe.py). Certain failure once
+        a second block gets the same tensor: both backpropagate into its graph from inside their own backward."""
+        rule = get_rule("reentrant-keyword-inputs")
+        explicit, source = self._explicit()
+        names = ", ".join(call.keyword_inputs)
+        if shared_with is None:  # not certain yet
+            if self.mode == "warn" or self._stands_back() or (explicit and self.mode == "strict"):
+                return "keep"
+            if explicit:  # fix mode: this call runs non-reentrant (exact) until the evidence is in
+                return "exact"
+            action, verdict = "repair", "repair"  # a value the user did not choose: switch now
+            evidence = f"{call.module} gets {names} as keyword argument(s) that require grad"
+        else:
+            evidence = f"{call.module} and {shared_with} get the same tensor ({names}) as a keyword argument"
+            if self.mode == "warn" or self._stands_back():
+                action, verdict = "warn", "report"
+            elif explicit and self.mode == "strict":
+                action, verdict = "error", "raise"
+            else:
+                action, verdict = ("override" if explicit else "repair"), "repair"
+        reason = (
+            f"{evidence} under use_reentrant=True (set by {source}): reentrant checkpointing does not see keyword "
+            "inputs and backpropagates into their graph from inside its own backward, so the second block fails with "
+            "'Trying to backward through the graph a second time'. " + rule.message
+        )
+        if self._count("keyword-inputs") > 1:
+            return verdict if verdict != "raise" else "keep"
+        return self._observed(rule, action, verdict, reason)
+
+    def _observed(self, rule: Any, action: Action, verdict: Verdict, reason: str) -> Verdict:
+        """Record a first-forward finding; raise for a refusal, switch to non-reentrant for a repair."""
         decision = self._verdict(rule, action, True, verdict != "repair", reason)
         self._record(self._args, [decision])
         if verdict == "raise":
@@ -311,6 +350,10 @@ class SafeGCCallback(TrainerCallback):
         if verdict == "repair":
             self._switch(self._args, self._model, False)
         return verdict
+
+    def _count(self, key: str) -> int:
+        self._reported[key] = self._reported.get(key, 0) + 1
+        return self._reported[key]
 
     # --- verification --------------------------------------------------------------------------------------------
 
@@ -478,6 +521,30 @@ class SafeGCCallback(TrainerCallback):
             self._watch.value = self._watch.args_value = value
         self._final = (value, "plugin")
         probe.remember(args, *self._final)
+
+    @staticmethod
+    def _asked(args: Any) -> bool:
+        return bool(getattr(args, probe.flag_field(args), False))
+
+    def _asked_vs_running(self, args: Any, model: Any) -> None:
+        """Checkpointing asked for but not running (memory), or running without being asked for (speed)."""
+        asked, running = self._asked(args), probe.checkpointing_on(model)
+        if asked and not running:
+            self._not_running(args, "no block has checkpointing switched on at train begin")
+        elif running and not asked:
+            rule = get_rule("checkpointing-unasked")
+            blocks = sum(probe.block_pattern(model))
+            reason = (
+                f"{blocks} block(s) checkpoint although the arguments say activation_checkpointing=False. "
+                + rule.message
+            )
+            self._record(args, [self._verdict(rule, "warn", False, True, reason, level="info")])
+
+    def _not_running(self, args: Any, why: str) -> None:
+        rule = get_rule("checkpointing-not-running")
+        self._record(
+            args, [self._verdict(rule, "warn", True, False, f"Checkpointing is asked for but {why}. " + rule.message)]
+        )
 
     def _keep_what_was_enabled(self, facts: Facts, model: Any) -> None:
         """Apply `every_n_layers` where transformers cannot (< 5.23), and keep the layer pattern, the offload wrapper

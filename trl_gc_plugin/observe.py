@@ -35,7 +35,10 @@ from .errors import GCConfigError
 
 logger = logging.getLogger("trl_gc_plugin")
 
-Verdict = Literal["raise", "repair", "report"]
+Verdict = Literal["raise", "repair", "report", "keep", "exact"]
+"""What the owner wants done about a finding: `raise` (it raised already), `repair` (this call made safe; the owner
+switches the run to non-reentrant), `report` (nothing changed), `keep` (run as asked: no evidence yet), `exact` (run
+this one call non-reentrant, which is exact, until the evidence is in)."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,15 @@ class Call:
         reentrant: the `use_reentrant` it ran with (a missing key is torch's default: reentrant).
         inputs_require_grad: some positional tensor input required grad.
         trainable: the module holds trainable parameters.
+        keyword_inputs: keyword arguments holding a tensor that requires grad (reentrant checkpointing does not see
+            them as inputs: it backpropagates into their graph from inside its own backward).
     """
 
     module: str
     reentrant: bool
     inputs_require_grad: bool
     trainable: bool
+    keyword_inputs: tuple[str, ...] = ()
 
     @property
     def loses_gradients(self) -> bool:
@@ -102,8 +108,11 @@ class _Observer:
         return getattr(self.original, "keywords", None) or {}
 
     def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
-        args = self.observation.see(self, function, args)
-        return self.original(function, *args, **kwargs)
+        args, exact = self.observation.see(self, function, args)
+        original = self.original
+        if exact and isinstance(original, functools.partial):
+            original = functools.partial(original.func, *original.args, **{**original.keywords, "use_reentrant": False})
+        return original(function, *args, **kwargs)
 
 
 class Observation:
@@ -113,12 +122,24 @@ class Observation:
         model: the model (a PEFT or DDP wrapper is unwrapped).
         on_frozen: called with the `Call` of a block that loses its gradients; returns `"raise"` (the callback
             raises from inside it), `"repair"` or `"report"`.
+        on_keyword_inputs: called with the `Call` of a reentrant block that gets a tensor requiring grad as a keyword
+            argument, and the module that got the same tensor before (None the first time): two reentrant blocks
+            backpropagating into the same graph from inside their own backward is "Trying to backward through the
+            graph a second time". Returns a `Verdict`.
     """
 
-    def __init__(self, model: Any, on_frozen: Callable[[Call], Verdict]) -> None:
+    def __init__(
+        self,
+        model: Any,
+        on_frozen: Callable[[Call], Verdict],
+        on_keyword_inputs: Callable[[Call, str | None], Verdict] | None = None,
+    ) -> None:
         self.base = probe.unwrap(model)
         self.on_frozen = on_frozen
+        self.on_keyword_inputs = on_keyword_inputs
         self.calls: dict[str, Call] = {}
+        self.eval_forwards = 0
+        self._captured: dict[int, str] = {}
         self.observed_stacks: list[str] = []
         self.failures = 0
         self._names = {id(m): n for n, m in self.base.named_modules()}
@@ -178,7 +199,10 @@ class Observation:
     def _enter(self, key: int, owners: list[Any], module: Any, args: Any) -> None:
         import torch
 
-        if key in self._active or not (module.training and torch.is_grad_enabled()):
+        if key in self._active or not torch.is_grad_enabled():
+            return
+        if not module.training:  # transformers checkpoints only in train mode: this forward checkpoints nothing
+            self.eval_forwards += 1
             return
         wrapped = []
         for owner in owners:
@@ -204,36 +228,60 @@ class Observation:
             if owner.__dict__.get("_gradient_checkpointing_func") is observer:
                 owner._gradient_checkpointing_func = observer.original
 
-    def see(self, observer: _Observer, function: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Record one checkpointed call; on the silent failure ask `on_frozen` (which may raise)."""
+    def see(self, observer: _Observer, function: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], bool]:
+        """Record one checkpointed call; on a finding ask the owner (which may raise). Returns the (possibly
+        repaired) arguments and whether to run this one call non-reentrant."""
         import torch
 
         try:
             if not torch.is_grad_enabled():
-                return args
+                return args, False
             target = _target(function, observer.owner)
             name = self._names.get(id(target), type(target).__name__)
-            if name in self.calls:
-                return args
+            keywords = {
+                k: v for k, v in (_keywords(function) or {}).items() if isinstance(v, torch.Tensor) and v.requires_grad
+            }
             call = Call(
                 module=name,
                 reentrant=probe.effective_use_reentrant(observer.original),
                 inputs_require_grad=any(isinstance(a, torch.Tensor) and a.requires_grad for a in args),
                 trainable=any(p.requires_grad for p in target.parameters()),
+                keyword_inputs=tuple(sorted(keywords)),
             )
+            if name in self.calls:
+                return args, False
             self.calls[name] = call
+            shared = next((self._captured[id(v)] for v in keywords.values() if id(v) in self._captured), None)
+            for v in keywords.values():
+                self._captured.setdefault(id(v), name)
         except Exception:  # a plugin bug never stops training
             self.failures += 1
             logger.debug("trl_gc_plugin: first-forward observation failed", exc_info=True)
-            return args
-        if not call.loses_gradients:
-            return args
+            return args, False
+        exact = False
+        if call.loses_gradients and self._ask(self.on_frozen, call) == "repair":
+            args = _require_grad(args)
+        if call.reentrant and call.keyword_inputs and self.on_keyword_inputs is not None:
+            exact = self._ask(self.on_keyword_inputs, call, shared) in ("repair", "exact")
+        return args, exact
+
+    def _ask(self, handler: Callable[..., Verdict], *details: Any) -> Verdict:
         try:
-            verdict = self.on_frozen(call)
+            return handler(*details)
         except GCConfigError:  # the one deliberate way out: the owner refuses the run
             raise
         except Exception:
             self.failures += 1
             logger.debug("trl_gc_plugin: first-forward verdict failed", exc_info=True)
-            return args
-        return _require_grad(args) if verdict == "repair" else args
+            return "report"
+
+
+def _keywords(function: Any) -> dict[str, Any] | None:
+    """The keyword arguments bound into the function a checkpoint runs (transformers passes a layer's keyword
+    arguments that way: `partial(forward, self, **kwargs)`)."""
+    seen = 0
+    while isinstance(function, functools.partial) and seen < 8:
+        if function.keywords:
+            return function.keywords
+        function, seen = function.func, seen + 1
+    return None

@@ -596,6 +596,86 @@ RULES += (
         stages=("runtime",),
     ),
     Rule(
+        id="reentrant-keyword-inputs",
+        title="reentrant blocks sharing a keyword tensor that requires grad",
+        kind="verify",
+        setting="use_reentrant",
+        value=False,
+        when=_at_runtime,
+        condition=(
+            "first training forward: reentrant-checkpointed blocks get a tensor that requires grad as a keyword "
+            "argument (transformers binds keyword arguments into the checkpointed function), and a second block "
+            "gets the same tensor (e.g. `encoder_hidden_states` for every decoder layer of Whisper on 4.57)"
+        ),
+        message=(
+            "Reentrant checkpointing only sees positional inputs; a keyword tensor's graph is backpropagated from "
+            "inside each block's own backward and freed, so the second block raises 'Trying to backward through the "
+            "graph a second time'. A value you set: strict refuses before the backward, fix runs the blocks "
+            "non-reentrant (exact); a value you did not set is switched to use_reentrant=False at once."
+        ),
+        evidence=(
+            "reproduced: transformers 4.57.6 Whisper (decoder layers get encoder_hidden_states by keyword), "
+            "use_reentrant=True -> RuntimeError: Trying to backward through the graph a second time; 5.23.0 passes it "
+            "positionally and trains",
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/modeling_layers.py "
+            "(GradientCheckpointingLayer: inputs that require grad must be passed positionally with use_reentrant=True)",
+        ),
+        remove_when="never while torch's reentrant checkpoint ignores keyword inputs",
+        stages=("runtime",),
+    ),
+    Rule(
+        id="checkpointing-not-running",
+        title="checkpointing asked for, not running",
+        kind="verify",
+        setting="activation_checkpointing",
+        value=True,
+        when=_at_runtime,
+        condition=(
+            "at train begin no block has checkpointing switched on although the arguments ask for it, or the first "
+            "training forward ran no checkpointed block (the model was in eval mode: transformers checkpoints only "
+            "in train mode)"
+        ),
+        message=(
+            "The run uses the memory of a run without checkpointing (out-of-memory where you did not expect it). "
+            "Check what switches it off (a re-enable with other arguments, `model.eval()` in a custom training step, "
+            "a model that does not support it)."
+        ),
+        evidence=(
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/modeling_layers.py "
+            "(GradientCheckpointingLayer: `if self.gradient_checkpointing and self.training`)",
+            "reproduced: a Trainer whose compute_loss calls model.eval() recomputes no block",
+        ),
+        remove_when="never: it checks the outcome",
+        stages=("runtime",),
+    ),
+    Rule(
+        id="checkpointing-unasked",
+        title="checkpointing running, not asked for",
+        kind="verify",
+        setting="activation_checkpointing",
+        value=False,
+        when=_at_runtime,
+        condition=(
+            "at train begin blocks have checkpointing switched on although the arguments do not ask for it "
+            "(PEFT's `prepare_model_for_kbit_training` and some TRL releases switch it on by themselves)"
+        ),
+        message=(
+            "Every checkpointed block is recomputed in the backward: the run is slower than one without "
+            "checkpointing (+20-35% per step in this project's benchmark). If you want it, say so with "
+            "gradient_checkpointing=True; if not, `prepare_model_for_kbit_training(model, "
+            "use_gradient_checkpointing=False)`."
+        ),
+        evidence=(
+            "https://github.com/huggingface/peft/blob/main/src/peft/utils/other.py (prepare_model_for_kbit_training: "
+            "use_gradient_checkpointing=True by default)",
+            "reproduced: PEFT 0.21.2 prepare_model_for_kbit_training + gradient_checkpointing=False: every block "
+            "recomputed",
+        ),
+        remove_when="never: it checks the outcome",
+        stages=("runtime",),
+        level="info",
+    ),
+    Rule(
         id="gradient-audit",
         title="every checkpointed block got gradients",
         kind="verify",
