@@ -9,6 +9,9 @@
    audit's finite-check reduction, one fused `_foreach_norm` on a real device, is not part of this figure).
 3. What the first-forward observation adds to the one training step it watches: a forward+backward of the tiny
    model with the observation installed (and removed after) against one without, interleaved, medians.
+4. What the parity probe costs on the modes benchmark's model (Llama hidden 512, 8 layers, vocab 8000; a training
+   step at batch 4 x 512 tokens with reentrant checkpointing and AdamW), to decide whether it can run by default for
+   reentrant runs: the probe is one forward/backward with and one without checkpointing on a 16-token sequence.
 
     .venv/bin/python benchmarks/callback_overhead.py [--steps 60] [--repeats 5]
 """
@@ -138,6 +141,43 @@ def first_forward(repeats: int) -> dict[str, object]:
     }
 
 
+def parity_cost(repeats: int) -> dict[str, object]:
+    """The parity probe's one-off cost against one training step of the modes benchmark's model."""
+    config = LlamaConfig(hidden_size=512, intermediate_size=512 * 8 // 3, num_hidden_layers=8, num_attention_heads=8,
+                         num_key_value_heads=8, vocab_size=8000, max_position_embeddings=512, use_cache=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(config.vocab_size, (4, 512))
+
+    def step() -> float:
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    def probe() -> float:
+        start = time.perf_counter()
+        result, _ = verify.parity_probe(model)
+        assert result.compared and not result.missing_with_checkpointing
+        return time.perf_counter() - start
+
+    step(), probe()  # warm-up
+    steps, probes = [], []
+    for _ in range(repeats):
+        steps.append(step())
+        probes.append(probe())
+    step_s, probe_s = statistics.median(steps), statistics.median(probes)
+    return {
+        "median_step_s": round(step_s, 3),
+        "median_parity_probe_s": round(probe_s, 3),
+        "probe_share_of_one_step": round(probe_s / step_s, 4),
+        "repeats": repeats,
+    }
+
+
 def one_off_7b() -> dict[str, object]:
     config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=32, vocab_size=32000)
@@ -191,6 +231,7 @@ def main() -> None:
         "per_step_tiny_model": per_step(ns.steps, ns.repeats),
         "first_forward_observation_tiny_model": first_forward(ns.repeats * 20),
         "one_off_7b_meta": one_off_7b(),
+        "parity_probe_benchmark_model": parity_cost(max(3, ns.repeats)),
     }
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(result, indent=2) + "\n")

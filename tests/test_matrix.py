@@ -72,8 +72,11 @@ def test_every_block_parameter_trains(kind, variant, use_reentrant, tiny_checkpo
     else:
         assert effective is use_reentrant, "a value the user set was changed"
     assert model_use_reentrant(trainer.model) is effective, "the model ran something other than the decision"
-    # runtime verification: the audit ran and passed, nothing drifted
+    # runtime verification: the audit ran and passed, nothing drifted; reentrant runs get the parity probe, which
+    # finds the gradients equal (or says why it could not run)
     assert [d.action for d in callback.decisions if d.rule_id == "gradient-audit"] == ["none"]
+    parity = [d for d in callback.decisions if d.rule_id == "parity-check"]
+    assert [d.action for d in parity] == (["none"] if effective else []), parity
     assert not [d for d in callback.decisions if d.rule_id == "checkpointing-drift"]
     if hasattr(trainer.args, "activation_checkpointing_kwargs"):
         assert trainer.args.activation_checkpointing_kwargs is trainer.args.gradient_checkpointing_kwargs
