@@ -158,6 +158,42 @@ def test_installed_trainers_get_the_callback_once_even_when_also_passed(tmp_path
     assert stages[0] == "post_init" and "init_end" in stages
 
 
+def test_no_message_repeats_within_a_process(tmp_path, plugin_log):
+    """install() decides at construction and the callback again at on_init_end: the same decision is logged once;
+    a second identical run in the same process logs its summary again and nothing else twice."""
+    with trl_gc_plugin.installed():
+        for run in ("a", "b"):
+            make_trainer("trainer", make_model(), str(tmp_path / run), gc_kwargs=None).train()
+    lines = [r.getMessage() for r in plugin_log.records if r.name == "trl_gc_plugin.decisions"]
+    assert lines and len(lines) == len(set(lines)), lines
+    summaries = [r.getMessage() for r in plugin_log.records if r.name == "trl_gc_plugin"]
+    assert len([m for m in summaries if m.startswith("gradient checkpointing on")]) == 2
+
+
+@pytest.mark.parametrize("spelling", ["fix", "FIX", " Fix "])
+def test_install_mode_reaches_the_registered_callback(spelling, tmp_path):
+    with trl_gc_plugin.installed(mode=spelling):
+        trainer = make_trainer("trainer", make_model(), str(tmp_path))
+    (auto,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, AutoSafeGCCallback)]
+    assert auto.mode == "fix" and SafeGCCallback(mode=spelling).mode == "fix"
+
+
+def test_an_explicit_callback_acts_before_the_automatic_one(tmp_path, plugin_log):
+    explicit = SafeGCCallback(mode="warn")
+    with trl_gc_plugin.installed(mode="strict"):
+        trainer = make_trainer("trainer", make_model(), str(tmp_path), callbacks=[explicit])
+    (auto,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, AutoSafeGCCallback)]
+    assert explicit._active and not auto._active and auto.decisions is explicit.decisions
+    assert "the one passed to the Trainer acts (mode=warn)" in plugin_log.text
+
+
+def test_values_set_by_the_user_are_attributed_without_install(tmp_path):
+    callback = SafeGCCallback()
+    make_trainer("trainer", make_model(), str(tmp_path), gc_kwargs={"use_reentrant": False}, callbacks=[callback])
+    decided = [d for d in callback.decisions if d.setting == "use_reentrant"]
+    assert decided and all(d.source == "user" for d in decided)
+
+
 def test_callback_takes_no_required_arguments_and_reads_the_mode_from_the_env(monkeypatch):
     monkeypatch.setenv("TRL_GC_PLUGIN_MODE", "warn")
     assert SafeGCCallback().mode == "warn"

@@ -238,8 +238,15 @@ def test_torchrun_two_ranks_get_the_callback_and_the_same_decision(venv_python, 
     assert len(logged) == len(results[0]["decisions"]), logged
 
 
-@pytest.mark.parametrize("value", ["1", "maybe"])
+SUMMARY = "[trl_gc_plugin] INFO: gradient checkpointing on"
+DETAIL = "[trl_gc_plugin.decisions] INFO: [non-reentrant-default]"
+
+
+@pytest.mark.parametrize("value", ["1", "1 --log_level info", "maybe"])
 def test_trl_cli(venv_python, tiny_checkpoint, tmp_path, value):
+    """The no-code route: `TRL_GC_PLUGIN=1 trl sft --config ...` says it ran in one summary line by default, lists
+    every decision with the Trainer's `--log_level info`, and an invalid value warns once for the whole launch."""
+    value, *extra = value.split()
     data = tmp_path / "data"
     data.mkdir()
     (data / "train.jsonl").write_text("".join(json.dumps({"text": f"the quick brown fox {i}"}) + "\n"
@@ -259,7 +266,7 @@ def test_trl_cli(venv_python, tiny_checkpoint, tmp_path, value):
         gradient_checkpointing: true
     """))
     cli = "import sys; from trl.cli import main; sys.exit(main())"
-    out = subprocess.run([str(venv_python), "-c", cli, "sft", "--config", str(config)], capture_output=True,
+    out = subprocess.run([str(venv_python), "-c", cli, "sft", "--config", str(config), *extra], capture_output=True,
                          text=True, cwd=tmp_path, env=clean_env(TRL_GC_PLUGIN=value), timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     if value == "maybe":  # the CLI process and the training process it launches: one warning, nothing patched
@@ -267,6 +274,9 @@ def test_trl_cli(venv_python, tiny_checkpoint, tmp_path, value):
         assert not (tmp_path / "out" / "gc_decisions.json").exists()
         return
     assert WARNING not in out.stderr
+    assert out.stderr.count(SUMMARY) == 1, out.stderr[-4000:]  # one line, visible under default settings
+    assert str(tmp_path / "out" / "gc_decisions.json") in out.stderr  # ... that says where the decisions are
+    assert (DETAIL in out.stderr) is bool(extra), out.stderr[-4000:]  # details at the Trainer's log level
     decisions = json.loads((tmp_path / "out" / "gc_decisions.json").read_text())
     decided = [d for d in decisions if d["setting"] == "use_reentrant"]
     assert decided[0]["stage"] == "post_init" and decided[0]["after"] is False
