@@ -287,3 +287,46 @@ def test_fsdp_activation_checkpointing_conflict(source, mode, action):
 def test_unsloth_stands_back():
     (d,) = decide(facts(unsloth=True, use_reentrant=True, use_reentrant_source="user", **FROZEN))
     assert d.rule_id == "unsloth-owns-checkpointing" and d.action == "warn" and not d.applied
+
+
+# --- rules v2 on plain facts (the real reproductions are in test_rules_v2.py) -----------------------------------
+
+
+def test_use_cache_goes_off_under_fsdps_own_checkpointing_too():
+    """FSDP's activation checkpointing with the Trainer's off: reproduced on 4.57 (checkpoint_wrapper + use_cache ->
+    CheckpointError); the engine must not stop at "checkpointing off"."""
+    f = facts(gc_enabled=False, fsdp=True, fsdp_activation_checkpointing=True, world_size=2, use_cache=True)
+    d = by_setting(decide(f), "model.config.use_cache")
+    assert (d.rule_id, d.action, d.after) == ("use-cache-off", "default", False)
+    assert decide(f.replace(fsdp_activation_checkpointing=False))[0].rule_id == "checkpointing-off"
+
+
+def test_non_reentrant_only_options_against_old_deepspeed_zero3_are_one_conflict():
+    f = facts(versions={**TF5, "deepspeed": "0.19.2"}, kwargs_keys=("context_fn",), **ZERO3_PEFT)
+    for mode in ("strict", "fix", "warn"):
+        (err,) = errors(decide(f, mode))
+        assert err.rule_id == "conflict"
+        assert "zero3-frozen-needs-reentrant" in err.reason and "non-reentrant-only-kwargs" in err.reason
+
+
+@pytest.mark.parametrize(("versions", "rule"), [(TF4, "layer-kwargs-need-transformers-5.23"), (TF5, None)])
+def test_layer_kwargs_before_5_23_are_taken_out(versions, rule):
+    ds = decide(facts(versions=versions, kwargs_keys=("every_n_layers",), every_n_layers=2))
+    found = [d for d in ds if d.setting == "checkpointing_kwargs"]
+    assert [d.rule_id for d in found] == ([rule] if rule else [])
+    if rule:
+        assert found[0].action == "repair" and found[0].before == ("every_n_layers",) and found[0].applied
+
+
+@pytest.mark.parametrize(("accelerator", "refused"), [(False, True), (True, False), (None, False)])
+def test_offload_needs_an_accelerator(accelerator, refused):
+    f = facts(versions=TF5, offload=True, kwargs_keys=("offload",), accelerator=accelerator)
+    assert bool([d for d in errors(decide(f)) if d.rule_id == "offload-needs-accelerator"]) is refused
+
+
+def test_preserve_rng_state_only_matters_with_dropout():
+    f = facts(preserve_rng_state=False, kwargs_keys=("preserve_rng_state",), dropout=True)
+    assert errors(decide(f))[0].rule_id == "preserve-rng-state-with-dropout"
+    assert by_setting(decide(f, "fix"), "preserve_rng_state").after is True
+    assert not errors(decide(f.replace(dropout=False)))
+    assert not errors(decide(f.replace(preserve_rng_state=None)))  # torch's default is True
