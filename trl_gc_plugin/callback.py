@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -14,7 +15,7 @@ from . import probe, report, verify
 from ._flags import parse_flag
 from ._weak import WeakIdMap
 from .apply import CacheSwitch, apply, set_args_use_reentrant, set_model_use_reentrant
-from .decisions import Action, Decision, Level, write_decisions
+from .decisions import Action, Decision, Level, first_sentence, write_decisions
 from .engine import decide, final_use_reentrant, refused
 from .errors import GCConfigError
 from .facts import Facts
@@ -105,9 +106,17 @@ class SafeGCCallback(TrainerCallback):
             benchmark's model). `None` (default): on when the run is reentrant, the less verified path, for causal
             language models in single-process runs; `True`/`False`: always / never.
 
+        memory_budget (`str` or `int`, *optional*):
+            Activation memory per device (`"40GiB"`, `"512MiB"`, bytes, or `"auto"`: the free CUDA memory at train
+            begin less the optimizer state). With a budget, the plugin plans how much to checkpoint: the fastest
+            candidate (no checkpointing, every n-th block, every block, selective per-op saving, offloading) whose
+            predicted peak fits, applied to the live model (rule `memory-plan`). `None`: the budget given to
+            `install()`, else `TRL_GC_PLUGIN_BUDGET`, else no plan (checkpointing as asked).
+
     Environment:
         TRL_GC_PLUGIN_MODE: the mode when `mode` is None and `install()` gave none.
         TRL_GC_PLUGIN_AUDIT: `0` switches the gradient audit off when `audit` is None.
+        TRL_GC_PLUGIN_BUDGET: the memory budget when `memory_budget` is None and `install()` gave none.
 
     Attributes:
         decisions (`list[Decision]`): the decisions for the last Trainer this callback saw, the ones taken when
@@ -135,8 +144,10 @@ class SafeGCCallback(TrainerCallback):
         write_json: bool = True,
         audit: bool | None = None,
         parity_check: bool | None = None,
+        memory_budget: str | int | None = None,
     ) -> None:
         self.mode: Mode = resolve_mode(mode, installed_mode())
+        self.memory_budget = resolve_budget(memory_budget)
         self.write_json = write_json
         self.audit = _env_flag(AUDIT_ENV, True) if audit is None else audit
         self.parity_check = parity_check
@@ -165,6 +176,7 @@ class SafeGCCallback(TrainerCallback):
         self._cache_off = False
         self._every_n: int | None = None
         self._guard: EnableGuard | None = None
+        self._plan_hook: Any = None
         self._audit_pending = False
         self._parity_pending = False
         self._reported: dict[str, int] = {}
@@ -226,6 +238,8 @@ class SafeGCCallback(TrainerCallback):
         if self._cache_off:  # the configs as the Trainer leaves them (transformers 5 writes args.use_cache itself)
             self._cache = CacheSwitch(model)
         self._keep_what_was_enabled(facts, model)
+        if self.memory_budget is not None and probe.checkpointing_on(model) and not self._stands_back():
+            self._plan_when_the_shape_is_known(args, model)
         value = self._final[0]
         if not isinstance(value, bool):  # warn mode or a stand-back left it unset: watch what actually runs
             value = probe.model_use_reentrant(model)
@@ -580,6 +594,85 @@ class SafeGCCallback(TrainerCallback):
             self._guard = EnableGuard(model, layer_kwargs)
             self._guard.install()
 
+    # --- the memory plan ---------------------------------------------------------------------------------------
+
+    def _plan_when_the_shape_is_known(self, args: Any, model: Any) -> None:
+        """Plan now when the arguments give the sequence length (TRL's `max_length`, ...), else at the first training
+        forward, from its batch (a one-shot pre-hook, gone after it ran)."""
+        seq = planned_sequence_length(args)
+        batch = int(getattr(args, "per_device_train_batch_size", 0) or 0)
+        if seq and batch:
+            self._plan(args, model, batch, seq)
+            return
+        base = probe.unwrap(model)
+
+        def first_forward(module: Any, f_args: tuple[Any, ...], f_kwargs: dict[str, Any]) -> None:
+            import torch
+
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            handle.remove()
+            shape = _input_shape(f_args, f_kwargs)
+            if shape is None:
+                self._record(args, [self._plan_skipped("the first forward's input shape could not be read")])
+                return
+            try:
+                self._plan(args, model, *shape)
+            except GCConfigError:
+                raise
+            except Exception as exc:  # a plugin bug never stops training
+                self._record(args, [self._plan_skipped(f"{type(exc).__name__}: {exc}")])
+
+        handle = base.register_forward_pre_hook(first_forward, with_kwargs=True, prepend=True)
+        self._plan_hook = handle
+
+    def _plan(self, args: Any, model: Any, batch: int, seq: int) -> None:
+        from . import memory, planner
+
+        sharded = verify.gradients_are_sharded(args)
+        if sharded:
+            self._record(args, [self._plan_skipped(f"not planned under sharding ({sharded})")])
+            return
+        use_reentrant = probe.model_use_reentrant(model)
+        try:
+            budget = budget_bytes(self.memory_budget, model)
+            estimate = memory.estimate(model, batch, seq)
+            plan = planner.plan(
+                estimate, budget, allow_selective=use_reentrant is False, allow_offload=probe.accelerator_available()
+            )
+            decisions = planner.plan_decisions(plan, self.mode)
+        except GCConfigError:
+            raise
+        except Exception as exc:  # a model the estimate cannot run: checkpointing stays as asked
+            self._record(args, [self._plan_skipped(f"the estimate failed ({type(exc).__name__}: {exc})")])
+            return
+        if self.mode == "warn":  # warn mode changes nothing: say what would run
+            decisions = [dataclasses.replace(d, action="warn", applied=False) for d in decisions]
+        self._record(args, decisions)
+        raise_for_errors(decisions, self.mode)
+        chosen = plan.chosen or plan.lowest
+        if self.mode != "warn" and chosen is not None:
+            try:
+                planner.apply_plan(model, chosen, bool(use_reentrant))
+            except ValueError as exc:  # e.g. blocks the estimate did not count: checkpointing stays as asked
+                self._record(args, [self._plan_skipped(f"it could not be applied ({exc})")])
+                return
+            if self._guard is None:
+                self._guard = EnableGuard(model, probe.reads_layer_kwargs(probe.installed_versions()))
+                self._guard.install()
+            self._guard.record()
+        report.note(
+            f"memory plan: {first_sentence(decisions[0].reason)}",
+            decisions[0].level,
+            report.is_main_process(args),
+        )
+
+    def _plan_skipped(self, why: str) -> Decision:
+        rule = get_rule("memory-plan")
+        return self._verdict(
+            rule, "warn", None, None, f"No memory plan: {why}; checkpointing runs as asked.", level="warning"
+        )
+
     def _stands_back(self) -> bool:
         """Another library or the model's own code owns checkpointing (a `stand_back` rule applied): the plugin
         decides nothing and only reports what its checks see."""
@@ -591,6 +684,9 @@ class SafeGCCallback(TrainerCallback):
         if self._guard is not None:
             self._guard.remove()
             self._guard = None
+        if self._plan_hook is not None:
+            self._plan_hook.remove()
+            self._plan_hook = None
         if self._observation is not None:
             self._observation.remove()
             self._observation = None
@@ -654,6 +750,67 @@ class SafeGCCallback(TrainerCallback):
                 f"(mode={owner.mode}); the one from install()/TRL_GC_PLUGIN (mode={self.mode}) stands by.",
                 "warning",
             )
+
+
+BUDGET_ENV = "TRL_GC_PLUGIN_BUDGET"
+SEQUENCE_FIELDS = ("max_length", "max_seq_length")
+
+
+def resolve_budget(value: str | int | None) -> str | int | None:
+    """`value`, else the budget given to `install()`, else `$TRL_GC_PLUGIN_BUDGET`, else None. A bad argument raises
+    `ValueError`; a bad environment value warns once and is ignored."""
+    from .patching import installed_budget
+    from .planner import parse_budget
+
+    if value is None:
+        value = installed_budget()
+        if value is None:
+            env = os.environ.get(BUDGET_ENV, "").strip()
+            if not env:
+                return None
+            try:
+                return "auto" if env.lower() == "auto" else parse_budget(env)
+            except ValueError as exc:
+                report.note(f"ignoring {BUDGET_ENV}={env!r}: {exc}", "warning")
+                return None
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return parse_budget(value)
+
+
+def budget_bytes(budget: str | int, model: Any) -> int:
+    """The budget in bytes; `auto`: free CUDA memory now, less an Adam optimizer state (8 bytes per trainable
+    parameter), less 10% for the allocator."""
+    if budget != "auto":
+        return int(budget)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise GCConfigError('memory_budget="auto" reads the free CUDA memory; give a size ("40GiB") on this machine.')
+    free, _ = torch.cuda.mem_get_info()
+    optimizer = 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return max(int((free - optimizer) * 0.9), 1)
+
+
+def planned_sequence_length(args: Any) -> int | None:
+    """The longest sequence the arguments allow (TRL's `max_length`, GRPO's prompt + completion), None if unknown."""
+    for name in SEQUENCE_FIELDS:
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    prompt, completion = getattr(args, "max_prompt_length", None), getattr(args, "max_completion_length", None)
+    if isinstance(prompt, int) and isinstance(completion, int) and prompt > 0 and completion > 0:
+        return prompt + completion
+    return None
+
+
+def _input_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:
+    import torch
+
+    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *(args[:1] or ())):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0]), int(value.shape[1])
+    return None
 
 
 def report_world_size(args: Any) -> int:

@@ -27,7 +27,7 @@ logger = logging.getLogger("trl_gc_plugin")
 
 _MARK = "__trl_gc_plugin_wrapper__"
 _lock = threading.RLock()
-_state: dict[str, Any] = {"original": None, "mode": None, "callback": None}
+_state: dict[str, Any] = {"original": None, "mode": None, "callback": None, "budget": None}
 
 
 def _user_use_reentrant(args: Any) -> tuple[bool, Any]:
@@ -124,7 +124,7 @@ def register_callback(trainer_module: Any = None) -> None:
         _state["callback"] = (defaults, AutoSafeGCCallback)
 
 
-def install(mode: str | None = None, callback: bool = True) -> None:
+def install(mode: str | None = None, callback: bool = True, memory_budget: str | int | None = None) -> None:
     """Patch `TrainingArguments.__post_init__` and register `SafeGCCallback` for every Trainer.
 
     Idempotent: a second call only updates the mode. Undo with `uninstall()`.
@@ -133,6 +133,8 @@ def install(mode: str | None = None, callback: bool = True) -> None:
         mode (`str`, *optional*): `strict`, `fix` or `warn`; defaults to `TRL_GC_PLUGIN_MODE`, then `strict`.
         callback (`bool`, *optional*, defaults to `True`): also append the callback to
             `transformers.trainer.DEFAULT_CALLBACKS`, so every Trainer built afterwards gets it.
+        memory_budget (`str` or `int`, *optional*): the activation-memory budget the registered callback plans
+            checkpointing for (see `SafeGCCallback`); defaults to `TRL_GC_PLUGIN_BUDGET`, then no plan.
 
     Example:
         ```python
@@ -143,6 +145,12 @@ def install(mode: str | None = None, callback: bool = True) -> None:
     """
     from transformers import TrainingArguments
 
+    if memory_budget is not None:
+        from .planner import parse_budget
+
+        _state["budget"] = (
+            memory_budget if str(memory_budget).strip().lower() == "auto" else parse_budget(memory_budget)
+        )
     patch_training_args(TrainingArguments, mode)
     if callback:
         register_callback()
@@ -162,7 +170,12 @@ def uninstall() -> None:
             defaults, cb = _state["callback"]
             while cb in defaults:
                 defaults.remove(cb)
-        _state.update(original=None, mode=None, callback=None)
+        _state.update(original=None, mode=None, callback=None, budget=None)
+
+
+def installed_budget() -> str | int | None:
+    """The memory budget `install()` was given (None when none, or not installed)."""
+    return _state["budget"]
 
 
 def installed_mode() -> Mode | None:
@@ -177,17 +190,17 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed(mode: str | None = None, callback: bool = True) -> Iterator[None]:
+def installed(mode: str | None = None, callback: bool = True, memory_budget: str | int | None = None) -> Iterator[None]:
     """`install()` for the duration of a `with` block (tests, notebooks); restores the previous state."""
-    was, old_mode, old_callback = is_installed(), _state["mode"], _state["callback"]
-    install(mode, callback=callback)
+    was, old_mode, old_callback, old_budget = is_installed(), _state["mode"], _state["callback"], _state["budget"]
+    install(mode, callback=callback, memory_budget=memory_budget)
     try:
         yield
     finally:
         if not was:
             uninstall()
         else:
-            _state["mode"] = old_mode
+            _state["mode"], _state["budget"] = old_mode, old_budget
             if old_callback is None and _state["callback"] is not None:
                 defaults, cb = _state["callback"]
                 while cb in defaults:

@@ -1,0 +1,195 @@
+"""`trl-gc-plan` (`trl_gc_plugin.plan_cli.main`) on real config files (tests/data/plan_*) and named layouts; malformed
+input exits 2 with one line on stderr and never a traceback, including for generated input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trl_gc_plugin import plan_cli
+
+DATA = Path(__file__).with_name("data")
+TINY = str(DATA / "plan_tiny.json")
+
+
+def run(capsys, *argv):
+    code = plan_cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("source", [TINY, str(DATA / "plan_llama_tiny")])
+def test_a_config_file_or_its_directory_gets_a_plan(capsys, source):
+    code, out, err = run(capsys, source, "--batch-size", "2", "--seq-len", "32", "--budget", "10MiB")
+    assert code == 0 and err == ""
+    assert "plan: none" in out  # 10 MiB is more than the tiny model needs without checkpointing
+    assert "candidate" in out and "full" in out and "selective" in out
+
+
+def test_json_output_is_the_plan(capsys):
+    code, out, _ = run(capsys, TINY, "--batch-size", "2", "--seq-len", "32", "--budget", "1MiB", "--json", "--all")
+    data = json.loads(out)
+    assert code == (0 if data["fits"] else 1)
+    chosen = next(c for c in data["candidates"] if c["name"] == data["chosen"])
+    assert chosen["peak_bytes"] <= data["budget_bytes"] == 2**20
+    cheaper = [c for c in data["candidates"] if c["allowed"] and c["recompute"] < chosen["recompute"]]
+    assert all(c["peak_bytes"] > 2**20 for c in cheaper)
+    assert len(data["candidates"]) == 4 + 3  # none, 1..3 of 4, full, selective, offload
+
+
+def test_nothing_fits_exits_1_with_the_lowest_memory_plan(capsys):
+    code, out, err = run(capsys, TINY, "--batch-size", "2", "--seq-len", "32", "--budget", "1KiB")
+    assert code == 1 and err == ""
+    assert "nothing fits" in out and "lowest-memory plan" in out
+
+
+def test_reentrant_and_accelerator_change_what_is_allowed(capsys):
+    args = (TINY, "--batch-size", "2", "--seq-len", "32", "--budget", "1MiB", "--json")
+    plain = json.loads(run(capsys, *args)[1])
+    other = json.loads(run(capsys, *args, "--reentrant", "--accelerator")[1])
+
+    def allowed(data, name):
+        return next(c["allowed"] for c in data["candidates"] if c["name"] == name)
+
+    assert allowed(plain, "selective") and not allowed(plain, "offload")
+    assert not allowed(other, "selective") and allowed(other, "offload")
+
+
+def test_the_7b_layout_plan(capsys):
+    code, out, _ = run(capsys, "llama-7b", "--batch-size", "1", "--seq-len", "4096", "--budget", "16GiB", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["estimate"]["blocks"] == 32 and data["estimate"]["dtype"] == "bfloat16"
+    none = next(c for c in data["candidates"] if c["name"] == "none")
+    assert none["saved_bytes"] > 16 * 2**30  # 23.4 GiB: no checkpointing does not fit
+    chosen = next(c for c in data["candidates"] if c["name"] == data["chosen"])
+    assert chosen["peak_bytes"] <= 16 * 2**30 and chosen["name"] != "full"
+
+
+def test_gradient_shards_lower_the_70b_peak(capsys):
+    args = ("llama3-70b", "--batch-size", "1", "--seq-len", "2048", "--budget", "40GiB")
+    assert run(capsys, *args)[0] == 1  # 131 GiB of bf16 gradients on one device
+    assert run(capsys, *args, "--grad-shards", "8")[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("plan_malformed.json", "line 3, column 21"),
+        ("plan_list.json", "must be a JSON object"),
+        ("plan_no_model_type.json", "key 'model_type'"),
+        ("plan_bad_hidden.json", "key 'hidden_size': expected a positive integer"),
+        ("plan_unknown_type.json", "unknown model type 'no-such-model'"),
+        ("plan_not_causal.json", "'vit' has no causal language model"),
+        ("plan_heads_do_not_divide.json", "is not a multiple of 5"),
+        ("plan_not_text.json", "not a UTF-8 text file"),
+        ("does_not_exist.json", "no such file, directory or layout"),
+    ],
+)
+def test_unreadable_configs_exit_2_with_one_line(capsys, name, message):
+    code, out, err = run(capsys, str(DATA / name), "--batch-size", "1", "--seq-len", "8", "--budget", "1GiB")
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1 and err.startswith("trl-gc-plan: error: ")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--batch-size", "x", "--seq-len", "8", "--budget", "1GiB"], "--batch-size"),
+        (["--batch-size", "0", "--seq-len", "8", "--budget", "1GiB"], "positive"),
+        (["--batch-size", "1", "--seq-len", "8"], "--budget"),
+        (["--batch-size", "1", "--seq-len", "8", "--budget=-2GiB"], "memory budget"),
+        (["--batch-size", "1", "--seq-len", "8", "--budget", "lots"], "40GiB"),
+        (["--batch-size", "1", "--seq-len", "8", "--budget", "1GiB", "--dtype", "int8"], "--dtype"),
+        (["--batch-size", "1", "--seq-len", "8", "--budget", "1GiB", "--attn", "flash"], "--attn"),
+        (["--batch-size", "1", "--seq-len", "8", "--budget", "1GiB", "--grad-shards", "0"], "--grad-shards"),
+        (["--batch-size", "100000", "--seq-len", "100000", "--budget", "1GiB"], "at most"),
+        (["--batch-size", "1", "--seq-len", "8", "--budget", "1GiB", "--bogus"], "unrecognized"),
+    ],
+)
+def test_invalid_options_exit_2_with_one_line(capsys, options, message):
+    code, out, err = run(capsys, TINY, *options)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1
+
+
+def test_help_exits_0(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "--budget" in out and "llama3-8b" in out
+
+
+def test_the_module_runs_as_a_command():
+    """Through a real interpreter: the exit status and stderr a shell sees."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "trl_gc_plugin.plan_cli", str(DATA / "plan_malformed.json"), "--batch-size", "1",
+         "--seq-len", "8", "--budget", "1GiB"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "vocab_size", "tie_word_embeddings", "torch_dtype", "layer_types", "head_dim")
+VALUES = st.one_of(
+    st.integers(min_value=-4, max_value=64),
+    st.sampled_from(["llama", "qwen2", "mistral", "gpt2", "vit", "", "float32", "bfloat16", "int8"]),
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=True),
+    st.lists(st.sampled_from(["full_attention", "sliding_attention", 3]), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+
+
+def _check_outcome(code: int, out: str, err: str) -> None:
+    assert code in (0, 1, 2)
+    assert "Traceback" not in err and "Traceback" not in out
+    if code == 2:
+        assert out == "" and err.count("\n") == 1 and err.startswith("trl-gc-plan: error: ")
+    else:
+        assert err == "" and ("plan:" in out or "nothing fits" in out)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    config=st.one_of(
+        st.dictionaries(st.sampled_from(KEYS), VALUES, max_size=len(KEYS)),
+        st.lists(st.integers(), max_size=3),
+        st.text(max_size=30),
+    )
+)
+def test_generated_configs_never_crash(capsys, config):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "config.json")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(config if isinstance(config, str) else json.dumps(config))
+        code = plan_cli.main([path, "--batch-size", "1", "--seq-len", "8", "--budget", "1MiB"])
+    _check_outcome(code, *capsys.readouterr())
+
+
+TOKENS = [TINY, "llama-7b-typo", "--batch-size", "--seq-len", "--budget", "--dtype", "--attn", "--grad-shards",
+          "--json", "--all", "--reentrant", "--accelerator", "1", "2", "0", "-1", "x", "1MiB", "2GB", "nan", "bf16",
+          "fp8", "sdpa", "eager", ""]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(argv=st.lists(st.sampled_from(TOKENS), max_size=10))
+def test_generated_command_lines_never_crash(capsys, argv):
+    code = plan_cli.main(argv)
+    out, err = capsys.readouterr()
+    if code == 0 and "usage:" in out:  # --help among the tokens is not generated, but be exact anyway
+        return
+    if "--json" in argv and code in (0, 1):
+        json.loads(out)
+        assert err == ""
+        return
+    _check_outcome(code, out, err)

@@ -1,0 +1,105 @@
+"""The memory plan in a real run: chosen at train begin (or at the first forward), applied to the live model, kept
+across TRL's per-step re-enables, gradient-exact, refused or taken at its lowest when nothing fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_rules_v2 import PatternSeen
+from trainers import common_args, make_trainer
+from transformers import Trainer, TrainingArguments
+
+import trl_gc_plugin
+from trl_gc_plugin import GCConfigError, SafeGCCallback, memory, planner
+from trl_gc_plugin.testing import make_model
+
+LAYERS, BATCH, SEQ = 4, 2, 128
+
+
+def model():
+    """Blocks that dominate the peak (at 16 tokens the loss head does, and every plan needs the same memory)."""
+    return make_model(num_hidden_layers=LAYERS, hidden_size=128, intermediate_size=1024, max_position_embeddings=SEQ)
+
+
+def data(n=8):
+    ids = torch.randint(3, 250, (n, SEQ), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def midway_budget():
+    """A budget between what checkpointing every block and none need (the benchmark's "midway")."""
+    est = memory.estimate(model(), BATCH, SEQ)
+    table = {c.name: c for c in planner.plan(est, 1 << 40, allow_selective=True, allow_offload=False).candidates}
+    return (table["none"].peak_bytes + table["full"].peak_bytes) // 2, table
+
+
+def plan_of(callback):
+    (decision,) = [d for d in callback.decisions if d.rule_id == "memory-plan"]
+    return decision
+
+
+def test_a_plan_between_none_and_full_is_chosen_applied_and_gradient_exact(tmp_path):
+    budget, table = midway_budget()
+    callback = SafeGCCallback(memory_budget=budget)
+    planned = model()
+    seen = PatternSeen(planned)
+    args = TrainingArguments(**common_args(str(tmp_path / "plan"), max_steps=1, optim="sgd", gradient_checkpointing=True))
+    Trainer(model=planned, args=args, train_dataset=data(), callbacks=[callback]).train()
+    decision = plan_of(callback)
+    chosen = table[decision.after["plan"]]
+    assert decision.action == "default" and chosen.name not in ("none", "full") and chosen.peak_bytes <= budget
+    assert seen.seen and all(p == chosen.pattern for p in seen.seen)  # planned at the first forward, applied there
+    full = model()
+    args = TrainingArguments(**common_args(str(tmp_path / "full"), max_steps=1, optim="sgd", gradient_checkpointing=True,
+                                           gradient_checkpointing_kwargs={"use_reentrant": False}))
+    Trainer(model=full, args=args, train_dataset=data()).train()
+    for (name, a), (_, b) in zip(planned.named_parameters(), full.named_parameters(), strict=True):
+        assert torch.equal(a, b), name  # the same update as checkpointing every block
+
+
+def test_the_plan_survives_grpos_per_step_re_enables(tmp_path):
+    callback = SafeGCCallback(memory_budget=midway_budget()[0])
+    planned = model()
+    seen = PatternSeen(planned)
+    make_trainer("grpo", planned, str(tmp_path), callbacks=[callback], max_steps=3).train()
+    decision = plan_of(callback)
+    assert decision.action == "default"
+    assert len({p for p in seen.seen}) == 1 and seen.seen[0] != (True,) * LAYERS  # GRPO re-enabled every step
+    assert not [d for d in callback.decisions if d.rule_id == "checkpointing-drift"]
+
+
+def _train(callback, out, steps=1):
+    planned = model()
+    seen = PatternSeen(planned)
+    args = TrainingArguments(**common_args(str(out), max_steps=steps, gradient_checkpointing=True))
+    Trainer(model=planned, args=args, train_dataset=data(), callbacks=[callback]).train()
+    return seen.seen
+
+
+def test_a_budget_nothing_fits(tmp_path):
+    with pytest.raises(GCConfigError, match="memory-plan"):
+        _train(SafeGCCallback(memory_budget="1KiB"), tmp_path / "strict")
+    callback = SafeGCCallback(mode="fix", memory_budget="1KiB")
+    seen = _train(callback, tmp_path / "fix")
+    decision = plan_of(callback)
+    assert decision.action == "warn" and decision.level == "warning" and decision.after["plan"] == "full"
+    assert seen and all(p == (True,) * LAYERS for p in seen)
+
+
+def test_the_budget_comes_from_the_argument_install_or_the_environment(monkeypatch):
+    assert SafeGCCallback(memory_budget="2GiB").memory_budget == 2 << 30
+    with pytest.raises(ValueError, match="GiB"):
+        SafeGCCallback(memory_budget="lots")
+    monkeypatch.setenv("TRL_GC_PLUGIN_BUDGET", "512MiB")
+    assert SafeGCCallback().memory_budget == 512 << 20
+    with trl_gc_plugin.installed(memory_budget="1GiB"):
+        assert SafeGCCallback().memory_budget == 1 << 30
+    monkeypatch.setenv("TRL_GC_PLUGIN_BUDGET", "lots")
+    assert SafeGCCallback().memory_budget is None  # a bad environment value is said once and ignored
+    assert SafeGCCallback(memory_budget="auto").memory_budget == "auto"
+
+
+def test_no_budget_no_plan(tmp_path):
+    callback = SafeGCCallback()
+    make_trainer("trainer", model(), str(tmp_path), callbacks=[callback], max_steps=1).train()
+    assert not [d for d in callback.decisions if d.rule_id == "memory-plan"]

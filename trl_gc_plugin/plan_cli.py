@@ -1,0 +1,308 @@
+"""`trl-gc-plan CONFIG_OR_LAYOUT --batch-size B --seq-len S --budget 40GiB`: plan checkpointing for a model config.
+
+CONFIG_OR_LAYOUT is a model `config.json` (or a directory holding one) or a named layout (`llama-7b`, `llama3-8b`,
+`llama3-70b`, ...: configs written from the published numbers). No weight is loaded and no tensor memory is
+allocated: two blocks run one training forward on fake tensors (`memory.estimate`) and the rest is extrapolated.
+The plan is for full fine-tuning with the model's own language-modelling loss (every parameter gets a gradient;
+`--grad-shards N` when ZeRO-2/3 or FSDP shards the gradients over N devices). For LoRA or a partly frozen model, plan
+from the live model (`memory.estimate(model, ...)`), which copies its layout.
+
+Exit status: 0 a plan fits, 1 nothing fits (the lowest-memory plan is printed), 2 unreadable input or an invalid
+option (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+# Published layouts (model cards / config.json of the released checkpoints).
+_LLAMA2 = {"vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+_LLAMA3 = {"vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0}
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "llama-7b": {
+        **_LLAMA2,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+    },
+    "llama-13b": {
+        **_LLAMA2,
+        "hidden_size": 5120,
+        "intermediate_size": 13824,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+    },
+    "llama-70b": {
+        **_LLAMA2,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+    },
+    "llama3-1b": {
+        **_LLAMA3,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": True,
+    },
+    "llama3-8b": {
+        **_LLAMA3,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+    "llama3-70b": {
+        **_LLAMA3,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+    },
+}
+ALIASES = {"llama2-7b": "llama-7b", "llama2-13b": "llama-13b", "llama2-70b": "llama-70b", "llama3.2-1b": "llama3-1b"}
+_POSITIVE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+MAX_TOKENS = 2**26  # batch x sequence: far above any single device's step; keeps the fake forward's shapes sane
+
+
+class InputError(ValueError):
+    """Unreadable input or an invalid option: the message is the one line printed."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, no usage block
+        raise InputError(message)
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
+        prog="trl-gc-plan",
+        description="Plan the cheapest gradient checkpointing that fits an activation-memory budget.",
+        epilog=f"named layouts: {', '.join(sorted(LAYOUTS))}. Budget: a number of bytes or 40GiB, 512MiB, 1.5GB.",
+    )
+    parser.add_argument("model", metavar="CONFIG_OR_LAYOUT", help="config.json, a directory holding one, or a layout")
+    parser.add_argument("--batch-size", type=int, required=True, help="sequences per device and step")
+    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--budget", required=True, help="activation memory per device, e.g. 40GiB")
+    parser.add_argument("--dtype", default=None, help="bf16 (default unless the config names one), fp16, fp32")
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
+    parser.add_argument("--reentrant", action="store_true", help="the run uses use_reentrant=True (no selective)")
+    parser.add_argument("--accelerator", action="store_true", help="the run has an accelerator (offload allowed)")
+    parser.add_argument(
+        "--grad-shards",
+        type=int,
+        default=1,
+        metavar="N",
+        help="parameter gradients sharded over N devices (ZeRO-2/3, FSDP); default 1",
+    )
+    parser.add_argument("--all", action="store_true", help="list every candidate (default: the main ones)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise InputError(f"{file}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{file}: not a UTF-8 text file") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{file}: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except RecursionError:
+        raise InputError(f"{file}: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{file}: the top level must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def load_config(source: str) -> tuple[Any, str]:
+    """A `PretrainedConfig` from a layout name or a config.json path, and a label for it."""
+    name = ALIASES.get(source.lower(), source.lower())
+    if name in LAYOUTS and not os.path.exists(source):
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**LAYOUTS[name], use_cache=False), name
+    if not os.path.exists(source):
+        raise InputError(f"{source}: no such file, directory or layout (layouts: {', '.join(sorted(LAYOUTS))})")
+    data = _read_json(source)
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise InputError(f"{source}: key 'model_type': expected a model type such as \"llama\", got {model_type!r}")
+    for key in _POSITIVE:
+        value = data.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InputError(f"{source}: key {key!r}: expected a positive integer, got {value!r}")
+    hidden, heads = data.get("hidden_size"), data.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and data.get("head_dim") is None and hidden % heads:
+        raise InputError(
+            f"{source}: key 'num_attention_heads': hidden_size {hidden} is not a multiple of {heads} "
+            "(give head_dim when the heads are not hidden_size / num_attention_heads wide)"
+        )
+    layers = data.get("num_hidden_layers")
+    if isinstance(layers, int) and layers > 4096:
+        raise InputError(f"{source}: key 'num_hidden_layers': {layers} is not a plausible layer count")
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise InputError(f"{source}: key 'model_type': unknown model type {model_type!r}")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise InputError(f"{source}: key 'model_type': {model_type!r} has no causal language model to plan for")
+    rest = {k: v for k, v in data.items() if k != "model_type"}
+    try:
+        config = AutoConfig.for_model(model_type, **rest)
+    except Exception as exc:
+        raise InputError(f"{source}: {_one_line(exc)}") from None
+    return config, source
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _shown(plan: Any, show_all: bool) -> list[Any]:
+    keep = {"none", "full", "selective", "offload"}
+    out = []
+    for c in plan.candidates:
+        main = c.name in keep or (c.every_n is not None and c.every_n <= 8)
+        if show_all or main or c is plan.chosen or c is plan.lowest:
+            out.append(c)
+    return out
+
+
+def render(plan: Any, label: str, show_all: bool = False) -> str:
+    """The candidate table and the pick, as text."""
+    from .planner import format_bytes
+
+    e = plan.estimate
+    head = (
+        f"{label}: {e['blocks']} blocks, batch {e['batch_size']} x {e['seq_len']} tokens, {e['dtype']}, "
+        f"{e['attn_implementation']} attention; budget {format_bytes(plan.budget)} (activations, gradients and "
+        "loss buffers above the weights and optimizer state)"
+    )
+    rows = [("candidate", "blocks", "saved", "peak", "peak at", "recompute", "fits", "")]
+    for c in _shown(plan, show_all):
+        fits = "yes" if c.peak_bytes <= plan.budget else "no"
+        note = c.why_not if not c.allowed else ("<- plan" if c is plan.chosen else "")
+        rows.append(
+            (
+                c.name,
+                f"{c.checkpointed}/{len(c.pattern)}",
+                format_bytes(c.saved_bytes),
+                format_bytes(c.peak_bytes),
+                c.peak_at,
+                f"{c.recompute:.0%}",
+                fits if c.allowed else "-",
+                note,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(7)]
+    lines = [head, ""]
+    for r in rows:
+        lines.append("  ".join(x.ljust(w) for x, w in zip(r[:7], widths, strict=True)) + "  " + r[7])
+    lines.append("")
+    if plan.chosen is not None:
+        c = plan.chosen
+        lines.append(f"plan: {c.summary()}, predicted peak {format_bytes(c.peak_bytes)}")
+    else:
+        c = plan.lowest
+        lines.append(
+            f"nothing fits: the lowest-memory plan, {c.summary()}, needs {format_bytes(c.peak_bytes)} "
+            f"(budget {format_bytes(plan.budget)})"
+        )
+    return "\n".join(lines)
+
+
+def run(argv: list[str] | None) -> tuple[int, str]:
+    """Parse, estimate, plan. Returns (exit status, stdout text); raises `InputError` for exit status 2."""
+    ns = _parser().parse_args(argv)
+    from .planner import parse_budget, plan
+
+    try:
+        budget = parse_budget(ns.budget)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    if ns.batch_size < 1 or ns.seq_len < 1:
+        raise InputError("--batch-size and --seq-len must be positive integers")
+    if ns.grad_shards < 1:
+        raise InputError("--grad-shards must be a positive integer")
+    if ns.batch_size * ns.seq_len > MAX_TOKENS:
+        raise InputError(f"--batch-size x --seq-len must be at most {MAX_TOKENS} tokens")
+    config, label = load_config(ns.model)
+    from .memory import _dtype_of, config_dtype, estimate
+
+    dtype = ns.dtype
+    if dtype is None:
+        dtype = config_dtype(config) or "bf16"
+    try:
+        dtype = _dtype_of(dtype)
+    except ValueError as exc:
+        raise InputError(f"--dtype: {exc}") from None
+    try:
+        est = estimate(config, ns.batch_size, ns.seq_len, dtype=dtype, attn_implementation=ns.attn)
+    except Exception as exc:
+        raise InputError(f"{label}: cannot run the model's layout: {type(exc).__name__}: {_one_line(exc)}") from None
+    result = plan(
+        est,
+        budget,
+        allow_selective=not ns.reentrant,
+        allow_offload=ns.accelerator,
+        grad_fraction=1.0 / ns.grad_shards,
+    )
+    if ns.json:
+        data = {"model": label, **result.to_dict()}
+        text = json.dumps(data, indent=2)
+    else:
+        text = render(result, label, ns.all)
+    return (0 if result.fits else 1), text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `trl-gc-plan` command. Exit 0: a plan fits; 1: nothing fits; 2: unreadable input or invalid option."""
+    import logging
+    import warnings
+
+    if argv is None:
+        argv = sys.argv[1:]
+    previous = logging.getLogger("transformers").level
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            code, text = run(list(argv))
+    except InputError as exc:
+        sys.stderr.write(f"trl-gc-plan: error: {_one_line(exc)}\n")
+        return 2
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    except Exception as exc:  # never a traceback
+        sys.stderr.write(f"trl-gc-plan: error: {type(exc).__name__}: {_one_line(exc)}\n")
+        return 2
+    finally:
+        logging.getLogger("transformers").setLevel(previous)
+    sys.stdout.write(text + "\n")
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

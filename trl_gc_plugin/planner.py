@@ -1,0 +1,595 @@
+"""Plan the cheapest checkpointing that fits an activation-memory budget, and apply it to a live model.
+
+From an `ActivationEstimate` (`memory.estimate`): every candidate (no checkpointing; `k` of the `L` blocks, evenly
+spread, which is every n-th block when `k` divides `L`; every block; every block with selective per-op saving; every
+block with its inputs offloaded to host memory) gets a predicted peak and a predicted recompute cost, and `plan`
+takes the cheapest allowed one whose peak fits. `plan_decisions` turns the plan into `Decision` records of the rule
+`memory-plan`; `apply_plan` sets the per-block flags and checkpoint functions on the live model (transformers 4.x and
+5.x alike, never through the training arguments: a callable there breaks `to_json_string()` and `training_args.bin`).
+
+Prediction (bytes above the weights and optimizer state, for one forward and backward with gradients allocated in
+the backward, as `zero_grad(set_to_none=True)` leaves them):
+
+- the loss head: everything saved, plus two float32 `batch x seq x vocab` buffers (the `log_softmax` gradient and the
+  logits gradient);
+- the backward of block `i`: what blocks `0..i` keep, plus what block `i` rebuilds when it is checkpointed (all of it
+  but its input; with selective, what selective did not keep), the blocks' keyword tensors, the gradients of blocks
+  `i..L-1` and of the head, and the gradient buffers inside one block (`batch x seq x (intermediate + hidden)`);
+- the end: every gradient (the input embeddings' last).
+
+The peak is the largest of them. Recompute cost: each block's forward costs its matmul and attention FLOPs plus
+`balance` FLOP-equivalents per byte its other ops write (norms, rotary, activations are memory-bound); a checkpointed
+block recomputes all of it, a selective one only the second part plus `op_overhead` per aten op (its policy runs in
+Python for every op: on a GPU that dominates small models, where selective is slower than full checkpointing). Both
+constants were fitted to step times measured with `benchmarks/planner.py`: they rank candidates, they do not promise
+a step time.
+
+torch and transformers are imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from . import probe
+from .decisions import Decision
+from .memory import ActivationEstimate, is_selective, selective_context, with_context
+
+RULE_ID = "memory-plan"
+
+# FLOP-equivalents per byte written by a memory-bound op, and per aten op run under the selective policy (a Python
+# call and a dispatch-mode round trip), by device type; fitted to the step times of `benchmarks/planner.py` (CPU:
+# Llama hidden 512; H100: hidden 512 and a 4-layer 7B-shaped Llama). See the module docstring.
+BALANCE = {"cpu": 170.0, "cuda": 500.0}
+OP_OVERHEAD = {"cpu": 1e6, "cuda": 3e9}
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+BUDGET_FORMS = "a number of bytes or a size such as 40GiB, 512MiB, 1.5GB, 800M (KiB/MiB/GiB/TiB, KB/MB/GB/TB; K/M/G/T = KiB/MiB/GiB/TiB)"
+
+
+def parse_budget(text: str | int | float) -> int:
+    """Bytes from a budget: `40GiB`, `512MiB`, `1.5GB`, `800M`, `1073741824`, an int or a float (bytes).
+
+    Binary units (`KiB`..`TiB`, and the bare `K`/`M`/`G`/`T`) are powers of 1024, decimal ones (`KB`..`TB`) powers of
+    1000; case and blanks are ignored. `"auto"` is the caller's to resolve (it needs the device).
+
+    Raises:
+        `ValueError`: one line naming the accepted forms, for anything else (zero, negative, not finite, a bool).
+    """
+    if isinstance(text, bool) or not isinstance(text, int | float | str):
+        raise ValueError(f"memory budget: expected {BUDGET_FORMS}; got {text!r}")
+    if isinstance(text, int | float):
+        value, unit = float(text), ""
+    else:
+        match = _BUDGET.match(text)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"memory budget: expected {BUDGET_FORMS}; got {text!r}")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"memory budget: must be a positive size ({BUDGET_FORMS}); got {text!r}")
+    result = round(value * _UNITS[unit])
+    if result < 1:
+        raise ValueError(f"memory budget: must be at least one byte; got {text!r}")
+    return result
+
+
+def format_bytes(n: float) -> str:
+    """`12.3 GiB`, `512.0 MiB`, ... (binary units)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+# --- candidates --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to checkpoint, with what it is predicted to cost.
+
+    Args:
+        name (`str`): `none`, `every-2`, `3-of-8`, `full`, `selective`, `offload`.
+        pattern (`tuple[bool, ...]`): per block, whether it is checkpointed.
+        every_n (`int`, *optional*): n when the pattern is transformers' `every_n_layers=n` (block `i` checkpointed
+            when `i % n == 0`).
+        selective (`bool`): checkpointed blocks keep matmul and attention outputs (`memory.selective_policy`).
+        offload (`bool`): checkpointed blocks keep their inputs in (pinned) host memory.
+        saved_bytes (`int`): bytes kept for the backward at the end of the forward, on the device.
+        peak_bytes (`int`): predicted peak above the weights and optimizer state.
+        peak_at (`str`): where the peak is (`loss head`, `block 3`, `end`).
+        recompute (`float`): predicted recomputed share of the model's forward cost.
+        recompute_blocks (`float`): share of the block forwards run again (checkpointed blocks / blocks).
+        allowed (`bool`): whether the rules allow it here.
+        why_not (`str`): why not, when not allowed.
+    """
+
+    name: str
+    pattern: tuple[bool, ...]
+    every_n: int | None
+    selective: bool
+    offload: bool
+    saved_bytes: int
+    peak_bytes: int
+    peak_at: str
+    recompute: float
+    recompute_blocks: float
+    allowed: bool = True
+    why_not: str = ""
+
+    @property
+    def checkpointed(self) -> int:
+        return sum(self.pattern)
+
+    def summary(self) -> str:
+        """`every-2 (4 of 8 blocks)`, `selective (every block, matmul and attention outputs kept)`, ..."""
+        if self.name == "none":
+            return "none (no block checkpointed)"
+        if self.selective:
+            return f"{self.name} (every block, matmul and attention outputs kept)"
+        if self.offload:
+            return f"{self.name} (every block, inputs offloaded to host memory)"
+        return f"{self.name} ({self.checkpointed} of {len(self.pattern)} blocks)"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["pattern"] = [int(x) for x in self.pattern]
+        data["recompute"] = round(self.recompute, 4)
+        data["recompute_blocks"] = round(self.recompute_blocks, 4)
+        return data
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer.
+
+    Args:
+        chosen (`Candidate`, *optional*): the cheapest allowed candidate that fits; None when none fits.
+        candidates (`tuple[Candidate, ...]`): every candidate, cheapest first (recompute cost, then memory).
+        budget (`int`): the budget in bytes.
+        fits (`bool`): whether `chosen` exists.
+        lowest (`Candidate`): the allowed candidate with the lowest predicted peak (what fix mode falls back to).
+        estimate (`dict`): what was estimated (batch size, sequence length, dtype, attention, method, blocks).
+    """
+
+    chosen: Candidate | None
+    candidates: tuple[Candidate, ...]
+    budget: int
+    fits: bool
+    lowest: Candidate
+    estimate: dict[str, Any]
+
+    def get(self, name: str) -> Candidate:
+        """The candidate called `name`."""
+        for c in self.candidates:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chosen": self.chosen.name if self.chosen else None,
+            "fits": self.fits,
+            "budget_bytes": self.budget,
+            "lowest": self.lowest.name,
+            "estimate": dict(self.estimate),
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+
+def spread(k: int, n: int) -> tuple[bool, ...]:
+    """`k` of `n` blocks checkpointed, evenly spread, block 0 first: transformers' `every_n_layers=m` pattern
+    (`i % m == 0`) whenever `k = ceil(n / m)` divides evenly."""
+    return tuple((i * k) % n < k for i in range(n))
+
+
+def _every_n(pattern: tuple[bool, ...]) -> int | None:
+    n = len(pattern)
+    for m in range(1, n + 1):
+        if pattern == tuple(i % m == 0 for i in range(n)):
+            return m
+    return None
+
+
+def predict_peak(
+    est: ActivationEstimate,
+    pattern: tuple[bool, ...],
+    selective: bool = False,
+    offload: bool = False,
+    grads_preallocated: bool = False,
+    grad_fraction: float = 1.0,
+) -> tuple[int, str, dict[str, int]]:
+    """Predicted peak above the weights and optimizer state for one forward and backward (see the module docstring).
+
+    Returns:
+        (peak bytes, where, the bytes of every phase).
+    """
+    est._check(pattern)
+    n = est.num_blocks
+    kept = est.kept(pattern, selective)
+    if offload:
+        kept = [0 if on else k for on, k in zip(pattern, kept, strict=True)]
+    shared = est.shared if not all(pattern) else 0
+    saved = est.outside + shared + sum(kept)
+    alive = est.kwargs_bytes - shared  # keyword tensors of the blocks not counted as saved are alive all the same
+    scale = 0.0 if grads_preallocated else grad_fraction
+    grads = [round(g * scale) for g in est.grad_bytes]
+    head = round(est.head_grad_bytes * scale)
+    phases = {"loss head": saved + alive + 2 * est.loss_buffer_bytes}
+    below = sum(kept)
+    grads_after = head
+    for i in reversed(range(n)):
+        grads_after += grads[i]
+        if pattern[i]:
+            rebuilt = est.saved[i] - est.input_saved[i] - (est.selective[i] if selective else 0)
+            if offload:
+                rebuilt += est.inputs[i]
+        else:
+            rebuilt = 0
+        phases[f"block {i}"] = below + rebuilt + est.kwargs_bytes + grads_after + est.transient_bytes
+        below -= kept[i]
+    phases["end"] = grads_after + round(est.embedding_grad_bytes * (0.0 if grads_preallocated else grad_fraction))
+    where = max(phases, key=lambda k: phases[k])
+    return phases[where], where, phases
+
+
+def recompute_cost(
+    est: ActivationEstimate, pattern: tuple[bool, ...], selective: bool, balance: float, op_overhead: float = 0.0
+) -> float:
+    """Recomputed share of the forward cost (matmul FLOPs plus `balance` per byte written by the other ops; selective
+    adds `op_overhead` per op)."""
+    total = est.outside_flops + sum(f + balance * b for f, b in zip(est.block_flops, est.other_bytes, strict=True))
+    again = 0.0
+    for i, on in enumerate(pattern):
+        if on:
+            flops = est.block_flops[i] - (est.matmul_flops[i] if selective else 0)
+            again += flops + balance * est.other_bytes[i] + (op_overhead * est.ops[i] if selective else 0.0)
+    return again / total if total > 0 else 0.0
+
+
+def candidates(
+    est: ActivationEstimate,
+    *,
+    allow_selective: bool,
+    allow_offload: bool,
+    balance: float | None = None,
+    op_overhead: float | None = None,
+    grads_preallocated: bool = False,
+    grad_fraction: float = 1.0,
+    selective_why_not: str = "needs use_reentrant=False (torch accepts context_fn only for non-reentrant checkpointing)",
+    offload_why_not: str = "needs an accelerator (save_on_cpu pins host memory; it fails on a CPU-only machine)",
+) -> list[Candidate]:
+    """Every candidate for `est`, cheapest first (predicted recompute cost, then predicted peak)."""
+    n = est.num_blocks
+    balance = BALANCE["cpu"] if balance is None else balance
+    op_overhead = OP_OVERHEAD["cpu"] if op_overhead is None else op_overhead
+    shapes: list[tuple[str, tuple[bool, ...], bool, bool, bool, str]] = [("none", (False,) * n, False, False, True, "")]
+    for k in range(1, n):
+        pattern = spread(k, n)
+        m = _every_n(pattern)
+        shapes.append((f"every-{m}" if m else f"{k}-of-{n}", pattern, False, False, True, ""))
+    full = (True,) * n
+    shapes.append(("full", full, False, False, True, ""))
+    shapes.append(("selective", full, True, False, allow_selective, "" if allow_selective else selective_why_not))
+    shapes.append(("offload", full, False, True, allow_offload, "" if allow_offload else offload_why_not))
+    out = []
+    for name, pattern, sel, off, allowed, why in shapes:
+        peak, where, _ = predict_peak(est, pattern, sel, off, grads_preallocated, grad_fraction)
+        kept = est.kept(pattern, sel)
+        if off:
+            kept = [0 if on else k for on, k in zip(pattern, kept, strict=True)]
+        saved = est.outside + (est.shared if not all(pattern) else 0) + sum(kept)
+        cost = recompute_cost(est, pattern, sel, balance, op_overhead)
+        out.append(
+            Candidate(
+                name=name,
+                pattern=pattern,
+                every_n=_every_n(pattern) if any(pattern) else None,
+                selective=sel,
+                offload=off,
+                saved_bytes=saved,
+                peak_bytes=peak,
+                peak_at=where,
+                recompute=cost,
+                recompute_blocks=sum(pattern) / n if n else 0.0,
+                allowed=allowed,
+                why_not=why,
+            )
+        )
+    # offload recomputes what full does and copies the inputs to the host and back: always after full
+    out.sort(key=lambda c: (c.recompute + (1e-9 if c.offload else 0.0), c.peak_bytes))
+    return out
+
+
+def plan(
+    estimate: ActivationEstimate,
+    budget_bytes: int,
+    *,
+    allow_selective: bool,
+    allow_offload: bool,
+    device: str | None = None,
+    balance: float | None = None,
+    op_overhead: float | None = None,
+    grads_preallocated: bool = False,
+    grad_fraction: float = 1.0,
+) -> Plan:
+    """The cheapest allowed candidate whose predicted peak fits `budget_bytes`.
+
+    Args:
+        estimate: from `memory.estimate` at the run's batch size and sequence length.
+        budget_bytes (`int`): activation memory per device (above the weights and optimizer state).
+        allow_selective (`bool`): selective checkpointing is allowed (non-reentrant checkpointing).
+        allow_offload (`bool`): offloading is allowed (an accelerator is there).
+        device (`str`, *optional*): `cpu` or `cuda` (any accelerator), for the cost model's constants (default:
+            `cuda` when offloading is allowed, i.e. an accelerator is there, else `cpu`).
+        balance, op_overhead (`float`, *optional*): the cost model's constants (default: `BALANCE[device]`,
+            `OP_OVERHEAD[device]`).
+        grads_preallocated (`bool`): the parameter gradients already sit in memory (gradient accumulation after the
+            first micro-step, `zero_grad(set_to_none=False)`): they are not counted.
+        grad_fraction (`float`): the share of the gradients held on this device (`1/N` when ZeRO-2/3 or FSDP shards
+            them over N devices).
+
+    Returns:
+        `Plan` (`fits` False and `chosen` None when nothing fits; `lowest` is then the fallback).
+    """
+    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 1:
+        raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+    kind = device or ("cuda" if allow_offload else "cpu")
+    kind = kind if kind in BALANCE else "cuda"
+    balance = BALANCE[kind] if balance is None else balance
+    op_overhead = OP_OVERHEAD[kind] if op_overhead is None else op_overhead
+    table = candidates(
+        estimate,
+        allow_selective=allow_selective,
+        allow_offload=allow_offload,
+        balance=balance,
+        op_overhead=op_overhead,
+        grads_preallocated=grads_preallocated,
+        grad_fraction=grad_fraction,
+    )
+    allowed = [c for c in table if c.allowed]
+    chosen = next((c for c in allowed if c.peak_bytes <= budget_bytes), None)
+    lowest = min(allowed, key=lambda c: (c.peak_bytes, c.recompute))
+    summary = {
+        "batch_size": estimate.batch_size,
+        "seq_len": estimate.seq_len,
+        "dtype": estimate.dtype,
+        "attn_implementation": estimate.attn_implementation,
+        "method": estimate.method,
+        "blocks": estimate.num_blocks,
+        "device": kind,
+        "balance": balance,
+        "op_overhead": op_overhead,
+        "grads_preallocated": grads_preallocated,
+        "grad_fraction": grad_fraction,
+    }
+    return Plan(chosen, tuple(table), budget_bytes, chosen is not None, lowest, summary)
+
+
+# --- decisions ---------------------------------------------------------------------------------------------------
+
+
+def _cost(c: Candidate) -> str:
+    if c.name == "none":
+        return "recomputes nothing"
+    blocks = f"{c.checkpointed} of {len(c.pattern)} blocks"
+    kind = "their elementwise ops" if c.selective else "them"
+    return f"recomputes {kind} ({blocks}, about {c.recompute:.0%} of the forward cost)"
+
+
+def plan_decisions(
+    plan: Plan, mode: str, *, before: Any = "full", source: str = "runtime", stage: str = "train"
+) -> list[Decision]:
+    """The plan as `Decision` records of the rule `memory-plan`.
+
+    Args:
+        plan: from `plan()`.
+        mode (`str`): `strict`, `fix` or `warn`.
+        before: what ran before the plan (default `full`: every block checkpointed).
+        source (`str`): who set `before` (default `runtime`: the one-line log then shows the reason).
+        stage (`str`): the stage (default `train`).
+
+    Returns:
+        One decision: `default` (a plan fits; applied), `error` (nothing fits, strict: refuse before step 1), or `warn`
+        (nothing fits, fix/warn: the lowest-memory plan is applied). `after` holds the pick and the whole candidate
+        table as plain data.
+    """
+    from .rules import get_rule
+
+    rule = get_rule(RULE_ID)
+    budget = format_bytes(plan.budget)
+    after = {"plan": None, **plan.to_dict()}
+    fitting = [c for c in plan.candidates if c.allowed and c.peak_bytes <= plan.budget]
+    if plan.chosen is not None:
+        c = plan.chosen
+        after["plan"] = c.name
+        faster = [x for x in plan.candidates if x.allowed and x.recompute < c.recompute]
+        why = (
+            f"the cheapest of {len(fitting)} allowed candidates that fit"
+            if not faster
+            else f"the cheapest that fits: {faster[-1].name} would need {format_bytes(faster[-1].peak_bytes)}"
+        )
+        reason = (
+            f"memory plan {c.summary()}: predicted peak {format_bytes(c.peak_bytes)} of the {budget} budget, "
+            f"{_cost(c)}; {why}. Predicted from the bytes autograd saves in one forward of the model's layout "
+            f"({plan.estimate.get('method')}, batch {plan.estimate.get('batch_size')} x "
+            f"{plan.estimate.get('seq_len')} tokens); the gradients equal full checkpointing's."
+        )
+        return [Decision.from_rule(rule, "default", before, after, source, reason, stage)]
+    low = plan.lowest
+    after["plan"] = low.name
+    need = (
+        f"no checkpointing plan fits the {budget} memory budget: the lowest-memory one, {low.summary()}, needs "
+        f"{format_bytes(low.peak_bytes)} (predicted, at {low.peak_at}) at batch {plan.estimate.get('batch_size')} x "
+        f"{plan.estimate.get('seq_len')} tokens"
+    )
+    if mode == "strict":
+        reason = (
+            f"{need}. Raise memory_budget to at least {format_bytes(low.peak_bytes)}, or lower the per-device batch "
+            "size or the sequence length, or use fix mode to train with the lowest-memory plan anyway."
+        )
+        return [Decision.from_rule(rule, "error", before, after, source, reason, stage)]
+    reason = f"{need}. Training with it anyway ({mode} mode); it may run out of memory."
+    return [replace(Decision.from_rule(rule, "warn", before, after, source, reason, stage), applied=True)]
+
+
+# --- applying a plan to the live model ---------------------------------------------------------------------------
+
+
+def offload_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch's `checkpoint` with the saved inputs in pinned host memory (`save_on_cpu`); needs an accelerator."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        return checkpoint(function, *args, **kwargs)
+
+
+def _torch_checkpoint() -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint
+
+
+def _same(a: Any, b: Any) -> bool:
+    if not (isinstance(a, functools.partial) and isinstance(b, functools.partial)):
+        return a is b
+    return a.func is b.func and a.args == b.args and a.keywords == b.keywords
+
+
+def _function_for(current: Any, candidate: Candidate, use_reentrant: bool) -> functools.partial[Any]:
+    base = getattr(current, "original", current)
+    if isinstance(base, functools.partial):
+        func, args, keywords = base.func, base.args, dict(base.keywords)
+    else:
+        func, args, keywords = (base if callable(base) else _torch_checkpoint()), (), {}
+    if candidate.offload:
+        func = offload_checkpoint
+    elif func is offload_checkpoint:
+        func = _torch_checkpoint()
+    keywords["use_reentrant"] = use_reentrant
+    for key in ("every_n_layers", "offload"):  # transformers' own keys never reach torch's checkpoint
+        keywords.pop(key, None)
+    result = functools.partial(func, *args, **keywords)
+    if candidate.selective:
+        return with_context(result, selective_context)
+    if keywords.get("context_fn") is selective_context:
+        return with_context(result, None)
+    return result
+
+
+def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
+    """Apply `candidate` to the live model: each block's `gradient_checkpointing` flag, and its checkpoint function
+    (`use_reentrant`, selective's `context_fn`, offloading). Idempotent; works on transformers 4.x and 5.x.
+
+    A checkpoint function is replaced only when it changes (the plugin's first-forward observer keeps standing in
+    front of it); other keywords (a user's `preserve_rng_state`, ...) are kept; a `context_fn` that is not the
+    planner's is kept unless the candidate is selective.
+
+    Args:
+        model: the live model (PEFT / DDP wrappers are fine), checkpointing normally already enabled.
+        candidate: from `plan()`.
+        use_reentrant (`bool`): the `use_reentrant` the blocks run with.
+
+    Raises:
+        `ValueError`: selective with `use_reentrant=True`, or a pattern for another number of blocks.
+    """
+    if candidate.selective and use_reentrant:
+        raise ValueError("selective checkpointing needs use_reentrant=False (torch accepts context_fn only there)")
+    blocks = probe.checkpointed_blocks(probe.unwrap(model))
+    if len(blocks) != len(candidate.pattern):
+        raise ValueError(f"the plan is for {len(candidate.pattern)} blocks; the model has {len(blocks)}")
+    for block, on in zip(blocks, candidate.pattern, strict=True):
+        current = block.__dict__.get("_gradient_checkpointing_func")
+        new = _function_for(current, candidate, use_reentrant)
+        if not _same(getattr(current, "original", current), new):
+            if current is not None and hasattr(current, "original"):
+                current.original = new  # the first-forward observer stays in front
+            else:
+                block._gradient_checkpointing_func = new
+        if block.__dict__.get("gradient_checkpointing") is not on:
+            block.gradient_checkpointing = on
+
+
+def pattern_of(model: Any) -> tuple[bool, ...]:
+    """The live per-block `gradient_checkpointing` flags."""
+    return tuple(
+        bool(getattr(b, "gradient_checkpointing", False)) for b in probe.checkpointed_blocks(probe.unwrap(model))
+    )
+
+
+def selective_of(model: Any) -> tuple[bool, ...]:
+    """Per block, whether its checkpoint function runs the planner's selective policy."""
+    return tuple(
+        is_selective(b.__dict__.get("_gradient_checkpointing_func"))
+        for b in probe.checkpointed_blocks(probe.unwrap(model))
+    )
+
+
+def offload_of(model: Any) -> tuple[bool, ...]:
+    """Per block, whether its checkpoint function offloads (the planner's `offload_checkpoint`)."""
+    out = []
+    for b in probe.checkpointed_blocks(probe.unwrap(model)):
+        func = b.__dict__.get("_gradient_checkpointing_func")
+        func = getattr(func, "original", func)
+        out.append(getattr(func, "func", None) is offload_checkpoint)
+    return tuple(out)
+
+
+def drift(model: Any, candidate: Candidate) -> list[str]:
+    """How the live model differs from `candidate` (empty: it runs the plan). For the per-step drift check: TRL's
+    per-step re-enable sets every block's flag and function again."""
+    found = []
+    if pattern_of(model) != candidate.pattern:
+        found.append("pattern")
+    on = [i for i, x in enumerate(candidate.pattern) if x]
+    sel, off = selective_of(model), offload_of(model)
+    if any(sel[i] != candidate.selective for i in on):
+        found.append("selective")
+    if any(off[i] != candidate.offload for i in on):
+        found.append("offload")
+    return found
+
+
+__all__ = [
+    "BALANCE",
+    "OP_OVERHEAD",
+    "Candidate",
+    "Plan",
+    "apply_plan",
+    "candidates",
+    "drift",
+    "format_bytes",
+    "is_selective",
+    "offload_checkpoint",
+    "offload_of",
+    "parse_budget",
+    "pattern_of",
+    "plan",
+    "plan_decisions",
+    "predict_peak",
+    "recompute_cost",
+    "selective_context",
+    "selective_of",
+    "spread",
+]
