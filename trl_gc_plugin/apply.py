@@ -73,6 +73,24 @@ def set_model_use_reentrant(model: Any, value: bool) -> int:
     return set_model_kwarg(model, "use_reentrant", value)
 
 
+def switch_fsdp_checkpointing_off(args: Any) -> None:
+    """Replace FSDP's own activation checkpointing with the Trainer's, non-reentrant: in the arguments, and in
+    accelerate's FSDP plugin when the Trainer already built it (it is read when the model is prepared, in train())."""
+    config = getattr(args, "fsdp_config", None)
+    if isinstance(config, dict):
+        config["activation_checkpointing"] = False
+    try:
+        from accelerate.state import AcceleratorState
+
+        plugin = AcceleratorState._shared_state.get("fsdp_plugin")
+        if plugin is not None:
+            plugin.activation_checkpointing = False
+    except ImportError:
+        pass
+    write_flag(args, True)
+    set_args_use_reentrant(args, False)
+
+
 class CacheSwitch:
     """`use_cache=False` in every config of the model while training steps run, and the user's values whenever
     the Trainer saves or evaluates and after training, so no checkpoint's `config.json` carries the change.
@@ -119,6 +137,8 @@ def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[D
             set_args_kwarg(args, d.setting, value)
             if model is not None:
                 set_model_kwarg(model, d.setting, value)
+        elif d.setting == "fsdp_activation_checkpointing":  # FSDP's own off, the Trainer's (non-reentrant) on
+            switch_fsdp_checkpointing_off(args)
         elif d.setting == "checkpointing_kwargs":  # transformers < 5.23: torch must not get them
             for key in d.before or ():
                 set_args_kwarg(args, key, None)

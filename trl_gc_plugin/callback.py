@@ -177,6 +177,7 @@ class SafeGCCallback(TrainerCallback):
         self._every_n: int | None = None
         self._guard: EnableGuard | None = None
         self._plan_hook: Any = None
+        self._forward_watch: list[Any] = []
         self._audit_pending = False
         self._parity_pending = False
         self._reported: dict[str, int] = {}
@@ -246,6 +247,8 @@ class SafeGCCallback(TrainerCallback):
         if isinstance(value, bool):
             self._watch = verify.Watch(args, model, value)
         self._asked_vs_running(args, model)
+        if facts.reduces_per_parameter and probe.model_use_reentrant(model):
+            self._watch_forwards_before_backward(args, model)
         if probe.checkpointing_on(model):  # the runtime checks run even when the plugin stands back from deciding
             self._observation = Observation(model, self._on_frozen_inputs, self._on_keyword_inputs)
             self._observation.install()
@@ -272,6 +275,7 @@ class SafeGCCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self._cache is not None:
             self._cache.restore()  # a checkpoint saved after this step keeps the user's config
+        self._stop_forward_watch()  # the first step is over
         if self._observation is not None:  # the first step is over: nothing of the observation stays
             self._observation.remove()
             self.observed = dict(self._observation.calls)
@@ -379,7 +383,7 @@ class SafeGCCallback(TrainerCallback):
 
     def _audit(self, args: Any, model: Any) -> None:
         rule = get_rule("gradient-audit")
-        sharded = verify.gradients_are_sharded(args)
+        sharded = verify.gradients_are_sharded(args, model)
         if sharded:
             self._record(args, [self._verdict(rule, "none", None, None, f"Skipped: {sharded}.")])
             return
@@ -505,11 +509,13 @@ class SafeGCCallback(TrainerCallback):
             return self.parity_check
         running = probe.model_use_reentrant(model)
         causal = type(probe.unwrap(model)).__name__.endswith("ForCausalLM")
-        return bool(running and causal and report_world_size(args) == 1 and not verify.gradients_are_sharded(args))
+        return bool(
+            running and causal and report_world_size(args) == 1 and not verify.gradients_are_sharded(args, model)
+        )
 
     def _parity(self, args: Any, model: Any) -> None:
         rule = get_rule("parity-check")
-        if verify.gradients_are_sharded(args):
+        if verify.gradients_are_sharded(args, model):
             self._record(args, [self._verdict(rule, "none", None, None, "Skipped: sharded parameters.")])
             return
         try:
@@ -594,6 +600,49 @@ class SafeGCCallback(TrainerCallback):
             self._guard = EnableGuard(model, layer_kwargs)
             self._guard.install()
 
+    def _watch_forwards_before_backward(self, args: Any, model: Any) -> None:
+        """For the first step: a second grad-enabled forward before the first backward, under a wrapper that reduces
+        each parameter's gradient as soon as it is computed (ZeRO-1 with overlap_comm, ZeRO-2/3, DDP)."""
+        base = probe.unwrap(model)
+        state = {"pending": False}
+
+        def before(module: Any, f_args: Any) -> None:
+            import torch
+
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            if state["pending"]:
+                self._stop_forward_watch()
+                self._second_forward(args)
+            state["pending"] = True
+
+        def after(module: Any, f_args: Any, output: Any) -> None:
+            tensor = _grad_output(output)
+            if tensor is None:
+                state["pending"] = False
+                return
+            tensor.register_hook(lambda grad: state.update(pending=False))
+
+        self._forward_watch = [base.register_forward_pre_hook(before), base.register_forward_hook(after)]
+
+    def _second_forward(self, args: Any) -> None:
+        rule = get_rule("two-forwards-before-backward")
+        action: Action = "warn" if self.mode == "warn" or self._stands_back() else "error"
+        reason = (
+            "A second grad-enabled forward of the model ran before the first backward, with reentrant checkpointing, "
+            "under a wrapper that reduces each parameter's gradient once per backward. " + rule.message
+        )
+        decision = self._verdict(rule, action, True, False, reason)
+        self._record(args, [decision])
+        if action == "error":
+            self._stop_watching()
+            raise_for_errors([decision], self.mode if self.mode != "fix" else "strict")
+
+    def _stop_forward_watch(self) -> None:
+        for handle in self._forward_watch:
+            handle.remove()
+        self._forward_watch = []
+
     # --- the memory plan ---------------------------------------------------------------------------------------
 
     def _plan_when_the_shape_is_known(self, args: Any, model: Any) -> None:
@@ -629,7 +678,7 @@ class SafeGCCallback(TrainerCallback):
     def _plan(self, args: Any, model: Any, batch: int, seq: int) -> None:
         from . import memory, planner
 
-        sharded = verify.gradients_are_sharded(args)
+        sharded = verify.gradients_are_sharded(args, model)
         if sharded:
             self._record(args, [self._plan_skipped(f"not planned under sharding ({sharded})")])
             return
@@ -687,6 +736,7 @@ class SafeGCCallback(TrainerCallback):
         if self._plan_hook is not None:
             self._plan_hook.remove()
             self._plan_hook = None
+        self._stop_forward_watch()
         if self._observation is not None:
             self._observation.remove()
             self._observation = None
@@ -811,6 +861,18 @@ def _input_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, in
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
             return int(value.shape[0]), int(value.shape[1])
     return None
+
+
+def _grad_output(output: Any) -> Any:
+    """A tensor of the model's output that requires grad (the loss, else the logits, else the first one)."""
+    import torch
+
+    candidates = [getattr(output, name, None) for name in ("loss", "logits")]
+    if isinstance(output, (tuple, list)):
+        candidates += list(output)
+    elif isinstance(output, torch.Tensor):
+        candidates.append(output)
+    return next((t for t in candidates if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
 def report_world_size(args: Any) -> int:

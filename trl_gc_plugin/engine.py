@@ -111,18 +111,18 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if not facts.gc_enabled and not facts.fsdp_activation_checkpointing:
-        return [
-            Decision(
-                rule_id="checkpointing-off",
-                action="none",
-                setting="activation_checkpointing",
-                before=False,
-                after=False,
-                source="unset",
-                reason="Checkpointing is off: nothing to decide.",
-                stage=facts.stage,
-            )
-        ]
+        off = Decision(
+            rule_id="checkpointing-off",
+            action="none",
+            setting="activation_checkpointing",
+            before=False,
+            after=False,
+            source="unset",
+            reason="Checkpointing is off: nothing to decide.",
+            stage=facts.stage,
+        )
+        checks = [r for r in applicable(facts, rules) if r.kind == "check"]  # said whether checkpointing is on or off
+        return [off] + [_decision(r, "warn", None, None, "unset", r.message, facts, level=r.level) for r in checks]
 
     rules_here = applicable(facts, rules)
     for rule in rules_here:
@@ -373,6 +373,8 @@ def _current(facts: Facts, setting: str) -> tuple[Any, str]:
         return facts.preserve_rng_state, "user"
     if setting == "offload":
         return facts.offload, "user"
+    if setting == "fsdp_activation_checkpointing":
+        return facts.fsdp_activation_checkpointing, "user"
     if setting == "checkpointing_kwargs":  # the kwargs torch must not get
         return tuple(k for k in LAYER_KWARGS if k in facts.kwargs_keys), "user"
     raise KeyError(f"no fact for setting {setting!r}")

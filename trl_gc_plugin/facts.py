@@ -73,8 +73,14 @@ class Facts:
         deepspeed_activation_checkpointing: the DeepSpeed config has an `activation_checkpointing` block.
         gc_running_blocks: how many blocks really checkpoint (live flags, train mode), None before checkpointing is
             enabled.
-        fsdp_wrapped: FSDP really wraps the model (None: not known yet); False with `fsdp` set means another wrapper
-            (DDP) was used.
+        fsdp_wrapped: FSDP was asked for and accelerate's state says whether it is applied (True) or not (False:
+            accelerate fell back to DDP, e.g. on CPU); None when FSDP is not asked for or the state is not known yet.
+            When False, `fsdp` is False too: the run is treated as the DDP run it is.
+        fsdp_version: 1 or 2 when FSDP is asked for.
+        shared_block_params: a trainable parameter belongs to two or more checkpointed blocks (a block shared across
+            depth, Zamba2): two reentrant calls then send it gradients from two inner backwards.
+        zero_overlap_comm: DeepSpeed's `zero_optimization.overlap_comm` (ZeRO-1 reduces gradients during the backward
+            only with it); None when not set.
     """
 
     stage: Stage = "init_end"
@@ -120,6 +126,9 @@ class Facts:
     deepspeed_activation_checkpointing: bool = False
     gc_running_blocks: int | None = None
     fsdp_wrapped: bool | None = None
+    fsdp_version: int | None = None
+    shared_block_params: bool | None = None
+    zero_overlap_comm: bool | None = None
 
     @property
     def ddp(self) -> bool:
@@ -135,6 +144,16 @@ class Facts:
         if self.ddp_find_unused_parameters is not None:
             return bool(self.ddp_find_unused_parameters)
         return self.model_is_pretrained is False
+
+    @property
+    def reduces_per_parameter(self) -> bool:
+        """The gradient wrapper reduces each parameter's gradient once per backward, from a hook: DeepSpeed ZeRO-2
+        and ZeRO-3, ZeRO-1 with `overlap_comm`, torch DDP without a static graph."""
+        return bool(
+            self.zero_stage in (2, 3)
+            or (self.zero_stage == 1 and self.zero_overlap_comm)
+            or (self.ddp and not self.ddp_static_graph)
+        )
 
     def replace(self, **changes: Any) -> Facts:
         """A copy with some fields changed (handy in tests and in the engine)."""

@@ -185,7 +185,7 @@ def zero_stage(args: Any) -> int | None:
 
 
 def fsdp_facts(args: Any) -> tuple[bool, bool]:
-    """(FSDP in use, FSDP's own activation checkpointing on), from the args or accelerate's environment."""
+    """(FSDP asked for, FSDP's own activation checkpointing on), from the args or accelerate's environment."""
     fsdp = getattr(args, "fsdp", None)
     on = bool(fsdp) or bool(parse_flag(os.environ.get("ACCELERATE_USE_FSDP", "")))
     config = getattr(args, "fsdp_config", None) or {}
@@ -193,6 +193,29 @@ def fsdp_facts(args: Any) -> tuple[bool, bool]:
     if ac is None:
         ac = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "")
     return on, bool(parse_flag(str(ac)))
+
+
+def fsdp_version(args: Any) -> int | None:
+    """1 or 2: transformers 5.23 reads `fsdp_config["version"]` (default 2); 4.x the `FSDP_VERSION` variable (1)."""
+    plugin_args = getattr(args, "fsdp_plugin_args", None)
+    if isinstance(plugin_args, dict) and str(plugin_args.get("fsdp_version", "")).isdigit():
+        return int(plugin_args["fsdp_version"])
+    config = getattr(args, "fsdp_config", None)
+    if isinstance(config, dict) and str(config.get("version", "")).isdigit():
+        return int(config["version"])
+    env = os.environ.get("FSDP_VERSION", "")
+    return int(env) if env.isdigit() else 1
+
+
+def fsdp_applied(args: Any) -> bool | None:
+    """Whether accelerate really runs FSDP (its state, which the Trainer sets up in `__init__`): False when it fell
+    back to another wrapper (DDP on CPU, `MULTI_CPU`); None when unknown (the state does not exist yet)."""
+    state = args.__dict__.get("distributed_state")
+    kind = getattr(state, "distributed_type", None)
+    if kind is None:
+        return None
+    name = str(getattr(kind, "value", kind)).rsplit(".", 1)[-1].upper()
+    return name == "FSDP" or "XLA" in name
 
 
 def _flag_source(args: Any) -> Source:
@@ -235,6 +258,7 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
         gc_on = gc_on or bool(old_flag)
 
     fsdp, fsdp_ac = fsdp_facts(args)
+    applied = fsdp_applied(args) if fsdp and stage != "post_init" else None
     kind = trainer_kind(args)
     given = kwargs if isinstance(kwargs, dict) else {}
     every = given.get("every_n_layers")
@@ -256,8 +280,11 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
         rl_trainer=kind in RL_TRAINERS,
         world_size=_world_size(args, ask_args=stage != "post_init"),
         zero_stage=zero_stage(args),
-        fsdp=fsdp,
-        fsdp_activation_checkpointing=fsdp_ac,
+        fsdp=fsdp and applied is not False,
+        fsdp_activation_checkpointing=fsdp_ac and applied is not False,
+        fsdp_wrapped=applied,
+        fsdp_version=fsdp_version(args) if fsdp else None,
+        zero_overlap_comm=_overlap_comm(ds_config),
         ddp_find_unused_parameters=getattr(args, "ddp_find_unused_parameters", None),
         ddp_static_graph=getattr(args, "ddp_static_graph", None),
         gc_flag_source=_flag_source(args),
@@ -278,6 +305,12 @@ DEEPSPEED_AC_KEYS = (
     "synchronize_checkpoint_boundary",
     "profile",
 )
+
+
+def _overlap_comm(config: Any) -> bool | None:
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    value = zero.get("overlap_comm") if isinstance(zero, dict) else None
+    return parse_flag(value) if value is not None else None
 
 
 def deepspeed_activation_checkpointing(config: Any) -> bool:
@@ -537,7 +570,41 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
         accelerator=accelerator_available(),
         dropout=has_dropout(base),
         shared_state_layers=shares_layer_state(base),
+        shared_block_params=shares_block_params(blocks + layer_list_entries(base)),
     )
+
+
+def layer_list_entries(model: Any) -> list[Any]:
+    """The entries of the layer lists of modules that checkpoint (a stack with a `gradient_checkpointing` flag that
+    calls `self._gradient_checkpointing_func(layer.__call__, ...)` itself, as Zamba2 does on transformers 4.57)."""
+    import torch
+
+    out: list[Any] = []
+    for module in unwrap(model).modules():
+        if hasattr(module, "gradient_checkpointing") and not isinstance(module, torch.nn.ModuleList):
+            for child in module.children():
+                if isinstance(child, torch.nn.ModuleList):
+                    out.extend(child)
+    return out
+
+
+def shares_block_params(blocks: list[Any]) -> bool:
+    """A trainable parameter belongs to two or more checkpointed blocks (blocks nested in another block count as
+    part of it): a block reused across depth (Zamba2's shared transformer)."""
+    blocks = list({id(b): b for b in blocks}.values())
+    members = [{id(m) for m in b.modules()} for b in blocks]
+    top = [
+        b
+        for b, mine in zip(blocks, members, strict=True)
+        if not any(id(b) in other and other is not mine for other in members)
+    ]
+    seen: set[int] = set()
+    for block in top:
+        for p in {id(p): p for p in block.parameters() if p.requires_grad}:
+            if p in seen:
+                return True
+            seen.add(p)
+    return False
 
 
 def accelerator_available() -> bool:

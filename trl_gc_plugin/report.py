@@ -111,12 +111,13 @@ def note(message: str, level: str = "info", main_process: bool = True) -> None:
 
 def summary_line(decisions: list[Any], mode: str, use_reentrant: Any, source: str, json_path: str | None) -> str:
     """The run's one-line summary: what runs, what the plugin changed or would change, where the decisions are."""
-    gc_off = any(d.rule_id == "checkpointing-off" for d in decisions) and not any(
-        d.rule_id != "checkpointing-off" for d in decisions
-    )
     where = f"; decisions in {json_path}" if json_path else ""
-    if gc_off:
-        return f"gradient checkpointing is off: nothing to check (mode={mode}){where}."
+    flagged = [d for d in decisions if d.level in ("warning", "error")]
+    said = (
+        f"; {len(flagged)} warning(s)/refusal(s): " + ", ".join(sorted({d.rule_id for d in flagged})) if flagged else ""
+    )
+    if any(d.rule_id == "checkpointing-off" for d in decisions):
+        return f"gradient checkpointing is off (mode={mode}){said}{where}."
     who = {
         "plugin": "chosen by the plugin",
         "user": "yours",
@@ -126,14 +127,10 @@ def summary_line(decisions: list[Any], mode: str, use_reentrant: Any, source: st
     }.get(source, f"set by {source}")
     running = "the library default" if use_reentrant is None else repr(use_reentrant)
     changed = sorted({f"{d.setting}={d.after!r}" for d in decisions if d.applied and d.setting != "use_reentrant"})
-    flagged = [d for d in decisions if d.level in ("warning", "error")]
     parts = [f"gradient checkpointing on, use_reentrant={running} ({who}), mode={mode}"]
     if changed:
         parts.append("also set: " + ", ".join(changed))
-    if flagged:
-        ids = sorted({d.rule_id for d in flagged})
-        parts.append(f"{len(flagged)} warning(s)/refusal(s): " + ", ".join(ids))
-    return "; ".join(parts) + where + " (`log_level=info` lists every decision)."
+    return "; ".join(parts) + said + where + " (`log_level=info` lists every decision)."
 
 
 def reset() -> None:

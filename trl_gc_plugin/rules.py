@@ -150,7 +150,7 @@ RULES: tuple[Rule, ...] = (
         kind="check",
         setting="use_reentrant",
         value=None,
-        when=lambda f: f.unsloth,
+        when=lambda f: f.gc_enabled and f.unsloth,
         condition="Unsloth is loaded (`unsloth` imported): it swaps torch's checkpoint for `unsloth_checkpoint`",
         message=(
             "Unsloth's own checkpointing ignores `use_reentrant` (it always recomputes its own way), so the plugin "
@@ -252,6 +252,55 @@ RULES: tuple[Rule, ...] = (
             "https://github.com/axolotl-ai-cloud/axolotl/blob/main/src/axolotl/utils/schemas/validation.py (seed 001, rule 4)",
         ),
         remove_when="TRL's RL trainers support reentrant checkpointing with QLoRA across processes",
+        stages=("init_end", "train"),
+    ),
+    Rule(
+        id="fsdp-not-applied",
+        title="FSDP asked for, DDP used",
+        kind="check",
+        setting="fsdp",
+        value=None,
+        when=lambda f: f.fsdp_wrapped is False,
+        condition=(
+            "`fsdp` (or ACCELERATE_USE_FSDP) is set but accelerate's state is not FSDP: it fell back to another "
+            "wrapper (DDP), as it does on CPU (`use_cpu=True`)"
+        ),
+        message=(
+            "The model is not sharded: every rank holds all of it, FSDP's own activation checkpointing is not applied, "
+            "and DDP's behaviour applies (the plugin judges the run as the DDP run it is). Run on the accelerators "
+            "FSDP needs, or drop `fsdp` to say what runs."
+        ),
+        evidence=(
+            "https://github.com/huggingface/accelerate/blob/main/src/accelerate/state.py (AcceleratorState: FSDP only "
+            "for accelerator device types)",
+            "reproduced: transformers 5.23.0, torchrun 2 procs, fsdp='full_shard' + use_cpu=True -> DDP, silently",
+        ),
+        remove_when="accelerate refuses FSDP where it cannot apply it",
+        stages=("init_end", "train"),
+    ),
+    Rule(
+        id="reused-params-need-non-reentrant",
+        title="a block reused across depth under DeepSpeed ZeRO or DDP: non-reentrant",
+        kind="require",
+        setting=USE_REENTRANT,
+        value=False,
+        when=lambda f: bool(f.gc_enabled and f.shared_block_params and f.reduces_per_parameter),
+        condition=(
+            "a trainable parameter belongs to two or more checkpointed blocks (Zamba2's shared block), under "
+            "DeepSpeed ZeRO-2, ZeRO-3, ZeRO-1 with `overlap_comm`, or torch DDP without `ddp_static_graph`"
+        ),
+        message=(
+            "Reentrant checkpointing runs one inner backward per checkpointed call, so the shared parameter's gradient "
+            "hook fires twice in one backward: ZeRO-1/2 raise 'Gradient computed twice for this partition', DDP "
+            "'Expected to mark a variable ready only once', and ZeRO-3 silently keeps one of the two gradients. "
+            "Non-reentrant accumulates once. Use use_reentrant=False (under DDP, ddp_static_graph=True works too)."
+        ),
+        evidence=(
+            "https://github.com/deepspeedai/DeepSpeedExamples/issues/458",
+            "reproduced: DeepSpeed 0.19.8, 2 ranks on CPU, Zamba2 through the Trainer: ZeRO-2 and ZeRO-1+overlap_comm "
+            "AssertionError, ZeRO-3 wrong update, DDP 'marked ready only once'; non-reentrant equals no checkpointing",
+        ),
+        remove_when="never while reentrant checkpointing runs one backward per call",
         stages=("init_end", "train"),
     ),
     Rule(
@@ -366,6 +415,29 @@ RULES: tuple[Rule, ...] = (
             TORCH_CHECKPOINT_DOCS,
         ),
         remove_when="never while recomputation replays random ops",
+        stages=("init_end", "train"),
+    ),
+    Rule(
+        id="fsdp2-checkpointing-with-dropout",
+        title="FSDP2's own checkpointing does not preserve the RNG state",
+        kind="require",
+        setting="fsdp_activation_checkpointing",
+        value=False,
+        when=lambda f: bool(f.fsdp_activation_checkpointing and f.fsdp_version == 2 and f.dropout),
+        condition="FSDP2 with its own activation checkpointing (`fsdp_config['activation_checkpointing']`) and dropout > 0",
+        message=(
+            "accelerate wraps every layer for FSDP2 with `preserve_rng_state=False`, so the recompute draws other "
+            "dropout masks than the forward did: wrong gradients, silently. Use the Trainer's checkpointing instead "
+            "(gradient_checkpointing=True, fsdp_config activation_checkpointing=False; fix mode switches to it), or "
+            "set every dropout to 0."
+        ),
+        evidence=(
+            "https://github.com/huggingface/accelerate/blob/main/src/accelerate/utils/fsdp_utils.py "
+            "(fsdp2_apply_ac: checkpoint_wrapper(..., preserve_rng_state=False))",
+            "reproduced: real FSDP2 on CPU (torchrun 2 procs, gloo), attention_dropout=0.1: 81% of the first update's "
+            "elements differ from no checkpointing; FSDP1's and the Trainer's checkpointing are exact",
+        ),
+        remove_when="accelerate preserves the RNG state in FSDP2's activation checkpointing",
         stages=("init_end", "train"),
     ),
     Rule(
@@ -621,6 +693,32 @@ RULES += (
             "(GradientCheckpointingLayer: inputs that require grad must be passed positionally with use_reentrant=True)",
         ),
         remove_when="never while torch's reentrant checkpoint ignores keyword inputs",
+        stages=("runtime",),
+    ),
+    Rule(
+        id="two-forwards-before-backward",
+        title="two forwards before one backward under DeepSpeed ZeRO or DDP",
+        kind="verify",
+        setting="use_reentrant",
+        value=False,
+        when=_at_runtime,
+        condition=(
+            "first training step: a second grad-enabled forward of the model before the first backward (a custom "
+            "`compute_loss` calling the model twice), with reentrant checkpointing, under DeepSpeed ZeRO-2, ZeRO-3, "
+            "ZeRO-1 with `overlap_comm`, or DDP without `ddp_static_graph`"
+        ),
+        message=(
+            "Every checkpointed block's parameters then get gradients from two inner backwards: ZeRO-1/2 raise "
+            "'Gradient computed twice for this partition', DDP 'Expected to mark a variable ready only once', ZeRO-3 "
+            "silently keeps one. The first forward already ran reentrant, so even fix mode can only refuse: use "
+            "use_reentrant=False. (No TRL 1.16 trainer does this: their reference passes run under no_grad.)"
+        ),
+        evidence=(
+            "https://github.com/deepspeedai/DeepSpeedExamples/issues/458",
+            "reproduced: DeepSpeed 0.19.8, 2 ranks on CPU, a Trainer whose compute_loss calls the model twice: ZeRO-2 "
+            "AssertionError; non-reentrant equals no checkpointing",
+        ),
+        remove_when="never while reentrant checkpointing runs one backward per call",
         stages=("runtime",),
     ),
     Rule(

@@ -42,12 +42,24 @@ class AuditResult:
         return not (self.broken or self.unused or self.unverified)
 
 
-def gradients_are_sharded(args: Any) -> str | None:
-    """Why `.grad` cannot be read off the parameters (DeepSpeed ZeRO, FSDP), or None."""
+def gradients_are_sharded(args: Any, model: Any = None) -> str | None:
+    """Why `.grad` cannot be read off the parameters per rank, or None. DeepSpeed keeps gradients in its own
+    buffers; FSDP1 in flat parameters sharded across ranks (a parameter whose shard lies on another rank has no
+    `.grad` here even when it trains). FSDP2's per-parameter DTensor gradients can be read; so can DDP's, which is
+    what runs when accelerate falls back from a FSDP request."""
     if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None) is not None:
         return "DeepSpeed keeps gradients in its own partitioned buffers"
-    if getattr(args, "fsdp", None) and getattr(args, "fsdp", None) not in ([], "", None):
-        return "FSDP keeps gradients in flat sharded parameters"
+    if model is None:
+        fsdp = getattr(args, "fsdp", None)
+        return "FSDP keeps gradients in sharded parameters" if fsdp not in ([], "", None) else None
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # torch without distributed
+        return None
+    if isinstance(model, FullyShardedDataParallel) or any(
+        isinstance(m, FullyShardedDataParallel) for m in probe.unwrap(model).modules()
+    ):
+        return "FSDP1 keeps gradients in flat parameters sharded across ranks"
     return None
 
 
@@ -82,12 +94,18 @@ def audit_gradients(model: Any, observation: Any = None) -> AuditResult:
                 result.unused.append(prefix)
             else:
                 result.unverified.append(prefix)
-        finite_check.extend((f"{prefix}.{n}", g) for n, g in with_grad if g.device.type != "meta")
+        finite_check.extend((f"{prefix}.{n}", _local(g)) for n, g in with_grad if g.device.type != "meta")
     if finite_check:
         norms = torch._foreach_norm([g for _, g in finite_check])
         finite = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
         result.nonfinite_params = [name for (name, _), ok in zip(finite_check, finite, strict=True) if not ok]
     return result
+
+
+def _local(grad: Any) -> Any:
+    """A DTensor gradient's local shard (FSDP2): checked per rank, no collective."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
 
 
 def _under_observed_stack(block: str, stacks: set[str]) -> bool:

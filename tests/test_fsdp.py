@@ -1,0 +1,261 @@
+"""Real FSDP (FSDP1 and FSDP2) through the HF Trainer under `torchrun --nproc_per_node 2` (gloo, CPU), with the
+test-only accelerate shim of tests/fsdp_scenarios.py (without it, accelerate wraps the model in DDP on a CPU-only
+machine, silently): what the plugin's FSDP rules are about, reproduced without the plugin; what the plugin does
+under real FSDP today; and what it should do (xfail)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from trainers import TF5
+
+BOTH_AC = ("ValueError: `fsdp_config['activation_checkpointing']` (FSDP's own activation checkpointing) and the "
+           "`activation_checkpointing` training argument can't both be set to True." if TF5 else
+           "ValueError: The activation_checkpointing in FSDP config and the gradient_checkpointing in training arg "
+           "can't be set to True simultaneously.")
+DDP_TWICE = "RuntimeError: Expected to mark a variable ready only once"
+
+# scenario: expected outcome prefix (None: trained). Grammar in tests/fsdp_scenarios.py:
+# <fsdp>-<model>-<gc>-<fsdp activation checkpointing>-<use_cache>-<plugin>
+UPSTREAM = {
+    "ddp-full-off-0-0-none": None,  # FSDP asked for, no shim: DDP, silently
+    "v2-full-off-0-0-none": None,
+    "v1-full-off-0-0-none": None,
+    "v2-full-true-1-0-none": BOTH_AC,
+    "v1-full-true-1-0-none": BOTH_AC,
+    "ddp-full-true-1-0-none": None,  # the same arguments pass when accelerate fell back to DDP
+    "v2-full-off-1-1-none": None if TF5 else "CheckpointError: torch.utils.checkpoint: Recomputed values",
+    "v1-full-off-1-1-none": None if TF5 else "CheckpointError: torch.utils.checkpoint: Recomputed values",
+    "v2-full-off-1-0-none": None,
+    "v2-full-true-0-0-none": None,
+    "v2-full-false-0-0-none": None,
+    "v1-full-true-0-0-none": None,
+    "v1-full-false-0-0-none": None,
+    "v2-frozenemb-true-0-0-none": None,  # transformers 4: trains, but no layer parameter changes (below)
+    "v1-frozenemb-true-0-0-none": None,
+    "v2-lora-true-0-0-none": None if TF5 else "RuntimeError: element 0 of tensors does not require grad",
+    "v2-lora-false-0-0-none": None,
+    "v2-lorahook-true-0-0-none": None,
+    "v1-lorahook-true-0-0-none": None,
+    "v2-lora-off-1-0-none": None,
+    "ddp-lorahook-true-0-0-none": DDP_TWICE,
+    "v2-dropout-off-0-0-none": None,
+    "v2-dropout-off-1-0-none": None,
+    "v2-dropout-false-0-0-none": None,
+    "v1-dropout-off-1-0-none": None,
+    "v2-loradrop-off-0-0-none": None,
+    "v2-loradrop-off-1-0-none": None,
+}
+if TF5:  # `TrainingArguments(use_cache=True)`, copied into the model config after on_init_end
+    UPSTREAM["v2-full-off-1-2-none"] = "RuntimeError: The size of tensor a (32) must match the size of tensor b (16)"
+PLUGIN = {
+    "v2-full-off-1-1-strict": None,
+    "v1-full-off-1-1-strict": None,
+    "v2-full-true-1-0-installed": "GCConfigError",
+    "v2-full-true-1-0-installedfix": None,
+    "v2-frozenemb-unset-0-0-strict": None,
+    "v2-frozenemb-true-0-0-strict": None if TF5 else "GCConfigError",
+    "v1-frozenemb-true-0-0-strict": None,
+}
+if TF5:
+    PLUGIN["v2-full-off-1-2-strict"] = None
+PLANNED = ["ddp-full-off-1-0-strict", "ddp-lorahook-true-0-0-strict", "v2-dropout-off-1-0-strict"]
+SCENARIOS = {**UPSTREAM, **PLUGIN}
+FULL = [s for s in SCENARIOS if s.split("-")[1] == "full" and SCENARIOS[s] is None]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    script = Path(__file__).with_name("fsdp_scenarios.py")
+    run = [*SCENARIOS, *PLANNED]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29571",
+         str(script), str(out), *run],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    lines = [json.loads(line) for f in sorted(out.glob("results-rank*.jsonl")) for line in f.read_text().splitlines()]
+    assert proc.returncode == 0 and len(lines) == 2 * len(run), proc.stderr[-4000:]
+    by: dict = {}
+    for item in lines:
+        by.setdefault(item["scenario"], {})[item["rank"]] = item
+    return out, by
+
+
+def _check(ranks: dict, expected: str | None) -> None:
+    assert set(ranks) == {0, 1}
+    for rank in ranks.values():
+        if expected is None:
+            assert rank["outcome"] == "trained", rank
+            assert rank["checksums"][0] == rank["checksums"][1], "parameters out of sync across ranks"
+        else:
+            assert rank["outcome"].startswith(expected), rank
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_outcome(results, scenario):
+    _check(results[1][scenario], SCENARIOS[scenario])
+
+
+@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if SCENARIOS[s] is None])
+def test_what_wraps_the_model(results, scenario):
+    """The detection a callback can do: accelerate's state on `args.distributed_state` already says FSDP at
+    on_init_end (set in Trainer.__init__); at on_train_begin the model itself shows FSDP2 (FSDPModule, every
+    parameter a DTensor) or FSDP1 (the callbacks get the FullyShardedDataParallel root). The DDP fallback shows
+    MULTI_CPU with FSDP requested."""
+    for rank in results[1][scenario].values():
+        kind = scenario.split("-")[0]
+        init, begin = rank["seen"]["init_end"], rank["seen"]["train_begin"]
+        assert init["structure"] is None and init["fsdp_requested"]
+        if kind == "ddp":
+            assert init["verdict"] == begin["verdict"] == "not-fsdp" and begin["state"] == "MULTI_CPU", rank
+            assert rank["wrapper"] == "DistributedDataParallel"
+            continue
+        assert init["verdict"] == "fsdp" and init["state"] == "FSDP", rank
+        if kind == "v2":
+            assert begin["verdict"] == "fsdp2" and begin["fsdp2_modules"] >= 3, rank  # root + 2 decoder layers
+            assert begin["dtensor_params"] > 0 and begin["fsdp1_modules"] == 0
+        else:
+            assert begin["verdict"] == "fsdp1" and begin["model_class"] == "FullyShardedDataParallel", rank
+            assert begin["fsdp1_modules"] >= 3 and begin["dtensor_params"] == 0
+        assert begin["checkpoint_wrappers"] == (2 if scenario.split("-")[3] == "1" else 0)
+
+
+def test_fsdp_trains_what_ddp_trains(results):
+    """Real sharding changes nothing in the result: FSDP1/FSDP2, with the Trainer's checkpointing (reentrant or not)
+    or FSDP's own, end with the parameters of the DDP run."""
+    by = results[1]
+    reference = by["ddp-full-off-0-0-none"][0]["checksums"][0]
+    for scenario in FULL:
+        rank = by[scenario][0]
+        assert rank["layer_params_changed"] == rank["layer_params"] == 18, scenario
+        assert abs(rank["checksums"][0] - reference) < 1e-6 * abs(reference), scenario
+
+
+def test_fsdp_activation_checkpointing_with_use_cache(results):
+    """transformers 4.57: FSDP's checkpoint_wrapper + use_cache=True fails in the backward (the recompute grows the
+    cache); transformers 5 copies `args.use_cache` (False by default) into the model config at the end of
+    Trainer.__init__, so only an explicit `use_cache=True` there fails (another error, same cause)."""
+    by = results[1]
+    if TF5:
+        rank = by["v2-full-off-1-2-none"][0]
+        assert rank["in_backward"] and rank["seen"]["train_begin"]["checkpoint_wrappers"] == 2, rank
+        assert by["v2-full-off-1-1-none"][0]["use_cache"] is False  # the Trainer overwrote the model config
+    else:
+        for scenario in ("v2-full-off-1-1-none", "v1-full-off-1-1-none"):
+            assert by[scenario][0]["in_backward"], by[scenario][0]
+    # the plugin's use-cache-off rule covers FSDP's own checkpointing, under real FSDP
+    for scenario in ["v2-full-off-1-1-strict", "v1-full-off-1-1-strict"] + (["v2-full-off-1-2-strict"] if TF5 else []):
+        rank = by[scenario][0]
+        if not TF5 or scenario.endswith("-2-strict"):
+            assert ["use-cache-off", "default"] in rank["decisions"], rank
+        assert rank["seen"]["train_begin"]["checkpoint_wrappers"] == 2
+
+
+def test_both_checkpointings_refused_by_transformers_and_explained_by_the_plugin(results):
+    by = results[1]
+    assert by["v2-full-true-1-0-none"][0]["where"] == "Trainer"  # Trainer.__init__, before any callback
+    refused = by["v2-full-true-1-0-installed"][0]
+    assert refused["where"] == "TrainingArguments" and "[fsdp-activation-checkpointing]" in refused["outcome"]
+    fixed = by["v2-full-true-1-0-installedfix"][0]
+    assert fixed["seen"]["train_begin"]["checkpoint_wrappers"] == 2  # FSDP's own kept
+    assert fixed["running"] is None  # the Trainer's switched off
+    # after the DDP fallback nothing refuses the pair; FSDP's checkpointing is silently not applied
+    ddp = by["ddp-full-true-1-0-none"][0]
+    assert ddp["seen"]["train_begin"]["checkpoint_wrappers"] == 0 and ddp["running"] is True
+
+
+def test_reentrant_with_frozen_inputs_under_fsdp(results):
+    """FSDP2 keeps the reentrant silent failure of transformers 4 (frozen input embeddings: no layer parameter
+    changes); FSDP1 (use_orig_params, the embeddings in the root's flat parameter, which requires grad) makes the
+    embedding output require grad and trains every layer, without changing the frozen embeddings."""
+    by = results[1]
+    fsdp2, fsdp1 = by["v2-frozenemb-true-0-0-none"][0], by["v1-frozenemb-true-0-0-none"][0]
+    assert fsdp2["layer_params_changed"] == (18 if TF5 else 0), fsdp2
+    assert fsdp2["layer0_input_requires_grad"] is TF5
+    assert fsdp1["layer_params_changed"] == 18 and fsdp1["layer0_input_requires_grad"] is True, fsdp1
+    assert fsdp1["frozen_changed"] == fsdp2["frozen_changed"] == []
+    fixed = by["v2-frozenemb-unset-0-0-strict"][0]
+    assert fixed["layer_params_changed"] == 18 and fixed["running"] is False
+    if not TF5:
+        assert "[frozen-inputs-observed]" in by["v2-frozenemb-true-0-0-strict"][0]["outcome"]
+    # the first-forward observation sees FSDP1's inputs require grad: nothing refused, and it trains
+    assert by["v1-frozenemb-true-0-0-strict"][0]["layer_params_changed"] == 18
+
+
+def test_lora_under_fsdp(results):
+    """LoRA trains the same under FSDP1/FSDP2 with reentrant (input hook) and non-reentrant checkpointing and with
+    FSDP's own checkpointing."""
+    by = results[1]
+    trained = [s for s in SCENARIOS if s.split("-")[1] in ("lora", "lorahook") and SCENARIOS[s] is None]
+    checksums = {by[s][0]["checksums"][0] for s in trained}
+    assert max(checksums) - min(checksums) < 1e-6, {s: by[s][0]["checksums"][0] for s in trained}
+    assert all(by[s][0]["layer_params_changed"] == by[s][0]["layer_params"] == 8 for s in trained)
+
+
+def test_fsdp2_activation_checkpointing_replays_dropout_differently(results):
+    """accelerate's FSDP2 activation checkpointing wraps each layer in `checkpoint_wrapper(layer,
+    preserve_rng_state=False)`: with dropout, the recompute draws other masks than the forward and the gradients
+    are not those of the forward. The Trainer's checkpointing and FSDP1's own keep the RNG state: equal."""
+    import torch
+
+    out = results[0]
+
+    def load(scenario):
+        return torch.load(out / f"{scenario}.pt")
+
+    def max_diff(a, b):
+        return max((a[n] - b[n]).abs().max().item() for n in a)
+
+    reference = load("v2-dropout-off-0-0-none")
+    assert max_diff(load("v2-dropout-false-0-0-none"), reference) <= 1e-6
+    assert max_diff(load("v1-dropout-off-1-0-none"), reference) <= 1e-6
+    assert max_diff(load("v2-dropout-off-1-0-none"), reference) > 1e-3
+    assert max_diff(load("v2-loradrop-off-1-0-none"), load("v2-loradrop-off-0-0-none")) > 1e-3
+
+
+def test_fsdp_requested_but_ddp_used(results):
+    """Expected: FSDP asked for (`fsdp`, ACCELERATE_USE_FSDP) but accelerate's state is not FSDP (here MULTI_CPU:
+    the model is wrapped in DDP) is told to the user, at on_init_end, as a WARNING decision; FSDP's activation
+    checkpointing, asked for, is not applied at all."""
+    for rank in results[1]["ddp-full-off-1-0-strict"].values():
+        rules = {rule: action for rule, action in rank["decisions"]}
+        assert any("fsdp" in rule and rule != "fsdp-activation-checkpointing" and action == "warn"
+                   for rule, action in rules.items()), rank
+
+
+def test_ddp_rules_apply_after_the_fallback(results):
+    """Expected: when FSDP was asked for but DDP wraps the model, the DDP rules apply: LoRA + reentrant + the
+    Trainer's find_unused_parameters=True for a PeftModel is refused before step 1 (today the plugin believes FSDP,
+    and DDP crashes in the first backward)."""
+    for rank in results[1]["ddp-lorahook-true-0-0-strict"].values():
+        assert rank["outcome"].startswith("GCConfigError") and "ddp-reentrant-find-unused" in rank["outcome"], rank
+
+
+def test_fsdp2_activation_checkpointing_with_dropout(results):
+    """Expected: FSDP2's own activation checkpointing (accelerate: preserve_rng_state=False) on a model with
+    dropout > 0 is reported (the `preserve-rng-state-with-dropout` rule extended to it): at least a warning naming
+    the dropout and the way out (the Trainer's checkpointing, or dropout 0)."""
+    for rank in results[1]["v2-dropout-off-1-0-strict"].values():
+        assert any(rule == "fsdp2-checkpointing-with-dropout" and action in ("warn", "error", "override")
+                   for rule, action in rank["decisions"]), rank
+
+
+def test_what_a_gradient_audit_can_read(results):
+    """Before the first optimizer step, per rank: under FSDP2 every layer parameter that received a gradient has a
+    (DTensor) .grad, and none has one when reentrant checkpointing lost them (transformers 4, frozen embeddings), so
+    the audit's "no .grad" test works there as it is; under FSDP1 (use_orig_params) a parameter whose flat-parameter
+    shard lies on the other rank has no .grad on this one even when it trains, so a per-rank audit would blame
+    healthy blocks (it needs an OR across ranks)."""
+    by = results[1]
+    for rank in by["v2-full-true-0-0-none"].values():
+        assert rank["seen"]["grads"]["grad_none"] == 0, rank["seen"]["grads"]
+    assert any(rank["seen"]["grads"]["grad_none"] > 0 for rank in by["v1-full-true-0-0-none"].values())
+    for rank in by["v2-frozenemb-true-0-0-none"].values():
+        grads = rank["seen"]["grads"]
+        assert grads["grad_none"] == (0 if TF5 else grads["layer_params"]), grads
