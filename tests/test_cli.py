@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from trl_gc_plugin import RULES
-from trl_gc_plugin.table import README_BEGIN, README_END, markdown
+from trl_gc_plugin.table import DOC_HEADER, README_BEGIN, README_END, compact, markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,8 +27,10 @@ def test_rules_json_is_the_table():
     assert [r["id"] for r in json.loads(run("rules", "--json"))] == [r.id for r in RULES]
 
 
-def test_readme_table_is_generated_from_the_rules():
+def test_readme_and_rules_doc_are_generated_from_the_rules():
     readme = (ROOT / "README.md").read_text()
     block = readme[readme.index(README_BEGIN) + len(README_BEGIN): readme.index(README_END)].strip()
-    assert block == markdown().strip() == run("rules", "--markdown").strip(), (
-        "README rule table is stale: regenerate it with `make readme`")
+    stale = "the rule tables are stale: regenerate them with `make readme`"
+    assert block == compact().strip(), stale
+    assert (ROOT / "docs" / "rules.md").read_text() == DOC_HEADER + markdown() + "\n", stale
+    assert run("rules", "--markdown").strip() == markdown().strip()

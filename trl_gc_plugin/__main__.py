@@ -1,21 +1,97 @@
 """`python -m trl_gc_plugin rules [--markdown | --json | --update-readme PATH]`: print the rule table.
-`python -m trl_gc_plugin check CONFIG [--nproc N] [--transformers-version V] ...`: check a config (also
-`trl-gc-check`); exit 0 fine, 1 refused in strict mode, 2 unreadable."""
+`python -m trl_gc_plugin check CONFIG... [--nproc N] [--json] ...`: check configs (also `trl-gc-check`); exit 0 all
+fine, 1 strict mode or the launcher refuses one, 2 one cannot be read, has no recognised format, or an option is
+invalid.
+`python -m trl_gc_plugin plan CONFIG_OR_LAYOUT --batch-size B --seq-len S --budget 40GiB`: plan how much to checkpoint
+(also `trl-gc-plan`); exit 0 a plan fits, 1 nothing fits, 2 unreadable input or an invalid option."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING, NoReturn
 
 from . import table
 
+if TYPE_CHECKING:
+    from .check import Launch
+    from .modes import Mode
+
+
+def trainer_kinds() -> tuple[str, ...]:
+    """The trainers TRL has: its CLI's commands first, then its other trainer classes (as the plugin names them
+    from the config class), and `trainer` for transformers' own Trainer. TRL configs take only the CLI's commands."""
+    from .launchers.trl import CLI_TRAINERS
+    from .probe import GENERATING_TRAINERS, RL_TRAINERS
+
+    others = sorted((RL_TRAINERS | GENERATING_TRAINERS) - set(CLI_TRAINERS))
+    return (*CLI_TRAINERS, *others, "trainer")
+
+
+CHECK_DESCRIPTION = """Check training configs before launching: read each file the way its launcher does (TRL CLI,
+Axolotl, LLaMA-Factory, or a plain TrainingArguments JSON), run the plugin's rules on what it says, and print the
+facts (and where each came from), the decisions and the one change to make. Exit status: 0 every file fine; 1 strict
+mode (or the launcher itself) refuses at least one; 2 at least one file cannot be read, has no recognised format, or
+an option is invalid."""
+
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="a TRL CLI config (YAML/JSON) or an Axolotl YAML")
-    parser.add_argument("--nproc", type=int, default=1, help="processes the launch will start (default 1)")
-    parser.add_argument("--trainer", default="sft", help="TRL trainer the config is for: sft, dpo, grpo, ...")
-    parser.add_argument("--mode", default="strict", choices=["strict", "fix", "warn"])
-    for package in ("transformers", "trl", "peft", "deepspeed", "torch"):
+    """The options of `check` (and of `trl-gc-check`). Numbers, versions and names are taken as strings and checked
+    by `_launch`, so a bad value is one line naming the option and what it takes."""
+    parser.add_argument(
+        "configs",
+        nargs="+",
+        metavar="CONFIG",
+        help="config files (YAML or JSON); several at once share one launcher start-up",
+    )
+    parser.add_argument(
+        "--nproc",
+        metavar="N",
+        help="processes the launch starts (default: the file's num_processes or accelerate config, else 1)",
+    )
+    parser.add_argument(
+        "--trainer",
+        metavar="KIND",
+        help=f"the trainer a TRL config is for, one of TRL's: {', '.join(trainer_kinds())} (TRL configs: the `trl` "
+        "command, default sft)",
+    )
+    parser.add_argument(
+        "--mode",
+        default="strict",
+        metavar="MODE",
+        help="the plugin's mode to decide for: strict (default: a setup known to break training is refused), fix "
+        "(it is overridden), warn (logged only)",
+    )
+    parser.add_argument(
+        "--format",
+        default="auto",
+        metavar="FORMAT",
+        help="auto (default, from the keys), trl, axolotl, llamafactory or training-args",
+    )
+    parser.add_argument(
+        "--parser",
+        default="auto",
+        metavar="PARSER",
+        help="auto (default: the launcher's own parser where it is installed, in a subprocess; else the plugin's model "
+        "of it), launcher (only the launcher's own; a file it cannot read is an error), model (only the model: fast)",
+    )
+    parser.add_argument(
+        "--accelerate-config",
+        metavar="PATH|NAME",
+        help="the accelerate config the launch uses (`accelerate launch --config_file`); TRL configs may name it in `accelerate_config:`",
+    )
+    parser.add_argument(
+        "--timeout",
+        default="120",
+        metavar="SECONDS",
+        help="time limit for the launchers' own parsers, all files together (default 120)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON list, one object per file (path, format, facts and their sources, decisions, exit status)",
+    )
+    for package in CHECK_PACKAGES:
         parser.add_argument(
             f"--{package}-version",
             dest=f"v_{package}",
@@ -24,42 +100,150 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def run_check(ns: argparse.Namespace) -> int:
-    """Exit 0: fine; 1: strict mode would refuse it; 2: the config cannot be read."""
-    from .check import ConfigError, Launch, check, render
+CHECK_PACKAGES = ("transformers", "trl", "peft", "deepspeed", "torch")
 
-    versions = tuple(
-        (p, getattr(ns, f"v_{p}"))
-        for p in ("transformers", "trl", "peft", "deepspeed", "torch")
-        if getattr(ns, f"v_{p}")
-    )
+
+class OptionError(ValueError):
+    """An invalid option of `check`: exit 2 with this one line."""
+
+
+def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
+    """The check's options from the command line; `OptionError` naming the option and what it takes."""
+    import os
+
+    from packaging.version import InvalidVersion, Version
+
+    from .check import Launch
+    from .launchers.accelerate import trl_bundled
+    from .launchers.detect import FORMATS
+    from .modes import MODES, parse_mode
+
+    nproc = None
+    if ns.nproc is not None:
+        try:
+            nproc = int(ns.nproc)
+        except ValueError:
+            raise OptionError(f"--nproc {ns.nproc!r}: expected a whole number of processes >= 1") from None
+        if nproc < 1:
+            raise OptionError(f"--nproc {nproc}: expected a whole number of processes >= 1")
+    trainer = ns.trainer
+    if trainer is not None and trainer not in trainer_kinds():
+        raise OptionError(f"--trainer {trainer!r}: not a trainer TRL has; one of {', '.join(trainer_kinds())}")
+    mode = parse_mode(ns.mode)
+    if mode is None:
+        raise OptionError(f"--mode {ns.mode!r}: one of {', '.join(MODES)}")
+    if ns.format not in ("auto", *FORMATS):
+        raise OptionError(f"--format {ns.format!r}: one of auto, {', '.join(FORMATS)}")
+    if ns.parser not in ("auto", "launcher", "model"):
+        raise OptionError(f"--parser {ns.parser!r}: one of auto, launcher, model")
     try:
-        facts, decisions = check(ns.config, Launch(nproc=ns.nproc, trainer=ns.trainer, versions=versions), ns.mode)
-    except ConfigError as exc:
+        timeout = float(ns.timeout)
+    except ValueError:
+        raise OptionError(f"--timeout {ns.timeout!r}: expected a number of seconds") from None
+    if not timeout > 0 or timeout != timeout or timeout == float("inf"):
+        raise OptionError(f"--timeout {ns.timeout!r}: expected a positive number of seconds")
+    accelerate = ns.accelerate_config
+    if accelerate is not None and not os.path.isfile(accelerate):
+        bundled = trl_bundled(accelerate) if accelerate and "/" not in accelerate else None
+        if bundled is None:
+            raise OptionError(
+                f"--accelerate-config {accelerate!r}: not a file, nor a config TRL ships (zero3, fsdp2, ...)"
+            )
+        accelerate = bundled
+    versions = []
+    for package in CHECK_PACKAGES:
+        value = getattr(ns, f"v_{package}")
+        if value is None:
+            continue
+        try:
+            Version(value)
+        except InvalidVersion:
+            raise OptionError(f"--{package}-version {value!r}: not a version number (PEP 440), e.g. 0.19.8") from None
+        versions.append((package, value))
+    launch = Launch(
+        nproc=nproc,
+        trainer=trainer,
+        versions=tuple(versions),
+        format=ns.format,
+        parser=ns.parser,
+        accelerate_config=accelerate,
+        timeout=timeout,
+    )
+    return launch, mode
+
+
+def run_check(ns: argparse.Namespace) -> int:
+    """Check every config; exit 0 all fine, 1 strict mode (or the launcher) refuses one, 2 one cannot be checked or
+    an option is invalid. Problems go to stderr, one line each; never a traceback."""
+    try:
+        launch, mode = _launch(ns)
+        from .check import check_files, exit_code, render, render_json, summary
+
+        reports = check_files(list(ns.configs), launch, mode)
+    except OptionError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
-    sys.stdout.write(render(ns.config, facts, decisions) + "\n")
-    return 1 if any(d.action == "error" for d in decisions) else 0
+    except Exception as exc:  # a bug of the check: one line, never a traceback
+        sys.stderr.write(f"error: internal error in trl-gc-check ({type(exc).__name__}: {exc}); please report it\n")
+        return 2
+    for report in reports:
+        if report.status == "error":
+            sys.stderr.write(f"error: {report.error}\n")
+    if ns.json:
+        sys.stdout.write(render_json(reports) + "\n")
+    else:
+        shown = [render(r) for r in reports if r.status != "error"]
+        if shown:
+            sys.stdout.write("\n\n".join(shown) + "\n")
+        if len(reports) > 1:
+            sys.stdout.write(("\n" if shown else "") + summary(reports) + "\n")
+    return exit_code(reports)
 
 
-def check_main() -> int:
+class _CheckParser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line and exit status 2 (as the check's own errors)."""
+
+    def error(self, message: str) -> NoReturn:
+        _one_line_error(self, message)
+
+
+def _one_line_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.exit(2, f"error: {parser.prog}: {message} (see --help)\n")
+
+
+def check_main(argv: list[str] | None = None) -> int:
     """The `trl-gc-check` console script."""
-    parser = argparse.ArgumentParser(prog="trl-gc-check", description="check a TRL or Axolotl config before launching")
+    parser = _CheckParser(prog="trl-gc-check", description=CHECK_DESCRIPTION)
     add_check_arguments(parser)
-    return run_check(parser.parse_args())
+    return run_check(parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:  # the planner's command line has a parser of its own (also `trl-gc-plan`)
+        from .plan_cli import main as plan_main
+
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m trl_gc_plugin", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("plan", help="plan how much to checkpoint within a memory budget (also trl-gc-plan; see plan -h)")
     rules = sub.add_parser("rules", help="print the rule table")
     fmt = rules.add_mutually_exclusive_group()
     fmt.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
     fmt.add_argument("--json", action="store_true", help="as JSON")
     fmt.add_argument("--update-readme", metavar="PATH", help="rewrite the generated rule table in this README")
-    chk = sub.add_parser("check", help="check a TRL or Axolotl config before launching")
+    chk = sub.add_parser(
+        "check",
+        help="check training configs (TRL, Axolotl, LLaMA-Factory, TrainingArguments JSON) before launching",
+        description=CHECK_DESCRIPTION,
+    )
     add_check_arguments(chk)
-    ns = parser.parse_args(argv)
+    chk.error = lambda message: _one_line_error(chk, message)  # type: ignore[method-assign]
+    ns, extra = parser.parse_known_args(argv)
+    if extra and ns.command == "check":
+        _one_line_error(chk, f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.command == "check":
         return run_check(ns)
     if ns.command == "rules" and ns.update_readme:

@@ -1,0 +1,170 @@
+"""Read an accelerate config (`accelerate launch --config_file`): the launch facts it gives the ranks.
+
+A model of accelerate 1.15's `_validate_launch_command` and `prepare_*_env` (read, not imported; citations in
+`EVIDENCE`): `distributed_type` chooses DeepSpeed, FSDP or DDP; `num_processes` is the total process count;
+`deepspeed_config.zero_stage` (or the stage in `deepspeed_config.deepspeed_config_file`) is the ZeRO stage, 2 when
+neither gives one; `fsdp_config.fsdp_activation_checkpointing` (default false) and `fsdp_version` (default 1) are
+exported as `FSDP_ACTIVATION_CHECKPOINTING` / `FSDP_VERSION`. TRL's bundled configs (`accelerate_config: zero3`) are
+read from the installed TRL's `accelerate_configs/` directory, found without importing TRL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .common import ConfigError, expect_mapping, pydantic_bool, short, type_name
+from .deepspeed import read_deepspeed
+from .load import load_yaml_file
+
+EVIDENCE = (
+    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/commands/launch.py (_validate_launch_command: config values fill unset launch arguments)",
+    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/utils/launch.py (prepare_multi_gpu_env: ACCELERATE_DEEPSPEED_ZERO_STAGE, FSDP_ACTIVATION_CHECKPOINTING, FSDP_VERSION)",
+    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/utils/dataclasses.py (DeepSpeedPlugin: zero_stage defaults to 2)",
+)
+
+DISTRIBUTED_TYPES = frozenset(
+    {
+        "NO",
+        "MULTI_GPU",
+        "MULTI_CPU",
+        "MULTI_NPU",
+        "MULTI_XPU",
+        "MULTI_MLU",
+        "MULTI_SDAA",
+        "MULTI_MUSA",
+        "MULTI_HPU",
+        "MULTI_NEURON",
+        "DEEPSPEED",
+        "FSDP",
+        "XLA",
+        "MEGATRON_LM",
+        "TP",
+    }
+)
+
+
+@dataclass(frozen=True)
+class AccelerateConfig:
+    """The launch facts of an accelerate config.
+
+    Args:
+        path: the file read.
+        distributed_type: `NO`, `MULTI_GPU`, `DEEPSPEED`, `FSDP`, ...
+        num_processes: the total process count (None when the file does not say).
+        zero_stage: the ZeRO stage under DeepSpeed, else None.
+        deepspeed_activation_checkpointing: the DeepSpeed config file it names has an `activation_checkpointing` block.
+        fsdp: FSDP is used.
+        fsdp_version: 1 or 2 under FSDP.
+        fsdp_activation_checkpointing: FSDP's own activation checkpointing is on.
+    """
+
+    path: str
+    distributed_type: str
+    num_processes: int | None
+    zero_stage: int | None
+    deepspeed_activation_checkpointing: bool
+    fsdp: bool
+    fsdp_version: int | None
+    fsdp_activation_checkpointing: bool
+
+
+def trl_bundled(name: str) -> str | None:
+    """The path of TRL's bundled accelerate config `name` (`zero3`, `fsdp2`, ...) in the installed TRL, or None.
+    TRL is located, not imported."""
+    try:
+        spec = importlib.util.find_spec("trl")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        file = os.path.join(folder, "accelerate_configs", f"{name}.yaml")
+        if os.path.isfile(file):
+            return file
+    return None
+
+
+def trl_bundled_names() -> list[str]:
+    """The names of the installed TRL's bundled accelerate configs."""
+    spec = importlib.util.find_spec("trl")
+    names: list[str] = []
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        directory = os.path.join(folder, "accelerate_configs")
+        if os.path.isdir(directory):
+            names += sorted(f[:-5] for f in os.listdir(directory) if f.endswith(".yaml"))
+    return names
+
+
+def whole_number(value: Any, label: str, key: str, minimum: int) -> int:
+    """`value` as an int >= `minimum` (accelerate reads these keys as ints); `ConfigError` naming the key."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{label}: key {key!r}: expected a whole number, got {type_name(value)} {short(value)}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{label}: key {key!r}: expected a whole number, got {short(value)}") from None
+    if number < minimum:
+        raise ConfigError(f"{label}: key {key!r}: must be >= {minimum}, got {number}")
+    return number
+
+
+def read_accelerate(file: str, overrides: dict[str, Any] | None = None) -> AccelerateConfig:
+    """Read the accelerate config at `file`; `overrides` are launch arguments given beside it (TRL passes the
+    YAML's top-level `num_processes`, `zero_stage`, `fsdp_version`, ... to `accelerate launch`), which win."""
+    label = f"accelerate config {file}"
+    data = load_yaml_file(file, "accelerate config")
+    if data is None:
+        data = {}
+    data = expect_mapping(data, label, "(top level)")
+    overrides = overrides or {}
+    kind = data.get("distributed_type", "NO")
+    if not isinstance(kind, str) or kind.upper() not in DISTRIBUTED_TYPES:
+        raise ConfigError(
+            f"{label}: key 'distributed_type': not one of accelerate's types ({', '.join(sorted(DISTRIBUTED_TYPES))}): {short(kind)}"
+        )
+    kind = kind.upper()
+    procs = overrides.get("num_processes", data.get("num_processes"))
+    num_processes = None if procs is None else whole_number(procs, label, "num_processes", 1)
+
+    zero_stage: int | None = None
+    ds_ac = False
+    if kind == "DEEPSPEED":
+        ds = data.get("deepspeed_config") or {}
+        ds = expect_mapping(ds, label, "deepspeed_config")
+        stage = overrides.get("zero_stage", ds.get("zero_stage"))
+        ds_file = overrides.get("deepspeed_config_file", ds.get("deepspeed_config_file"))
+        if ds_file not in (None, "", "none"):
+            read = read_deepspeed(ds_file, label, "deepspeed_config_file", os.path.dirname(file), {}, "")
+            zero_stage, ds_ac = read.stage, read.activation_checkpointing
+        elif stage is not None:
+            zero_stage = whole_number(stage, label, "zero_stage", 0)
+            if zero_stage > 3:
+                raise ConfigError(f"{label}: key 'zero_stage': must be 0, 1, 2 or 3, got {zero_stage}")
+        else:
+            zero_stage = 2
+
+    fsdp = kind == "FSDP"
+    fsdp_version: int | None = None
+    fsdp_ac = False
+    if fsdp:
+        fc = data.get("fsdp_config") or {}
+        fc = expect_mapping(fc, label, "fsdp_config")
+        fsdp_version = whole_number(overrides.get("fsdp_version", fc.get("fsdp_version", 1)), label, "fsdp_version", 1)
+        raw = overrides.get("fsdp_activation_checkpointing", fc.get("fsdp_activation_checkpointing", False))
+        parsed = pydantic_bool(raw) if not isinstance(raw, str) else pydantic_bool(raw.lower())
+        if parsed is None:
+            raise ConfigError(f"{label}: key 'fsdp_activation_checkpointing': expected true or false, got {short(raw)}")
+        fsdp_ac = parsed
+    return AccelerateConfig(
+        path=file,
+        distributed_type=kind,
+        num_processes=num_processes,
+        zero_stage=zero_stage,
+        deepspeed_activation_checkpointing=ds_ac,
+        fsdp=fsdp,
+        fsdp_version=fsdp_version,
+        fsdp_activation_checkpointing=fsdp_ac,
+    )

@@ -1,0 +1,73 @@
+"""Which launcher a config is for, from its keys.
+
+Each launcher module lists its `MARKERS`, keys that only its configs use, and among them `STRONG_MARKERS`, keys
+that decide (Axolotl's required `base_model`; LLaMA-Factory's `stage`, `finetuning_type`, `template`; TRL's
+`use_peft`, `dataset_name`, `accelerate_config`). One launcher's strong markers -> that launcher; several ->
+ambiguous, refused (`--format` says which). Without strong markers, the same with all markers. None: `model_name_or_path` alone means a TRL config
+(the CLI's model key; LLaMA-Factory configs carry their own markers), a JSON file with `TrainingArguments` fields a
+plain arguments file; anything else is unrecognised. An accelerate or DeepSpeed config given by mistake is named
+as such. The result always says why, so the format is never guessed silently.
+"""
+
+from __future__ import annotations
+
+from . import axolotl, llamafactory, training_args, trl
+from .common import ConfigError
+from .load import Config
+
+FORMATS = ("trl", "axolotl", "llamafactory", "training-args")
+MARKERS = {"trl": trl.MARKERS, "axolotl": axolotl.MARKERS, "llamafactory": llamafactory.MARKERS}
+STRONG = {"trl": trl.STRONG_MARKERS, "axolotl": axolotl.STRONG_MARKERS, "llamafactory": llamafactory.STRONG_MARKERS}
+ACCELERATE_KEYS = frozenset({"distributed_type", "compute_environment"})
+DEEPSPEED_KEYS = frozenset({"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size"})
+LLAMAFACTORY_V1_KEYS = frozenset({"model_class", "dist_config", "peft_config", "train_dataset"})
+
+
+def _names(keys: set[str]) -> str:
+    return ", ".join(sorted(keys)[:4]) + (", ..." if len(keys) > 4 else "")
+
+
+def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
+    """`(format, why)` for `config`; `ConfigError` when it is none of the formats, or ambiguous."""
+    keys = set(config.keys)
+    if forced != "auto":
+        return forced, "--format"
+    if keys & LLAMAFACTORY_V1_KEYS and "model" in keys:
+        raise ConfigError(
+            f"{config.path}: a LLaMA-Factory v1 config (USE_V1=1: {_names(keys & LLAMAFACTORY_V1_KEYS)}); only v0 configs are supported"
+        )
+    found = {name: keys & markers for name, markers in STRONG.items() if keys & markers}
+    if not found:
+        found = {name: keys & markers for name, markers in MARKERS.items() if keys & markers}
+    if len(found) == 1:
+        ((name, hits),) = found.items()
+        return name, f"keys only {name} configs use: {_names(hits)}"
+    if len(found) > 1:
+        parts = "; ".join(f"{name} ({_names(hits)})" for name, hits in found.items())
+        raise ConfigError(
+            f"{config.path}: keys of several launchers: {parts}; pass --format trl|axolotl|llamafactory|training-args"
+        )
+    if keys & ACCELERATE_KEYS:
+        raise ConfigError(
+            f"{config.path}: an accelerate launch config ({_names(keys & ACCELERATE_KEYS)}), not a training config; "
+            "check the training config and pass this one with --accelerate-config"
+        )
+    if keys & DEEPSPEED_KEYS and not keys & training_args.KEYS - DEEPSPEED_KEYS:
+        raise ConfigError(
+            f"{config.path}: a DeepSpeed config ({_names(keys & DEEPSPEED_KEYS)}), not a training config; check the "
+            "training config that names it"
+        )
+    if "model_name_or_path" in keys:
+        return (
+            "trl",
+            "model_name_or_path and no key only Axolotl or LLaMA-Factory uses (--format llamafactory if it is one)",
+        )
+    if config.kind == "json" and keys & training_args.KEYS:
+        return (
+            "training-args",
+            f"a JSON file of TrainingArguments fields ({_names(keys & training_args.KEYS)}) and no launcher's key (--format trl if it is a TRL config)",
+        )
+    raise ConfigError(
+        f"{config.path}: unrecognised format: no key of a TRL (model_name_or_path, use_peft, ...), Axolotl (base_model, ...) "
+        "or LLaMA-Factory (stage, finetuning_type, ...) config; pass --format trl|axolotl|llamafactory|training-args"
+    )

@@ -1,0 +1,601 @@
+"""LLaMA-Factory YAML configs (`llamafactory-cli train cfg.yaml`), the v0 stack.
+
+The plugin's model of LLaMA-Factory main@ff6d4d12 (PyPI 0.9.5 has the same checkpointing and parsing code), read in
+its sources (`SRC`); `_worker.py` runs LLaMA-Factory's own `get_train_args` instead when the package is importable.
+
+- Arguments are built with `HfArgumentParser.parse_dict`, which converts nothing: a quoted `"false"` stays a string,
+  and LLaMA-Factory tests it for truth, so `disable_gradient_checkpointing: "false"` turns checkpointing OFF.
+- Checkpointing is LLaMA-Factory's own, on the model, before the adapter is added: on by default
+  (`disable_gradient_checkpointing: false`), only for a trainable model (`do_train: true`), with
+  `{use_reentrant: use_reentrant_gc}` (default true; false under FSDP2, i.e. `ACCELERATE_USE_FSDP` with
+  `FSDP_VERSION=2` from the accelerate config). Its wrapper makes the hidden states require grad for every layer
+  with trainable parameters and skips checkpointing for frozen layers, so reentrant trains with frozen embeddings.
+  `use_unsloth_gc` swaps in an offloading checkpoint that ignores `use_reentrant`; `use_unsloth` loads Unsloth.
+  A `gradient_checkpointing: true` of the Trainer's own re-enables it through the patched method with the file's
+  `gradient_checkpointing_kwargs`, or `{use_reentrant: true}` without them (overriding `use_reentrant_gc: false`).
+- `finetuning_type` (default `lora`; `oft` also adds an adapter, `freeze` freezes layers, `full` trains all),
+  `quantization_bit` (+ `quantization_method`, default `bnb`; only with lora/oft), `stage` (default `sft`).
+- Under DDP with LoRA and `ddp_find_unused_parameters` unset, LLaMA-Factory sets it to False.
+- Chat, API and export configs (no `stage`/`do_train`/`output_dir`/`dataset`, or an `export_dir`) train nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .accelerate import read_accelerate
+from .common import ConfigError, Context, LauncherRule, Origin, Reading, short, type_name, where
+from .deepspeed import read_deepspeed
+from .load import Config
+from .model_config import read_model_facts
+from .trl import read_fsdp_config, read_kwargs, set_fsdp_facts
+
+LAUNCHER = "llamafactory"
+COMMIT = "ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30"
+VERSION_MODELLED = "LLaMA-Factory main@ff6d4d12 (= 0.9.5 for these keys)"
+SRC = f"https://github.com/hiyouga/LLaMA-Factory/blob/{COMMIT}/src/llamafactory/"
+
+
+def _src(file: str, first: int, last: int, what: str) -> str:
+    return f"{SRC}{file}#L{first}-L{last} ({what})"
+
+
+SOURCES = {
+    "keys": _src(
+        "hparams/model_args.py",
+        129,
+        152,
+        "use_unsloth, use_unsloth_gc, disable_gradient_checkpointing, use_reentrant_gc",
+    ),
+    "finetuning": _src("hparams/finetuning_args.py", 460, 467, "stage, finetuning_type"),
+    "quantization": _src("hparams/model_args.py", 279, 286, "quantization_method, quantization_bit"),
+    "enable": _src(
+        "model/model_utils/checkpointing.py",
+        163,
+        204,
+        "prepare_model_for_training: FSDP2 -> use_reentrant_gc False; {use_reentrant: use_reentrant_gc}; use_cache False",
+    ),
+    "wrapper": _src(
+        "model/model_utils/checkpointing.py",
+        100,
+        154,
+        "hidden states require grad for trainable layers; no kwargs -> use_reentrant True",
+    ),
+    "trainable": _src("model/patcher.py", 476, 483, "only a trainable model (do_train) gets checkpointing"),
+    "parse_dict": "https://github.com/huggingface/transformers/blob/v5.8.0/src/transformers/hf_argparser.py (parse_dict: dataclass(**values), no string conversion)",
+    "verify": _src(
+        "hparams/parser.py", 227, 237, "_verify_model_args: adapters only with LoRA, quantization only with LoRA/OFT"
+    ),
+    "ddp": _src("hparams/parser.py", 596, 602, "DDP + LoRA: ddp_find_unused_parameters False"),
+    "deepspeed": _src("hparams/parser.py", 471, 472, "DeepSpeed needs a distributed launch (FORCE_TORCHRUN=1)"),
+    "versions": _src("extras/misc.py", 95, 101, "check_dependencies: transformers>=4.55.0,<=5.8.0"),
+}
+
+MARKERS = frozenset(
+    {
+        "stage",
+        "finetuning_type",
+        "template",
+        "cutoff_len",
+        "lora_rank",
+        "lora_target",
+        "quantization_bit",
+        "quantization_method",
+        "disable_gradient_checkpointing",
+        "use_reentrant_gc",
+        "use_unsloth_gc",
+        "freeze_trainable_layers",
+        "freeze_trainable_modules",
+        "pref_loss",
+        "export_dir",
+        "infer_backend",
+        "adapter_name_or_path",
+        "dataset_dir",
+    }
+)
+"""Keys only LLaMA-Factory's configs use."""
+
+STRONG_MARKERS = frozenset({"stage", "finetuning_type", "template", "cutoff_len"})
+"""Markers that decide the format even beside another launcher's weaker markers."""
+
+READ_KEYS = frozenset(
+    {
+        "model_name_or_path",
+        "stage",
+        "finetuning_type",
+        "do_train",
+        "dataset",
+        "output_dir",
+        "export_dir",
+        "adapter_name_or_path",
+        "disable_gradient_checkpointing",
+        "use_reentrant_gc",
+        "use_unsloth_gc",
+        "use_unsloth",
+        "use_kt",
+        "quantization_bit",
+        "quantization_method",
+        "gradient_checkpointing",
+        "gradient_checkpointing_kwargs",
+        "deepspeed",
+        "fsdp",
+        "fsdp_config",
+        "ddp_find_unused_parameters",
+        "ddp_static_graph",
+    }
+)
+
+STAGES = {"pt": "trainer", "sft": "sft", "rm": "reward", "ppo": "ppo", "dpo": "dpo", "kto": "kto"}
+"""`stage` and the trainer kind it runs (pt/sft: LLaMA-Factory's Trainer subclasses; dpo/kto/ppo: TRL's)."""
+
+FINETUNING_TYPES = ("lora", "oft", "freeze", "full")
+BOOL_KEYS = (
+    "disable_gradient_checkpointing",
+    "use_reentrant_gc",
+    "use_unsloth_gc",
+    "use_unsloth",
+    "do_train",
+    "gradient_checkpointing",
+)
+
+BUNDLED_DEEPSPEED = {
+    "ds_z0_config.json": 0,
+    "ds_z2_config.json": 2,
+    "ds_z2_autotp_config.json": 2,
+    "ds_z2_offload_config.json": 2,
+    "ds_z3_config.json": 3,
+    "ds_z3_fp8_config.json": 3,
+    "ds_z3_offload_config.json": 3,
+}
+"""LLaMA-Factory's `examples/deepspeed/` configs, with their ZeRO stages."""
+
+SUPPORTED_TRANSFORMERS = ((4, 55), (5, 8))
+
+
+@dataclass(frozen=True)
+class View:
+    raw: dict[str, Any]
+    finetuning_type: str
+    quantization_bit: Any
+    string_bools: tuple[str, ...]
+    reentrant_default: bool
+    hf_gc_overrides: bool
+    fsdp2: bool
+    transformers_outside: bool
+    deepspeed_one_process: bool
+
+
+RULES: tuple[LauncherRule, ...] = (
+    LauncherRule(
+        id="llamafactory:quantization-needs-adapter",
+        launcher=LAUNCHER,
+        action="error",
+        setting="quantization_bit",
+        condition="`quantization_bit` with `finetuning_type` freeze or full",
+        message='LLaMA-Factory refuses to start: "Quantization is only compatible with the LoRA or OFT method."',
+        change="finetuning_type: lora (or remove quantization_bit)",
+        evidence=(SOURCES["verify"],),
+        when=lambda v: v.quantization_bit is not None and v.finetuning_type not in ("lora", "oft"),
+    ),
+    LauncherRule(
+        id="llamafactory:adapter-needs-lora",
+        launcher=LAUNCHER,
+        action="error",
+        setting="adapter_name_or_path",
+        condition="`adapter_name_or_path` with `finetuning_type` other than lora",
+        message='LLaMA-Factory refuses to start: "Adapter is only valid for the LoRA method."',
+        change="finetuning_type: lora (or remove adapter_name_or_path)",
+        evidence=(SOURCES["verify"],),
+        when=lambda v: v.raw.get("adapter_name_or_path") is not None and v.finetuning_type != "lora",
+    ),
+    LauncherRule(
+        id="llamafactory:string-boolean",
+        launcher=LAUNCHER,
+        action="warn",
+        setting="quoted booleans",
+        condition='a boolean key written as a string (`disable_gradient_checkpointing: "false"`)',
+        message=(
+            "LLaMA-Factory builds its arguments with parse_dict, which converts no string, and tests the value for "
+            'truth: any non-empty string means true (`disable_gradient_checkpointing: "false"` turns checkpointing '
+            'off, `use_reentrant_gc: "false"` stays reentrant).'
+        ),
+        change="write YAML booleans (true / false, unquoted)",
+        evidence=(SOURCES["parse_dict"], SOURCES["enable"]),
+        when=lambda v: bool(v.string_bools),
+    ),
+    LauncherRule(
+        id="llamafactory:reentrant-default",
+        launcher=LAUNCHER,
+        action="none",
+        setting="use_reentrant",
+        condition="checkpointing on and `use_reentrant_gc` not set",
+        message="LLaMA-Factory checkpoints reentrant by default (use_reentrant_gc: true) and makes the hidden states require grad for every layer with trainable parameters, so reentrant trains with frozen embeddings.",
+        change="",
+        evidence=(SOURCES["keys"], SOURCES["wrapper"]),
+        when=lambda v: v.reentrant_default,
+        disagreement="the plugin prefers non-reentrant (PyTorch's recommendation) but keeps the launcher's value; set `use_reentrant_gc: false` to follow it.",
+    ),
+    LauncherRule(
+        id="llamafactory:trainer-gc-overrides",
+        launcher=LAUNCHER,
+        action="warn",
+        setting="use_reentrant",
+        condition="`gradient_checkpointing: true` without `gradient_checkpointing_kwargs`, and `use_reentrant_gc: false`",
+        message="The Trainer re-enables checkpointing through LLaMA-Factory's patched method, which without kwargs uses {use_reentrant: true}: your use_reentrant_gc: false does not hold.",
+        change="also set gradient_checkpointing_kwargs: {use_reentrant: false}, or drop gradient_checkpointing: true",
+        evidence=(SOURCES["wrapper"],),
+        when=lambda v: v.hf_gc_overrides,
+    ),
+    LauncherRule(
+        id="llamafactory:fsdp2-non-reentrant",
+        launcher=LAUNCHER,
+        action="none",
+        setting="use_reentrant",
+        condition="FSDP2 (accelerate config with fsdp_version 2)",
+        message="LLaMA-Factory sets use_reentrant_gc to false under FSDP2.",
+        change="",
+        evidence=(SOURCES["enable"],),
+        when=lambda v: v.fsdp2,
+    ),
+    LauncherRule(
+        id="llamafactory:transformers-range",
+        launcher=LAUNCHER,
+        action="warn",
+        setting="transformers",
+        condition="the transformers release checked for is outside LLaMA-Factory's supported range",
+        message="LLaMA-Factory refuses to import with transformers outside >=4.55,<=5.8 unless DISABLE_VERSION_CHECK=1; outside that range its checkpointing patch is untested.",
+        change="",
+        evidence=(SOURCES["versions"],),
+        when=lambda v: v.transformers_outside,
+    ),
+    LauncherRule(
+        id="llamafactory:deepspeed-needs-torchrun",
+        launcher=LAUNCHER,
+        action="none",
+        setting="deepspeed",
+        condition="`deepspeed` with one process",
+        message="LLaMA-Factory runs DeepSpeed only in a distributed launch: with one GPU, launch with FORCE_TORCHRUN=1.",
+        change="",
+        evidence=(SOURCES["deepspeed"],),
+        when=lambda v: v.deepspeed_one_process,
+    ),
+)
+
+
+def is_training_config(config: Config) -> bool:
+    """A training config (not a chat/API or export config)."""
+    if "export_dir" in config:
+        return False
+    return any(k in config for k in ("stage", "do_train", "output_dir", "dataset"))
+
+
+def read(config: Config, ctx: Context) -> Reading:
+    """The plugin's model of how LLaMA-Factory reads `config` (see the module docstring)."""
+    path, lines = config.path, config.lines
+    raw = dict(config.values)
+    reading = Reading(
+        format="llamafactory",
+        parser=f"the plugin's model of {VERSION_MODELLED}",
+        changes={
+            "use_reentrant": "use_reentrant_gc: {value}",
+            "activation_checkpointing": "disable_gradient_checkpointing: {not_value}",
+        },
+    )
+    if ctx.trainer is not None:
+        reading.notes.append(f"--trainer {ctx.trainer} is ignored: a LLaMA-Factory config says its stage itself")
+    for key in ("stage", "finetuning_type", "quantization_method"):
+        if key in raw and not isinstance(raw[key], str):
+            raise ConfigError(
+                f"{where(path, key, lines)}: expected a string, got {type_name(raw[key])} {short(raw[key])}"
+            )
+    stage = raw.get("stage", "sft")
+    if stage not in STAGES:
+        raise ConfigError(
+            f"{where(path, 'stage', lines)}: not one of LLaMA-Factory's stages ({', '.join(STAGES)}): {short(stage)}"
+        )
+    finetuning = raw.get("finetuning_type", "lora")
+    if finetuning not in FINETUNING_TYPES:
+        raise ConfigError(
+            f"{where(path, 'finetuning_type', lines)}: LLaMA-Factory asserts one of {', '.join(FINETUNING_TYPES)}, got {short(finetuning)}"
+        )
+    bits = raw.get("quantization_bit")
+    if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int)):
+        raise ConfigError(
+            f"{where(path, 'quantization_bit', lines)}: expected a whole number such as 4 or 8, got {type_name(bits)} {short(bits)}"
+        )
+    method = raw.get("quantization_method", "bnb")
+    string_bools = tuple(k for k in BOOL_KEYS if isinstance(raw.get(k), str))
+
+    if not is_training_config(config):
+        reading.training = False
+        what = "an export (merge) config" if "export_dir" in config else "a chat / API / inference config"
+        reading.set("gc_enabled", False, "file", f"{what}: no stage, do_train, output_dir or dataset; nothing trains")
+        reading.notes.append(f"{path} is {what}: nothing trains, so checkpointing does not apply")
+        return reading
+
+    # checkpointing: LLaMA-Factory's own, on the model
+    do_train = bool(raw.get("do_train", False))
+    disabled = bool(raw.get("disable_gradient_checkpointing", False))
+    hf_gc = bool(raw.get("gradient_checkpointing", False))
+    if not do_train:
+        reading.set(
+            "gc_enabled",
+            False,
+            "file",
+            f"do_train is not true: nothing trains and LLaMA-Factory does not enable checkpointing ({SOURCES['trainable']})",
+        )
+    elif disabled:
+        reading.set(
+            "gc_enabled",
+            hf_gc,
+            "file",
+            f"key 'disable_gradient_checkpointing': {raw['disable_gradient_checkpointing']!r}",
+        )
+    else:
+        reading.set(
+            "gc_enabled",
+            True,
+            "file" if "disable_gradient_checkpointing" in raw else "launcher default",
+            f"disable_gradient_checkpointing defaults to false: LLaMA-Factory checkpoints ({SOURCES['enable']})",
+        )
+    reading.set(
+        "gc_flag_source",
+        "user" if "disable_gradient_checkpointing" in raw else "trainer",
+        "file",
+        "disable_gradient_checkpointing",
+    )
+
+    # use_reentrant: use_reentrant_gc, FSDP2, the Trainer's re-enable, Unsloth-style offloading
+    accel = read_accelerate(ctx.accelerate_config) if ctx.accelerate_config else None
+    fsdp2 = bool(accel and accel.fsdp and accel.fsdp_version == 2)
+    kwargs_raw = raw.get("gradient_checkpointing_kwargs")
+    origin: Origin
+    if "use_reentrant_gc" in raw:
+        reentrant: Any = raw["use_reentrant_gc"]
+        origin, detail, source = "file", "key 'use_reentrant_gc'", "user"
+    else:
+        reentrant, origin, detail, source = (
+            True,
+            "launcher default",
+            f"use_reentrant_gc defaults to true ({SOURCES['keys']})",
+            "unknown",
+        )
+    if fsdp2:
+        reentrant, origin, detail, source = (
+            False,
+            "launcher rewrite",
+            f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})",
+            "unknown",
+        )
+    hf_override = False
+    if hf_gc and do_train:
+        if kwargs_raw is not None:
+            probe = Reading(format="", parser="")
+            from .common import json_object_or_mapping
+
+            kwargs = json_object_or_mapping(
+                kwargs_raw, path, "gradient_checkpointing_kwargs", lines, "{use_reentrant: false}"
+            )
+            read_kwargs(probe, kwargs, "gradient_checkpointing_kwargs")
+            if probe.value("use_reentrant") is not None:
+                reentrant, origin, detail, source = (
+                    probe.value("use_reentrant"),
+                    "file",
+                    "key 'gradient_checkpointing_kwargs.use_reentrant' (the Trainer re-enables with it)",
+                    "user",
+                )
+            reading.changes["use_reentrant"] = "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}"
+        else:
+            hf_override = reentrant is not True
+            reentrant, origin, detail, source = (
+                True,
+                "launcher rewrite",
+                f"gradient_checkpointing: true without kwargs: the Trainer re-enables through LLaMA-Factory's method with {{use_reentrant: true}} ({SOURCES['wrapper']})",
+                "unknown",
+            )
+            reading.changes["use_reentrant"] = "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}"
+    if bool(raw.get("use_unsloth_gc")):
+        reading.set(
+            "activation_offloading",
+            "use_unsloth_gc",
+            "file",
+            "key 'use_unsloth_gc': LLaMA-Factory's offloading checkpoint (ignores use_reentrant)",
+        )
+        reentrant, origin, detail, source = (
+            True,
+            "launcher rewrite",
+            "use_unsloth_gc: an autograd Function that recomputes reentrant-style whatever use_reentrant says",
+            "unknown",
+        )
+    if bool(raw.get("use_kt")):
+        reading.notes.append("use_kt: KTransformers checkpointing is not modelled (it chooses its own kwargs)")
+    gc_on = bool(reading.value("gc_enabled"))
+    reading.set("use_reentrant", reentrant if gc_on else None, origin, detail)
+    reading.set("use_reentrant_source", source if gc_on else "unset", origin, detail)
+    reading.set("kwargs_given", gc_on, origin, detail)
+    reading.set("unsloth", bool(raw.get("use_unsloth")), "file", "key 'use_unsloth' (Unsloth is loaded)")
+    reading.set(
+        "use_cache",
+        False,
+        "launcher rewrite",
+        f"LLaMA-Factory sets model.config.use_cache False with checkpointing ({SOURCES['enable']})",
+    )
+
+    # the model
+    peft = finetuning in ("lora", "oft")
+    reading.set(
+        "is_peft",
+        peft,
+        "file" if "finetuning_type" in raw else "launcher default",
+        f"finetuning_type: {finetuning}" + ("" if "finetuning_type" in raw else " (the default)"),
+    )
+    quant = None
+    if bits is not None:
+        quant = f"bitsandbytes_{bits}bit" if method == "bnb" else str(method)
+    reading.set(
+        "quantization",
+        quant,
+        "file",
+        "quantization_bit / quantization_method" if bits is not None else "no quantization_bit",
+    )
+    reading.set("frozen_params", finetuning != "full" or quant is not None, "file", f"finetuning_type: {finetuning}")
+    reading.set(
+        "model_is_pretrained",
+        not peft,
+        "file",
+        "a PEFT model is not a PreTrainedModel" if peft else f"finetuning_type: {finetuning}",
+    )
+    reading.set(
+        "trainable_in_blocks",
+        True,
+        "assumed",
+        "a config trains decoder layers (LLaMA-Factory checkpoints only the layers that train)",
+    )
+    reading.set(
+        "inputs_require_grad",
+        True,
+        "launcher rewrite",
+        f"LLaMA-Factory's checkpoint wrapper makes the hidden states require grad for trainable layers ({SOURCES['wrapper']})",
+    )
+    read_model_facts(raw.get("model_name_or_path"), "model_name_or_path", reading)
+    kind = STAGES[stage]
+    reading.set("trainer_kind", kind, "file" if "stage" in raw else "launcher default", f"stage: {stage}")
+    reading.set("rl_trainer", stage in ("rm", "ppo", "dpo", "kto"), "file", f"stage: {stage}")
+    reading.set("generates", stage == "ppo", "file", f"stage: {stage}")
+
+    # launch
+    if ctx.nproc is not None:
+        reading.set("world_size", ctx.nproc, "option", "--nproc")
+    elif accel is not None and accel.num_processes is not None:
+        reading.set("world_size", accel.num_processes, "accelerate config", f"{accel.path}: num_processes")
+    else:
+        reading.set(
+            "world_size",
+            1,
+            "assumed",
+            "no --nproc: 1 process (llamafactory-cli starts torchrun with one process per visible GPU; pass --nproc N)",
+        )
+    world = int(reading.value("world_size", 1))
+    ds_value = raw.get("deepspeed")
+    if ds_value not in (None, "", False):
+        if not isinstance(ds_value, (str, dict)):
+            raise ConfigError(
+                f"{where(path, 'deepspeed', lines)}: expected a path to a DeepSpeed JSON file, got {type_name(ds_value)} {short(ds_value)}"
+            )
+        ds = read_deepspeed(
+            ds_value, path, "deepspeed", config.base_dir, BUNDLED_DEEPSPEED, "examples/deepspeed/", lines
+        )
+        ds.set_facts(reading)
+    elif accel is not None and accel.zero_stage is not None:
+        reading.set("zero_stage", accel.zero_stage, "accelerate config", f"{accel.path}: deepspeed_config")
+    else:
+        reading.set("zero_stage", None, "file", "no deepspeed key")
+    fsdp_config = read_fsdp_config(config)
+    where_accel = str(accel.path) if accel is not None else ""
+    set_fsdp_facts(reading, bool(raw.get("fsdp")), fsdp_config, accel, where_accel, ctx.versions.get("transformers"))
+    find_unused = raw.get("ddp_find_unused_parameters")
+    distributed = world > 1
+    if find_unused is None and distributed and finetuning == "lora":
+        reading.set(
+            "ddp_find_unused_parameters",
+            False,
+            "launcher rewrite",
+            f"DDP + LoRA: LLaMA-Factory sets it to False ({SOURCES['ddp']})",
+        )
+    else:
+        reading.set(
+            "ddp_find_unused_parameters",
+            None if find_unused is None else bool(find_unused),
+            "file" if find_unused is not None else "launcher default",
+            "key 'ddp_find_unused_parameters'" if find_unused is not None else "unset: transformers decides",
+        )
+    static = raw.get("ddp_static_graph")
+    reading.set(
+        "ddp_static_graph",
+        None if static is None else bool(static),
+        "file" if static is not None else "launcher default",
+        "key 'ddp_static_graph'",
+    )
+
+    tf = ctx.versions.get("transformers")
+    view = View(
+        raw=raw,
+        finetuning_type=finetuning,
+        quantization_bit=bits,
+        string_bools=string_bools,
+        reentrant_default=gc_on and origin == "launcher default",
+        hf_gc_overrides=hf_override and gc_on,
+        fsdp2=fsdp2 and gc_on,
+        transformers_outside=tf is not None and not _in_range(tf),
+        deepspeed_one_process=reading.value("zero_stage") is not None and world == 1,
+    )
+    befores = {
+        "quantization_bit": bits,
+        "adapter_name_or_path": raw.get("adapter_name_or_path"),
+        "use_reentrant": reading.value("use_reentrant"),
+        "transformers": tf,
+        "quoted booleans": {k: raw[k] for k in string_bools},
+    }
+    sources = {
+        "use_reentrant": reading.reentrant_source(),
+        "transformers": "option" if ctx.versions.get("transformers") != tf else "installed",
+    }
+    reading.apply(
+        RULES,
+        view,
+        VERSION_MODELLED,
+        lambda rule: befores.get(rule.setting, raw.get(rule.setting)),
+        lambda rule: sources.get(rule.setting, "user"),
+    )
+    return reading
+
+
+def _in_range(version: str) -> bool:
+    parts = [int(p) if p.isdigit() else 0 for p in version.split(".")[:2]]
+    while len(parts) < 2:
+        parts.append(0)
+    low, high = SUPPORTED_TRANSFORMERS
+    return low <= (parts[0], parts[1]) <= high
+
+
+DEFAULTS = {
+    "disable_gradient_checkpointing": False,
+    "use_reentrant_gc": True,
+    "use_unsloth_gc": False,
+    "use_unsloth": False,
+    "stage": "sft",
+    "finetuning_type": "lora",
+    "quantization_bit": None,
+    "quantization_method": "bnb",
+    "do_train": False,
+    "gradient_checkpointing": False,
+}
+"""The defaults this model assumes; LLaMA-Factory's own parser (when importable) is compared with them."""
+
+
+def read_native(config: Config, ctx: Context, result: dict[str, Any]) -> Reading:
+    """The reading with LLaMA-Factory's own parsed values (`_worker.py`): the file's keys as LLaMA-Factory parsed
+    them, and its defaults checked against `DEFAULTS` (a difference is said, and LLaMA-Factory's value used)."""
+    native = result.get("values") or {}
+    values = dict(config.values)
+    notes: list[str] = []
+    for key, default in DEFAULTS.items():
+        if key not in native:
+            continue
+        if key in config.values:
+            if native[key] != config.values[key]:
+                notes.append(
+                    f"LLaMA-Factory parsed {key}={native[key]!r} from the file's {config.values[key]!r}; its value is used"
+                )
+                values[key] = native[key]
+        elif native[key] != default:
+            notes.append(
+                f"LLaMA-Factory's default {key}={native[key]!r} differs from the plugin's model ({default!r}); its value is used"
+            )
+            values[key] = native[key]
+    reading = read(Config(path=config.path, values=values, keys=config.keys, lines=config.lines, kind=config.kind), ctx)
+    function = "get_train_args" if is_training_config(config) else "get_infer_args"
+    reading.parser = f"LLaMA-Factory {result.get('version', '?')}'s own {function}, in a clean subprocess"
+    reading.notes.extend(notes)
+    return reading

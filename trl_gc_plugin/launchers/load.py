@@ -1,0 +1,331 @@
+"""Read a config file into a `Config`: the top-level keys, and the values of the keys the check reads.
+
+YAML is read the way the launchers read it (PyYAML's safe loader, YAML 1.1: unquoted `yes`/`off` are booleans),
+with libyaml's C loader. Only the values of the keys some launcher module reads are built into Python objects: the
+text is split at the lines that start a top-level key, every part is syntax-checked by libyaml's C parser (which
+builds no Python objects), and only the wanted parts are loaded. That keeps a 5 MB file with a long `datasets:` list
+under a second, where building it all takes several. A file the split cannot handle faithfully (an alias into
+another part, a merge key, quoted keys, several documents, no libyaml) is read whole instead: slower, same result.
+
+JSON files (`.json`) are read with the standard library. Every problem is a `ConfigError` with one line naming the
+file and the line or key: binary and UTF-16/32 files, invalid UTF-8, syntax errors, tags a safe loader refuses,
+nesting too deep to build, a top level that is not a mapping, non-string top-level keys.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .common import ConfigError, short, type_name
+
+MAX_BYTES = 64 * 1024 * 1024
+"""Larger files are not configs; they are refused before being read."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """A config file as the check sees it.
+
+    Args:
+        path: the path as given.
+        values: the values of the top-level keys the check reads (every key, for JSON and small YAML files).
+        keys: every top-level key, in file order.
+        lines: the 1-based line of each top-level key (YAML only).
+        kind: `yaml` or `json`.
+    """
+
+    path: str
+    values: dict[str, Any]
+    keys: tuple[str, ...]
+    lines: dict[str, int] = field(default_factory=dict)
+    kind: str = "yaml"
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+    @property
+    def base_dir(self) -> str:
+        return os.path.dirname(os.path.abspath(self.path))
+
+
+def read_text(path: str, what: str = "") -> str:
+    """The file as text: `ConfigError` for a missing or unreadable file, a directory, a file over `MAX_BYTES`,
+    binary or UTF-16/32 content, or invalid UTF-8. A UTF-8 byte-order mark is dropped."""
+    label = f"{what} {path}".strip()
+    try:
+        if os.path.isdir(path):
+            raise ConfigError(f"{label}: is a directory, not a config file")
+        size = os.path.getsize(path)
+        if size > MAX_BYTES:
+            raise ConfigError(f"{label}: {size} bytes; a config is at most {MAX_BYTES // (1024 * 1024)} MiB")
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{label}: cannot read: {exc.strerror or exc}") from None
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in data:
+        raise ConfigError(
+            f"{label}: not a UTF-8 text file (it holds NUL bytes: binary, or UTF-16/UTF-32 text); "
+            "save the config as UTF-8"
+        )
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{label}: line {line}: not valid UTF-8 (byte {exc.start}); save the config as UTF-8"
+        ) from None
+
+
+def load(path: str, wanted: frozenset[str] | None = None) -> Config:
+    """Read the config at `path`; build the values of the top-level keys in `wanted` (all when None)."""
+    text = read_text(path)
+    if not text.strip():
+        raise ConfigError(f"{path}: the file is empty; a config is a mapping of keys")
+    if path.lower().endswith(".json"):
+        return _load_json(path, text, wanted)
+    _check_nesting(text, path)
+    return _load_yaml(path, text, wanted)
+
+
+MAX_DEPTH = 1000
+"""Deeper YAML is refused before libyaml reads it: its composer recurses in C (a crash, not an exception, at about
+100,000 levels) and its parser slows down with depth. Configs nest a handful of levels."""
+
+_BRACKETS = re.compile(r"[\[\]{}]")
+_FLAT_PAIR = re.compile(r"\[[^\[\]{}]*\]|\{[^\[\]{}]*\}")
+_COMPACT_SEQUENCES = re.compile(rf"(?:-[ \t]+){{{MAX_DEPTH // 2}}}")
+
+
+def _check_nesting(text: str, path: str) -> None:
+    """`ConfigError` when the YAML text may nest more than `MAX_DEPTH` levels: flow brackets (counted, inside strings
+    too), indentation, or compact `- - -` sequences. A few C-speed scans for an ordinary file, 5 MB included."""
+
+    def refuse(offset: int) -> None:
+        line = text.count("\n", 0, offset) + 1
+        raise ConfigError(f"{path}: line {line}: nested more than {MAX_DEPTH} levels deep; a config nests a few levels")
+
+    if text.count("[") + text.count("{") > MAX_DEPTH:
+        reduced = text
+        for _ in range(3):  # drop innermost bracket pairs: `train[:10%]` a thousand times is not deep
+            smaller = _FLAT_PAIR.sub("", reduced)
+            if len(smaller) == len(reduced):
+                break
+            reduced = smaller
+        if reduced.count("[") + reduced.count("{") > MAX_DEPTH:
+            depth = 0
+            for match in _BRACKETS.finditer(text):
+                if match.group() in "[{":
+                    depth += 1
+                    if depth > MAX_DEPTH:
+                        refuse(match.start())
+                elif depth:
+                    depth -= 1
+    indent = " " * MAX_DEPTH
+    if text.startswith(indent):
+        refuse(0)
+    deep = text.find("\n" + indent)
+    if deep != -1:
+        refuse(deep + 1)
+    if "- -" in text or "-\t" in text:
+        found = _COMPACT_SEQUENCES.search(text)
+        if found is not None:
+            refuse(found.start())
+
+
+def load_json_file(path: str, what: str) -> Any:
+    """A JSON file another config names (a DeepSpeed or FSDP config): its value; `ConfigError` naming it."""
+    text = read_text(path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what} {path}: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"{what} {path}: cannot read: {type(exc).__name__}: {short(str(exc), 120)}") from None
+
+
+def load_yaml_file(path: str, what: str) -> Any:
+    """A YAML file another config names (an accelerate config): its value; `ConfigError` naming it."""
+    import yaml
+
+    text = read_text(path, what)
+    try:
+        return yaml.load(text, Loader=_loader_class())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path}: {_yaml_message(exc, text)}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise ConfigError(f"{what} {path}: cannot read: {type(exc).__name__}: {short(str(exc), 120)}") from None
+
+
+def _load_json(path: str, text: str, wanted: frozenset[str] | None) -> Config:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except (ValueError, RecursionError) as exc:  # integers over the digit limit, nesting too deep
+        raise ConfigError(f"{path}: cannot read: {type(exc).__name__}: {short(str(exc), 120)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, not {type_name(data)}")
+    values = data if wanted is None else {k: v for k, v in data.items() if k in wanted}
+    return Config(path=path, values=values, keys=tuple(data), kind="json")
+
+
+# --- YAML ------------------------------------------------------------------------------------------------------
+
+
+def _loader_class() -> Any:
+    import yaml
+
+    return getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
+
+
+def _yaml_message(exc: Any, text: str = "") -> str:
+    """One line: where (line, column) and what, from a PyYAML error."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is None and isinstance(getattr(exc, "position", None), int):  # a ReaderError: a character YAML refuses
+        position = exc.position
+        line = text.count("\n", 0, position) + 1 if text else None
+        character = getattr(exc, "character", "")
+        code = f"#x{ord(character):04x}" if isinstance(character, str) and len(character) == 1 else repr(character)
+        return (f"line {line}: " if line else "") + f"character {code}: {getattr(exc, 'reason', 'not allowed')}"
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc)
+    context = getattr(exc, "context", None)
+    message = f"{where}{problem}" + (f" ({context})" if context and context != problem else "")
+    return " ".join(message.split())
+
+
+class _WholeDocument(Exception):
+    """The fast path cannot split this document faithfully: read it whole."""
+
+
+_DOCUMENT_MARK = re.compile(r"(---|\.\.\.)(?:[ \t].*)?\r?$|%.*$")
+_PLAIN_KEY = re.compile(r"([A-Za-z_][A-Za-z0-9_.\-/]*)[ \t]*:(?:[ \t]|\r?$)")
+_TOP_LINE = re.compile(r"^[^ \t\r\n#].*$", re.MULTILINE)
+MAX_TOP_LEVEL_KEYS = 5000
+
+
+def _load_yaml(path: str, text: str, wanted: frozenset[str] | None) -> Config:
+    import yaml
+
+    try:
+        try:
+            if wanted is None:
+                raise _WholeDocument
+            values, keys, lines = _split_top_level(text, wanted, path)
+            return Config(path=path, values=values, keys=keys, lines=lines)
+        except _WholeDocument:
+            data = yaml.load(text, Loader=_loader_class())
+            if data is None:
+                raise ConfigError(f"{path}: the file holds no keys (empty, or only comments)") from None
+            if not isinstance(data, dict):
+                raise ConfigError(f"{path}: the top level must be a mapping of keys, not {type_name(data)}") from None
+            for key in data:
+                if not isinstance(key, str):
+                    raise ConfigError(f"{path}: top-level key {short(key)} is not a string") from None
+            values = data if wanted is None else {k: v for k, v in data.items() if k in wanted}
+            return Config(path=path, values=values, keys=tuple(data))
+    except ConfigError:
+        raise
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: {_yaml_message(exc, text)}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to read") from None
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. an integer over the digit limit, a bad date
+        raise ConfigError(f"{path}: cannot read a value: {type(exc).__name__}: {short(str(exc), 120)}") from None
+
+
+def _split_top_level(
+    text: str, wanted: frozenset[str], path: str
+) -> tuple[dict[str, Any], tuple[str, ...], dict[str, int]]:
+    """The fast path for a block mapping at column 0 (what every launcher's config is): split the text at the
+    lines that start a top-level key, check the syntax of every part with libyaml's C parser (no Python objects),
+    and build only the parts whose key is wanted. Anything unusual (flow or list top level, directives or document
+    markers after the start, complex, quoted or merge keys, an alias into another part, no C parser) raises
+    `_WholeDocument`, and the file is read whole instead: slower, never different."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", None)
+    if loader is None:
+        raise _WholeDocument
+    starts: list[tuple[int, str]] = []  # (offset, key)
+    seen_key = False
+    for match in _TOP_LINE.finditer(text):
+        line_text = match.group(0)
+        if _DOCUMENT_MARK.match(line_text):
+            if seen_key:
+                raise _WholeDocument  # a document marker after the first key: several documents, or an odd file
+            continue
+        key_match = _PLAIN_KEY.match(line_text)
+        if key_match is None:
+            raise _WholeDocument  # a quoted or complex key, a top-level list or flow mapping, a continuation line
+        seen_key = True
+        starts.append((match.start(), key_match.group(1)))
+        if len(starts) > MAX_TOP_LEVEL_KEYS:
+            raise _WholeDocument
+    if not starts:
+        raise _WholeDocument
+    lines_at = _line_numbers(text, [offset for offset, _ in starts])
+    resolver = _resolver()
+    values: dict[str, Any] = {}
+    keys: dict[str, None] = {}
+    lines: dict[str, int] = {}
+    for i, (offset, raw_key) in enumerate(starts):
+        end = starts[i + 1][0] if i + 1 < len(starts) else len(text)
+        part = text[offset:end]
+        key = raw_key
+        if resolver(raw_key) != "tag:yaml.org,2002:str":
+            raise _WholeDocument  # `true:`, `1:`, `null:`: the full loader says what the key is
+        if key == "<<":
+            raise _WholeDocument
+        if key in wanted:
+            try:
+                data = yaml.load(part, Loader=loader)
+            except yaml.YAMLError:
+                raise _WholeDocument from None  # an alias into another part, or a real error: the full loader tells
+            if not isinstance(data, dict) or list(data) != [key]:
+                raise _WholeDocument
+            values[key] = data[key]
+        else:
+            try:
+                loader(part).raw_parse()
+            except yaml.YAMLError:
+                raise _WholeDocument from None  # the full loader reports it with the file's own line numbers
+        keys.pop(key, None)  # a repeated key: the last one wins, as in a full load
+        keys[key] = None
+        lines[key] = lines_at[i]
+    return values, tuple(keys), lines
+
+
+def _line_numbers(text: str, offsets: list[int]) -> list[int]:
+    """1-based line numbers of increasing offsets, counting newlines once."""
+    out: list[int] = []
+    line, last = 1, 0
+    for offset in offsets:
+        line += text.count("\n", last, offset)
+        last = offset
+        out.append(line)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _resolver() -> Any:
+    """The implicit tag a plain scalar resolves to under YAML 1.1 (PyYAML's resolver)."""
+    from yaml.nodes import ScalarNode
+    from yaml.resolver import Resolver
+
+    resolver = Resolver()
+
+    def resolve(value: str) -> str:
+        return resolver.resolve(ScalarNode, value, (True, False))
+
+    return resolve

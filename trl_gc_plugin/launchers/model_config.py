@@ -1,0 +1,72 @@
+"""Facts from the model's own `config.json`, when the config names a local model directory.
+
+The check downloads nothing: for a Hub id these facts stay unknown (the callback reads them from the model at
+runtime). For a local directory it reads what the rules need: cross-layer KV sharing (`num_kv_shared_layers` > 0,
+Gemma 4 and Gemma 3n: `shared_state_layers`), a dropout probability > 0 (`dropout`), and `model_type` (Axolotl's
+Gemma 4 rewrite). Sub-configs (`text_config`, `decoder`, ...) count as the model reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .common import Reading
+
+DROPOUT_KEYS = (
+    "attention_dropout",
+    "hidden_dropout",
+    "dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "activation_dropout",
+)
+
+
+def local_model_config(name: Any) -> tuple[str, dict[str, Any]] | None:
+    """`(path, config)` of `name/config.json` when `name` is a local model directory with a readable config."""
+    if not isinstance(name, str) or not name:
+        return None
+    file = os.path.join(name, "config.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError, RecursionError):
+        return None
+    return (file, data) if isinstance(data, dict) else None
+
+
+def _configs(config: dict[str, Any]) -> list[dict[str, Any]]:
+    out = [config]
+    for value in config.values():
+        if isinstance(value, dict) and ("model_type" in value or any(k in value for k in DROPOUT_KEYS)):
+            out.append(value)
+    return out
+
+
+def read_model_facts(name: Any, key: str, reading: Reading) -> str | None:
+    """Set `shared_state_layers` and `dropout` from the local model config `name` (named by `key`); returns its
+    `model_type`, or None when `name` is no local model directory."""
+    found = local_model_config(name)
+    if found is None:
+        return None
+    file, config = found
+    configs = _configs(config)
+    detail = f"{file} (the model `{key}` names)"
+    shared = any(isinstance(c.get("num_kv_shared_layers"), int) and c["num_kv_shared_layers"] > 0 for c in configs)
+    reading.set("shared_state_layers", shared, "model config", f"{detail}: num_kv_shared_layers")
+    rates = [
+        c[k]
+        for c in configs
+        for k in DROPOUT_KEYS
+        if isinstance(c.get(k), (int, float)) and not isinstance(c.get(k), bool)
+    ]
+    reading.set("dropout", any(rate > 0 for rate in rates), "model config", f"{detail}: dropout probabilities")
+    model_type = config.get("model_type")
+    return model_type if isinstance(model_type, str) else None

@@ -1,0 +1,138 @@
+"""Plain `TrainingArguments` JSON files (`HfArgumentParser(TrainingArguments).parse_json_file(...)`, or
+`TrainingArguments(**json.load(f))`).
+
+`parse_json_file` builds the dataclass with `parse_dict`, which converts nothing: a string `"false"` stays a string
+and counts as true. `gradient_checkpointing` defaults to False (transformers' own default, unlike TRL's configs).
+The file says nothing about the model (PEFT, quantization, frozen layers): those facts stay unknown and the callback
+decides them at runtime; the check says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..probe import GENERATING_TRAINERS, RL_TRAINERS
+from .common import Context, LauncherRule, Reading, json_object_or_mapping
+from .load import Config
+from .trl import read_kwargs, read_launch
+
+LAUNCHER = "training-args"
+SOURCES = {
+    "parse_dict": "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/hf_argparser.py (parse_json_file -> parse_dict: dataclass(**values), no string conversion)",
+    "default": "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/training_args.py (gradient_checkpointing: bool = False)",
+}
+
+KEYS = frozenset(
+    {
+        "output_dir",
+        "per_device_train_batch_size",
+        "learning_rate",
+        "num_train_epochs",
+        "max_steps",
+        "gradient_accumulation_steps",
+        "gradient_checkpointing",
+        "gradient_checkpointing_kwargs",
+        "activation_checkpointing",
+        "activation_checkpointing_kwargs",
+        "bf16",
+        "fp16",
+        "logging_steps",
+        "save_steps",
+        "deepspeed",
+        "fsdp",
+    }
+)
+"""`TrainingArguments` fields that tell a plain arguments file (when no launcher's key is present)."""
+
+READ_KEYS = frozenset(
+    {
+        "gradient_checkpointing",
+        "activation_checkpointing",
+        "gradient_checkpointing_kwargs",
+        "activation_checkpointing_kwargs",
+        "deepspeed",
+        "fsdp",
+        "fsdp_config",
+        "ddp_find_unused_parameters",
+        "ddp_static_graph",
+    }
+)
+
+BOOL_KEYS = ("gradient_checkpointing", "activation_checkpointing", "ddp_find_unused_parameters", "ddp_static_graph")
+
+
+@dataclass(frozen=True)
+class View:
+    string_bools: tuple[str, ...]
+
+
+RULES: tuple[LauncherRule, ...] = (
+    LauncherRule(
+        id="training-args:string-boolean",
+        launcher=LAUNCHER,
+        action="warn",
+        setting="gradient_checkpointing",
+        condition='a boolean field written as a string (`"gradient_checkpointing": "false"`)',
+        message='parse_json_file converts no string: a non-empty string such as "false" counts as true.',
+        change="write JSON booleans (true / false, unquoted)",
+        evidence=(SOURCES["parse_dict"],),
+        when=lambda v: bool(v.string_bools),
+    ),
+)
+
+
+def read(config: Config, ctx: Context) -> Reading:
+    """Facts of a plain `TrainingArguments` JSON file."""
+    path, lines = config.path, config.lines
+    reading = Reading(
+        format="training-args",
+        parser="the plugin's model of transformers' HfArgumentParser.parse_json_file",
+        changes={
+            "use_reentrant": '"gradient_checkpointing_kwargs": {{"use_reentrant": {value}}}',
+            "activation_checkpointing": '"gradient_checkpointing": {value}',
+        },
+    )
+    raw = config.values
+    flag_key = "activation_checkpointing" if "activation_checkpointing" in raw else "gradient_checkpointing"
+    if flag_key in raw:
+        reading.set("gc_enabled", bool(raw[flag_key]), "file", f"key {flag_key!r}")
+        reading.set("gc_flag_source", "user", "file", f"key {flag_key!r}")
+    else:
+        reading.set(
+            "gc_enabled", False, "launcher default", "TrainingArguments defaults gradient_checkpointing to False"
+        )
+        reading.set("gc_flag_source", "unset", "launcher default", "gradient_checkpointing")
+    kwargs_key = next(
+        (k for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if raw.get(k) is not None),
+        None,
+    )
+    kwargs: dict[str, Any] | None = None
+    if kwargs_key is not None:
+        kwargs = json_object_or_mapping(raw.get(kwargs_key), path, kwargs_key, lines, '{"use_reentrant": false}')
+    read_kwargs(reading, kwargs, kwargs_key or "gradient_checkpointing_kwargs")
+    read_launch(config, ctx, reading)
+    for key in ("ddp_find_unused_parameters", "ddp_static_graph"):
+        value = raw.get(key)
+        reading.set(
+            key,
+            None if value is None else bool(value),
+            "file" if value is not None else "launcher default",
+            f"key {key!r}" if value is not None else "unset: transformers decides",
+        )
+    kind = ctx.trainer or "trainer"
+    reading.set(
+        "trainer_kind",
+        kind,
+        "option" if ctx.trainer else "assumed",
+        "--trainer" if ctx.trainer else "transformers' Trainer (pass --trainer sft|dpo|... for a TRL trainer)",
+    )
+    reading.set("rl_trainer", kind in RL_TRAINERS, "option" if ctx.trainer else "assumed", kind)
+    reading.set("generates", kind in GENERATING_TRAINERS, "option" if ctx.trainer else "assumed", kind)
+    reading.notes.append(
+        "a TrainingArguments file names no model: PEFT, quantization and frozen layers are unknown here, so the rules "
+        "that need them do not apply; the callback decides them from the model at runtime"
+    )
+    view = View(string_bools=tuple(k for k in BOOL_KEYS if isinstance(raw.get(k), str)))
+    reading.apply(RULES, view, "transformers", lambda rule: list(view.string_bools))
+    return reading
