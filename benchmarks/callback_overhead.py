@@ -72,8 +72,9 @@ def per_step(steps: int, repeats: int) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as out:
         run(True, 10, out)  # warm-up of both paths
         run(False, 10, out)
-        for _ in range(repeats):
-            for name, flag in (("without", False), ("with", True)):
+        for i in range(repeats):  # interleaved, the order reversed every repeat (the first of a pair runs slower)
+            pairs = (("without", False), ("with", True))
+            for name, flag in pairs if i % 2 == 0 else pairs[::-1]:
                 medians[name].append(statistics.median(run(flag, steps, out)))
     without, with_ = statistics.median(medians["without"]), statistics.median(medians["with"])
 

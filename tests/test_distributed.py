@@ -3,13 +3,8 @@ before step 1 in strict mode, trained in fix mode with parameters in sync across
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from torchrun import run_scenarios
 from trainers import TF5
 
 SCENARIOS = {
@@ -31,19 +26,7 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    script = Path(__file__).with_name("ddp_scenarios.py")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541",
-         str(script), str(out), *SCENARIOS],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    lines = [json.loads(line) for f in sorted(out.glob("results-rank*.jsonl")) for line in f.read_text().splitlines()]
-    assert proc.returncode == 0 and len(lines) == 2 * len(SCENARIOS), proc.stderr[-4000:]
-    by = {}
-    for item in lines:
-        by.setdefault(item["scenario"], {})[item["rank"]] = item
-    return by
+    return run_scenarios("ddp_scenarios.py", tmp_path_factory.mktemp("ddp"), list(SCENARIOS), port=29541)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

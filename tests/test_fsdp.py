@@ -5,13 +5,8 @@ under real FSDP today; and what it should do (xfail)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from torchrun import run_scenarios
 from trainers import TF5
 
 BOTH_AC = ("ValueError: `fsdp_config['activation_checkpointing']` (FSDP's own activation checkpointing) and the "
@@ -72,19 +67,7 @@ FULL = [s for s in SCENARIOS if s.split("-")[1] == "full" and SCENARIOS[s] is No
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    script = Path(__file__).with_name("fsdp_scenarios.py")
-    run = [*SCENARIOS, *PLANNED]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29571",
-         str(script), str(out), *run],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    lines = [json.loads(line) for f in sorted(out.glob("results-rank*.jsonl")) for line in f.read_text().splitlines()]
-    assert proc.returncode == 0 and len(lines) == 2 * len(run), proc.stderr[-4000:]
-    by: dict = {}
-    for item in lines:
-        by.setdefault(item["scenario"], {})[item["rank"]] = item
-    return out, by
+    return out, run_scenarios("fsdp_scenarios.py", out, [*SCENARIOS, *PLANNED], port=29571)
 
 
 def _check(ranks: dict, expected: str | None) -> None:

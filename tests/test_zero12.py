@@ -9,13 +9,9 @@ DeepSpeed run of an environment may compile CPU ops (cached under TORCH_EXTENSIO
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from torchrun import run_scenarios
 from trainers import TF5
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -96,19 +92,7 @@ RUN = list(SCENARIOS) + [s for s in PLANNED if HAS_DEEPSPEED or "-ddp-" in s]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero12")
-    script = Path(__file__).with_name("zero12_scenarios.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
-         str(script), str(out), *RUN],
-        capture_output=True, text=True, timeout=900, env=env,
-    )
-    lines = [json.loads(line) for f in sorted(out.glob("results-rank*.jsonl")) for line in f.read_text().splitlines()]
-    assert proc.returncode == 0 and len(lines) == 2 * len(RUN), proc.stderr[-4000:]
-    by: dict = {}
-    for item in lines:
-        by.setdefault(item["scenario"], {})[item["rank"]] = item
-    return out, by
+    return out, run_scenarios("zero12_scenarios.py", out, RUN, port=29561, env={"DS_ACCELERATOR": "cpu"})
 
 
 def _check(ranks: dict, expected: str | None) -> None:

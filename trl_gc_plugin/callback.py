@@ -102,7 +102,7 @@ class SafeGCCallback(TrainerCallback):
             The first-step gradient audit; defaults to `TRL_GC_PLUGIN_AUDIT`, then on.
         parity_check (`bool`, *optional*):
             Compare gradients with and without checkpointing once, at the first optimizer step (before any update),
-            on a synthetic 16-token sequence: two extra forward/backward passes (0.84 s, 9% of one step on the modes
+            on a synthetic 16-token sequence: two extra forward/backward passes (0.5-0.84 s, 9-10% of one step on the modes
             benchmark's model). `None` (default): on when the run is reentrant, the less verified path, for causal
             language models in single-process runs; `True`/`False`: always / never.
 

@@ -864,7 +864,7 @@ RULES += (
             "Reports the max absolute and relative gradient difference; a parameter with no gradient only under "
             "checkpointing is the silent failure. Reentrant is the less verified path (wrong gradients from shared "
             "layer state or keyword inputs pass the audit), so it is checked by default; the probe costs two passes "
-            "of one 16-token sequence, 0.84 s once (9% of one step) on the modes benchmark's model."
+            "of one 16-token sequence, 0.5-0.84 s once (9-10% of one step) on the modes benchmark's model."
         ),
         evidence=(
             TORCH_CHECKPOINT_DOCS,

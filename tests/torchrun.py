@@ -1,0 +1,31 @@
+"""Run a scenario script under `torchrun --nproc_per_node 2` (gloo, CPU) and collect what each rank wrote.
+
+The scripts (`ddp_scenarios.py`, `fsdp_scenarios.py`, `zero12_scenarios.py`) append one JSON line per scenario to
+`OUTDIR/results-rank<R>.jsonl` (not stdout, where the ranks interleave).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def run_scenarios(script: str, out: Path, scenarios: list[str], port: int, env: dict[str, str] | None = None,
+                  timeout: int = 900) -> dict[str, dict[int, Any]]:
+    """{scenario: {rank: result}} for `scenarios` run by `tests/<script>` on 2 ranks; fails with the stderr tail when
+    the launch fails or a rank misses a scenario."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+         str(Path(__file__).with_name(script)), str(out), *scenarios],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+    lines = [json.loads(line) for f in sorted(out.glob("results-rank*.jsonl")) for line in f.read_text().splitlines()]
+    assert proc.returncode == 0 and len(lines) == 2 * len(scenarios), proc.stderr[-4000:]
+    by: dict[str, dict[int, Any]] = {}
+    for item in lines:
+        by.setdefault(item["scenario"], {})[item["rank"]] = item
+    return by
