@@ -62,7 +62,11 @@ def test_the_plugin_keeps_the_pattern_across_re_enables(reentrant, tmp_path):
     callback = SafeGCCallback()
     seen, error, trainer = _grpo({"use_reentrant": reentrant, "every_n_layers": 2}, [callback], tmp_path, 3)
     assert error is None, error
-    assert seen and all(p == (True, False, True, False) for p in seen)
+    # the parity probe (on by default for reentrant causal LMs) runs one reference forward with checkpointing off;
+    # every other training forward, the probe's checkpointed one included, runs the asked pattern
+    off = [p for p in seen if p == (False,) * 4]
+    assert len(off) == (1 if reentrant else 0)
+    assert len(seen) >= 3 and all(p == (True, False, True, False) for p in seen if p not in off)
     assert "gradient_checkpointing_enable" not in trainer.model.__dict__  # the guard is gone after training
     assert not [d for d in callback.decisions if d.rule_id == "checkpointing-drift"]
 
