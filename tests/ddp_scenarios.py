@@ -14,13 +14,13 @@ in sync).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
+from torchrun import write_results
 from transformers import Trainer, TrainingArguments
 
 from trl_gc_plugin import SafeGCCallback, installed
@@ -73,11 +73,7 @@ def run(out: str, scenario: str) -> dict:
 
 def main() -> None:
     out, scenarios = sys.argv[1], sys.argv[2:]
-    rank = int(os.environ.get("RANK", "0"))
-    with open(os.path.join(out, f"results-rank{rank}.jsonl"), "a", encoding="utf-8") as fh:
-        for scenario in scenarios:
-            fh.write(json.dumps(run(out, scenario)) + "\n")
-            fh.flush()
+    write_results(out, scenarios, run)
 
 
 if __name__ == "__main__":

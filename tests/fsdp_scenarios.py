@@ -37,7 +37,6 @@ use_reentrant, the decisions. Rank 0 also saves the gathered trainable parameter
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
@@ -45,6 +44,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from torchrun import write_results
 
 FLAG = {"unset": None, "true": True, "false": False}
 _SHIM_ON = {"on": False}
@@ -267,18 +267,7 @@ def main() -> None:
     fsdp_on_cpu()
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    with open(os.path.join(out, f"results-rank{rank}.jsonl"), "a", encoding="utf-8") as fh:
-        for scenario in scenarios:
-            saved = dict(os.environ)  # TrainingArguments / Accelerator write ACCELERATE_USE_FSDP, FSDP_* ...
-            try:
-                fh.write(json.dumps(run(out, scenario), default=repr) + "\n")
-            finally:
-                os.environ.clear()
-                os.environ.update(saved)
-            fh.flush()
-            dist.barrier()
-
+    write_results(out, scenarios, run)
 
 if __name__ == "__main__":
     main()

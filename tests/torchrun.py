@@ -1,7 +1,7 @@
 """Run a scenario script under `torchrun --nproc_per_node 2` (gloo, CPU) and collect what each rank wrote.
 
 The scripts (`ddp_scenarios.py`, `fsdp_scenarios.py`, `zero12_scenarios.py`) append one JSON line per scenario to
-`OUTDIR/results-rank<R>.jsonl` (not stdout, where the ranks interleave).
+`OUTDIR/results-rank<R>.jsonl` (not stdout, where the ranks interleave) with `write_results`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,3 +30,22 @@ def run_scenarios(script: str, out: Path, scenarios: list[str], port: int, env: 
     for item in lines:
         by.setdefault(item["scenario"], {})[item["rank"]] = item
     return by
+
+
+def write_results(out: str, scenarios: list[str], run: Callable[[str, str], Any]) -> None:
+    """Rank side: `run(out, scenario)` for each scenario, one JSON line each in `out/results-rank<RANK>.jsonl`;
+    `os.environ` restored after each (TrainingArguments and the Accelerator write ACCELERATE_*, FSDP_* variables),
+    ranks kept in step once a process group exists."""
+    import torch.distributed as dist
+
+    with open(os.path.join(out, f"results-rank{os.environ['RANK']}.jsonl"), "a", encoding="utf-8") as fh:
+        for scenario in scenarios:
+            saved = dict(os.environ)
+            try:
+                fh.write(json.dumps(run(out, scenario), default=repr) + "\n")
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+            fh.flush()
+            if dist.is_initialized():
+                dist.barrier()

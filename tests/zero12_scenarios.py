@@ -50,13 +50,13 @@ Each rank appends one JSON line per scenario to OUTDIR/results-rank<R>.jsonl.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+from torchrun import write_results
 
 ZERO_CPU = {"zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9}
@@ -299,19 +299,7 @@ def main() -> None:
         deepspeed.init_distributed(dist_backend="gloo")
     elif not dist.is_initialized():
         dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    with open(os.path.join(out, f"results-rank{rank}.jsonl"), "a", encoding="utf-8") as fh:
-        for scenario in scenarios:
-            saved = dict(os.environ)  # TrainingArguments writes ACCELERATE_* variables
-            try:
-                run = run_raw if scenario.startswith("raw-") else run_trainer
-                fh.write(json.dumps(run(out, scenario), default=repr) + "\n")
-            finally:
-                os.environ.clear()
-                os.environ.update(saved)
-            fh.flush()
-            dist.barrier()
-
+    write_results(out, scenarios, lambda out, s: (run_raw if s.startswith("raw-") else run_trainer)(out, s))
 
 if __name__ == "__main__":
     main()
