@@ -12,6 +12,8 @@ BNB ?= 0.50.2
 # extra packages for an environment (CI's transformers 5 one gets DeepSpeed for the ZeRO-3 tests; the default .venv
 # of `make demo` / `make test` does not: its tests that need DeepSpeed are skipped there)
 EXTRA ?=
+# pytest workers (pytest-xdist), each test file on one worker: the multi-process tests of a file share a port
+WORKERS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-tf$(TF)-trl$(TRL)$(if $(EXTRA),-$(subst =,,$(EXTRA)))
 
@@ -32,7 +34,7 @@ demo: venv
 	$(PY) examples/demo.py
 
 test: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check trl_gc_plugin tests examples benchmarks
