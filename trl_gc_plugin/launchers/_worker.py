@@ -59,18 +59,45 @@ def _classify(exc: BaseException) -> str:
     return "environment"
 
 
+TRL0_COMMANDS = ("dpo", "grpo", "kto", "reward", "rloo", "sft")
+"""The training commands of TRL 0.x's CLI (`trl/cli.py`, one module; TRL 1.x lists them in `trl.cli.commands`)."""
+
+
+def _accelerate_config_file(value: str) -> str:
+    """What `trl <command>` hands to `accelerate launch --config_file` for `--accelerate_config value`."""
+    try:
+        from trl.cli.accelerate_config import resolve_accelerate_config_argument
+    except ImportError:  # TRL 0.x resolves it inside trl/cli.py's main(): a file path, else a config TRL ships
+        resolve_accelerate_config_argument = None
+    if resolve_accelerate_config_argument is not None:
+        return str(resolve_accelerate_config_argument(["--accelerate_config", value])[1])
+    from importlib import resources
+
+    if os.path.isfile(value):
+        return value
+    packaged = resources.files("trl.accelerate_configs").joinpath(f"{value}.yaml")
+    if not packaged.is_file():
+        raise ValueError(f"Accelerate config {value} is neither a file nor a valid config in the `trl` package.")
+    return str(packaged)
+
+
 def _trl(job: dict[str, Any]) -> dict[str, Any]:
+    import inspect
+
     import trl
-    from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
     from trl_gc_plugin.probe import facts_from_args
 
     module = importlib.import_module(f"trl.scripts.{job['trainer']}")
     parser = module.make_parser()
-    out = parser.parse_args_and_config(
-        ["--config", job["path"], "--use_cpu", "true"], return_remaining_strings=True, separate_remaining_strings=True
-    )
-    args, model_args, remaining = out[1], out[2], out[-2]
+    argv = ["--config", job["path"], "--use_cpu", "true"]
+    if "separate_remaining_strings" in inspect.signature(parser.parse_args_and_config).parameters:  # TRL >= 1.0
+        out = parser.parse_args_and_config(argv, return_remaining_strings=True, separate_remaining_strings=True)
+        remaining = out[-2]  # the config's keys no dataclass took (the command line's are out[-1])
+    else:  # TRL 0.x: one list; the command line here has nothing left over
+        out = parser.parse_args_and_config(argv, return_remaining_strings=True)
+        remaining = out[-1]
+    args, model_args = out[1], out[2]
     facts = facts_from_args(args, stage="post_init")  # the arguments alone: no Trainer, no model yet
     keys = [remaining[i][2:] for i in range(0, len(remaining), 2)]
     accelerate_config = None
@@ -86,8 +113,7 @@ def _trl(job: dict[str, Any]) -> dict[str, Any]:
                 options[option.lstrip("-").replace("-", "_")] = action
         for key in keys:
             if key == "accelerate_config":
-                value = remaining[remaining.index("--accelerate_config") + 1]
-                accelerate_config = resolve_accelerate_config_argument(["--accelerate_config", value])[1]
+                accelerate_config = _accelerate_config_file(remaining[remaining.index("--accelerate_config") + 1])
             elif key not in options:
                 unknown.append(key)
             elif options[key].nargs == 0:
@@ -109,7 +135,7 @@ def _trl(job: dict[str, Any]) -> dict[str, Any]:
         "unknown_keys": unknown,
         "known_by": known_by,
         "valueless_keys": valueless,
-        "accelerate_config": str(accelerate_config) if accelerate_config else None,
+        "accelerate_config": accelerate_config,
     }
 
 
@@ -118,9 +144,12 @@ _FIELDS: dict[str, set[str]] = {}
 
 def _commands_with_field(key: str) -> list[str]:
     """The `trl` commands whose config has a field `key` (from TRL's own parsers)."""
-    from trl.cli.commands import get_commands
-
-    commands = [c.name for c in get_commands() if type(c).__name__ == "TrainingCommand"]
+    try:
+        from trl.cli.commands import get_commands
+    except ImportError:  # TRL 0.x
+        commands = list(TRL0_COMMANDS)
+    else:
+        commands = [c.name for c in get_commands() if type(c).__name__ == "TrainingCommand"]
     for name in commands:
         if name not in _FIELDS:
             try:
