@@ -71,14 +71,12 @@ def _accelerate_config_file(value: str) -> str:
         resolve_accelerate_config_argument = None
     if resolve_accelerate_config_argument is not None:
         return str(resolve_accelerate_config_argument(["--accelerate_config", value])[1])
-    from importlib import resources
+    from trl_gc_plugin.launchers.accelerate import trl_bundled  # the same rule as the plugin's model of TRL
 
-    if os.path.isfile(value):
-        return value
-    packaged = resources.files("trl.accelerate_configs").joinpath(f"{value}.yaml")
-    if not packaged.is_file():
+    file = value if os.path.isfile(value) else trl_bundled(value)
+    if file is None:
         raise ValueError(f"Accelerate config {value} is neither a file nor a valid config in the `trl` package.")
-    return str(packaged)
+    return file
 
 
 def _trl(job: dict[str, Any]) -> dict[str, Any]:
