@@ -213,13 +213,15 @@ def test_preserve_rng_state_false_with_dropout(reentrant, tmp_path):
     ref = grads(model, None, batch)
     asked = {"use_reentrant": reentrant, "preserve_rng_state": False}
     assert worst_relative_difference(grads(model, asked, batch), ref) > 0.1  # silently wrong without the plugin
-    assert worst_relative_difference(grads(model, {**asked, "preserve_rng_state": True}, batch), ref) == 0
+    # the same dropout masks: equal up to float rounding (8.9e-8 on some CPUs, where the recomputed tensors' addresses
+    # change which SIMD path a kernel takes; 0 on others)
+    assert worst_relative_difference(grads(model, {**asked, "preserve_rng_state": True}, batch), ref) < 1e-6
     with pytest.raises(GCConfigError, match="preserve-rng-state-with-dropout"):
         trainer_on(model, tmp_path / "strict", asked, [SafeGCCallback()])
     fixed = trainer_on(model, tmp_path / "fix", asked, [SafeGCCallback(mode="fix")])
     decided = fixed.args.gradient_checkpointing_kwargs
     assert decided["preserve_rng_state"] is True
-    assert worst_relative_difference(grads(model, decided, batch), ref) == 0
+    assert worst_relative_difference(grads(model, decided, batch), ref) < 1e-6
     # without dropout the same value is harmless and kept
     quiet = make_model()
     callback = SafeGCCallback()

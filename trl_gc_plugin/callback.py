@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from transformers import TrainerCallback
 
-from . import probe, report, verify
+from . import parity, probe, report, verify
 from ._flags import parse_flag
 from ._weak import WeakIdMap
 from .apply import CacheSwitch, apply, set_args_use_reentrant, set_model_use_reentrant
@@ -180,6 +180,7 @@ class SafeGCCallback(TrainerCallback):
         self._forward_watch: list[Any] = []
         self._audit_pending = False
         self._parity_pending = False
+        self._first_inputs: parity.FirstInputs | None = None
         self._reported: dict[str, int] = {}
         self._args: Any = None
         self._model: Any = None
@@ -254,6 +255,9 @@ class SafeGCCallback(TrainerCallback):
             self._observation.install()
             self._audit_pending = self.audit
             self._parity_pending = self._wants_parity(args, model)
+            if self._parity_pending:
+                self._first_inputs = parity.FirstInputs(model)
+                self._first_inputs.install()
 
     @_guarded
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -276,6 +280,7 @@ class SafeGCCallback(TrainerCallback):
         if self._cache is not None:
             self._cache.restore()  # a checkpoint saved after this step keeps the user's config
         self._stop_forward_watch()  # the first step is over
+        self._drop_first_inputs()
         if self._observation is not None:  # the first step is over: nothing of the observation stays
             self._observation.remove()
             self.observed = dict(self._observation.calls)
@@ -504,43 +509,48 @@ class SafeGCCallback(TrainerCallback):
             )
 
     def _wants_parity(self, args: Any, model: Any) -> bool:
-        """`parity_check=None`: on for reentrant runs of causal language models, one process, no sharding."""
+        """`parity_check=None`: on for reentrant runs in one process without sharding, for any model."""
         if self.parity_check is not None:
             return self.parity_check
         running = probe.model_use_reentrant(model)
-        causal = type(probe.unwrap(model)).__name__.endswith("ForCausalLM")
-        return bool(
-            running and causal and report_world_size(args) == 1 and not verify.gradients_are_sharded(args, model)
-        )
+        return bool(running and report_world_size(args) == 1 and not verify.gradients_are_sharded(args, model))
+
+    def _drop_first_inputs(self) -> None:
+        if self._first_inputs is not None:
+            self._first_inputs.remove()
+            if not self._parity_pending:
+                self._first_inputs = None
 
     def _parity(self, args: Any, model: Any) -> None:
         rule = get_rule("parity-check")
+        first, self._first_inputs = self._first_inputs, None
+        if first is not None:
+            first.remove()
         if verify.gradients_are_sharded(args, model):
             self._record(args, [self._verdict(rule, "none", None, None, "Skipped: sharded parameters.")])
             return
-        try:
-            result, scale = verify.parity_probe(model)
-        except Exception as exc:  # a model whose forward wants more than token ids: not applicable
-            reason = f"Skipped: the probe's synthetic batch does not fit this model ({type(exc).__name__})."
+        inputs, batch = (first.inputs, first.batch) if first is not None else (None, None)
+        target = probe.unwrap(model) if first is not None and first.for_base else model
+        result = parity.parity_probe(target, inputs, batch)
+        if result.skipped:
+            reason = f"Skipped: {result.skipped}."
             self._record(args, [self._verdict(rule, "none", None, None, reason, level="info")])
             return
-        if result.skipped:
-            self._record(args, [self._verdict(rule, "none", None, None, f"Skipped: {result.skipped}.")])
-            return
-        low_precision = any(p.dtype in _low_precision() for p in model.parameters() if p.requires_grad)
-        rtol = 1e-2 if low_precision else verify.PARITY_RTOL
-        ok = result.within(verify.PARITY_ATOL, rtol, scale)
         summary = (
-            f"{result.compared} trainable parameters compared: max abs diff {result.max_abs:.3g}, max rel "
-            f"diff {result.max_rel:.3g} (tolerance {verify.PARITY_ATOL:g} + {rtol:g} * {scale:.3g})"
+            f"{result.compared} trainable parameters compared on the {result.batch}: max difference "
+            f"{result.max_abs:.3g}, max relative {result.max_rel:.3g} (tolerance {result.rtol:g} of each gradient)"
         )
         if result.missing_with_checkpointing:
             summary += (
                 f"; {len(result.missing_with_checkpointing)} get a gradient only without checkpointing, e.g. "
                 f"{result.missing_with_checkpointing[0]}"
             )
+        if result.outside:
+            summary += f"; {len(result.outside)} differ beyond it, most {result.outside[0]}"
         action: Action = (
-            "none" if ok else ("error" if result.missing_with_checkpointing and self.mode == "strict" else "warn")
+            "none"
+            if result.ok
+            else ("error" if result.missing_with_checkpointing and self.mode == "strict" else "warn")
         )
         verdict = self._verdict(
             rule,
@@ -737,6 +747,9 @@ class SafeGCCallback(TrainerCallback):
             self._plan_hook.remove()
             self._plan_hook = None
         self._stop_forward_watch()
+        if self._first_inputs is not None:
+            self._first_inputs.remove()
+            self._first_inputs = None
         if self._observation is not None:
             self._observation.remove()
             self._observation = None
@@ -906,12 +919,6 @@ def _explicit_callbacks_of_this_trainer() -> list[SafeGCCallback]:
     except Exception:  # never let the look fail the run
         pass
     return []
-
-
-def _low_precision() -> tuple[Any, ...]:
-    import torch
-
-    return (torch.float16, torch.bfloat16)
 
 
 class AutoSafeGCCallback(SafeGCCallback):

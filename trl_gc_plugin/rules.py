@@ -855,19 +855,23 @@ RULES += (
         value=None,
         when=_at_runtime,
         condition=(
-            "at the first optimizer step, before any update: one forward/backward on a synthetic 16-token batch with "
-            "checkpointing and one without; max |diff| <= 1e-6 + 1e-4 * max|grad| (1e-2 for 16-bit parameters). On by "
-            "default for reentrant runs of causal language models in one process (`parity_check=None`); "
-            "`SafeGCCallback(parity_check=True|False)` forces it"
+            "at the first optimizer step, before any update: one forward/backward with checkpointing and one without "
+            "on one sample of the first training batch (text cut to 64 tokens; else the whole first batch up to 8192 "
+            "tokens, else a synthetic 16-token sequence); each gradient reduced to 8 random projections (float64) "
+            "and freed as autograd produces it; per parameter |diff| <= rtol * |g| (rtol 1e-4, 1e-2 with 16-bit "
+            "parameters). On by default for reentrant runs of any model in one process without sharding "
+            "(`parity_check=None`); `SafeGCCallback(parity_check=True|False)` forces it"
         ),
         message=(
-            "Reports the max absolute and relative gradient difference; a parameter with no gradient only under "
-            "checkpointing is the silent failure. Reentrant is the less verified path (wrong gradients from shared "
-            "layer state or keyword inputs pass the audit), so it is checked by default; the probe costs two passes "
-            "of one 16-token sequence, 0.5-0.84 s once (9-10% of one step) on the modes benchmark's model."
+            "Reports the largest gradient difference; a parameter whose gradient is missing or all zero only under "
+            "checkpointing is the silent failure (refused in strict mode). Reentrant is the less verified path "
+            "(wrong gradients from shared layer state or keyword inputs pass the audit), so it is checked by "
+            "default. Its memory grows with the number of parameter tensors, not their size (no gradient is "
+            "copied); the run's gradients, buffers and random number generators are put back as they were."
         ),
         evidence=(
             TORCH_CHECKPOINT_DOCS,
+            "measured: benchmarks/parity_memory.py (134M-parameter Llama, full fine-tune, reentrant, CPU)",
             "measured: benchmarks/callback_overhead.py parity_probe_benchmark_model (CPU, 2 threads)",
         ),
         remove_when="never: a check of the outcome",

@@ -4,7 +4,8 @@
   gradient? (the silent failure, whatever its cause)
 - `Watch`: per step, a few attribute reads to see whether the arguments or the model drifted from the decision,
   and whether input-require-grad hooks piled up on the embeddings.
-- `parity_probe`: opt-in; one forward/backward with and one without checkpointing on a synthetic batch.
+
+The parity probe (gradients with and without checkpointing) is `parity.py`.
 
 Nothing here decides or logs: the callback turns the findings into `Decision` records.
 """
@@ -169,83 +170,3 @@ class Watch:
             for table in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
                 getattr(emb, table, {}).pop(key, None)
         return max(len(keys) - 1, 0)
-
-
-@dataclass
-class ParityResult:
-    compared: int = 0
-    max_abs: float = 0.0
-    max_rel: float = 0.0
-    missing_with_checkpointing: list[str] = field(default_factory=list)
-    skipped: str | None = None
-
-    def within(self, atol: float, rtol: float, ref_scale: float) -> bool:
-        return not self.missing_with_checkpointing and self.max_abs <= atol + rtol * ref_scale
-
-
-PARITY_ATOL = 1e-6
-PARITY_RTOL = 1e-4
-"""Gradients with and without checkpointing must agree within `atol + rtol * max|grad without|` (float32; on CPU
-and for non-reentrant they are bit-identical in practice). Low-precision parameters get `rtol = 1e-2`."""
-
-
-def parity_probe(model: Any, seed: int = 0, length: int = 16) -> tuple[ParityResult, float]:
-    """One forward/backward on a synthetic causal-LM batch with checkpointing as it is, one with it switched off
-    (module flags flipped, no hook added); compares the gradients of every trainable parameter. Returns the result
-    and the reference scale (max |grad| without checkpointing). Restores flags, grads and train/eval mode."""
-    import torch
-
-    base = probe.unwrap(model)
-    result = ParityResult()
-    if getattr(base, "main_input_name", None) != "input_ids":
-        result.skipped = f"main_input_name is {getattr(base, 'main_input_name', None)!r}, not input_ids"
-        return result, 0.0
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not params:
-        result.skipped = "no trainable parameters"
-        return result, 0.0
-    flagged = [m for m in base.modules() if getattr(m, "gradient_checkpointing", None) is True]
-    device = params[0][1].device
-    vocab = int(getattr(base.config, "vocab_size", 2))
-    ids = torch.randint(vocab, (1, length), generator=torch.Generator().manual_seed(seed)).to(device)
-    saved = [p.grad for _, p in params]
-    was_training = model.training
-
-    def run(checkpointing: bool) -> dict[str, Any]:
-        for m in flagged:
-            m.gradient_checkpointing = checkpointing
-        for _, p in params:
-            p.grad = None
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            model(input_ids=ids, labels=ids).loss.backward()
-        return {n: (p.grad.detach().float().clone() if p.grad is not None else None) for n, p in params}
-
-    try:
-        model.train()
-        with_gc = run(True)
-        without = run(False)
-    finally:
-        for m in flagged:
-            m.gradient_checkpointing = True
-        for (_, p), g in zip(params, saved, strict=True):
-            p.grad = g
-        model.train(was_training)
-
-    scale = 0.0
-    for name, ref in without.items():
-        got = with_gc[name]
-        if ref is None:
-            continue
-        scale = max(scale, float(ref.abs().max()))
-        if got is None:
-            result.missing_with_checkpointing.append(name)
-            continue
-        diff = float((got - ref).abs().max())
-        result.max_abs = max(result.max_abs, diff)
-        denom = float(ref.abs().max())
-        if denom > 0:
-            result.max_rel = max(result.max_rel, diff / denom)
-        result.compared += 1
-    return result, scale
