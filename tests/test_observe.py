@@ -11,7 +11,7 @@ from trainers import TF5, common_args
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from zoo_run import build, run
 
-from trl_gc_plugin import GCConfigError, SafeGCCallback
+from trl_gc_plugin import GCConfigError, SafeGCCallback, _hooks
 from trl_gc_plugin.observe import Observation, _Observer
 from trl_gc_plugin.probe import checkpoint_functions
 
@@ -28,7 +28,7 @@ class Snapshot(TrainerCallback):
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         funcs = [f for _, f in checkpoint_functions(model)]
-        self.at_step.append((hooks(model), sum(isinstance(f, _Observer) for f in funcs)))
+        self.at_step.append((hooks(model), sum(isinstance(f, _Observer) for f in funcs), _hooks.waiting()))
 
 
 @pytest.mark.parametrize("arch", ["llama", "llava", "t5"])
@@ -39,10 +39,12 @@ def test_nothing_of_the_observation_stays_after_the_first_step(arch):
     model = build(__import__("zoo").BY_NAME[arch], "full")
     outcome = run(arch, "full", model=model, extra_callbacks=[callback, snapshot], steps=3)
     assert outcome.error is None, outcome.error
-    # step 1 starts with every checkpointing stack hooked (a pre- and a post-hook each); from step 2 on the model
-    # carries exactly what it carries without the plugin, and no observer is left in a checkpoint function
-    assert snapshot.at_step[0][0] > bare.at_step[0][0]
-    assert snapshot.at_step[1:] == bare.at_step[1:] and all(n == 0 for _, n in snapshot.at_step)
+    # step 1 starts with every checkpointing stack watched (a pre- and a post-hook each, process-wide, so the model
+    # itself carries exactly what it carries without the plugin at every step); from step 2 on nothing waits, and no
+    # observer is left in a checkpoint function
+    assert snapshot.at_step[0][2] > 0 == bare.at_step[0][2]
+    assert [h for h, _, _ in snapshot.at_step] == [h for h, _, _ in bare.at_step]
+    assert all(w == 0 for _, _, w in snapshot.at_step[1:]) and all(n == 0 for _, n, _ in snapshot.at_step)
     assert all(isinstance(f, functools.partial) for _, f in checkpoint_functions(model))
     assert callback._observation is None and callback.observed
 

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from transformers import TrainerCallback
 
-from . import parity, probe, report, verify
+from . import _hooks, parity, probe, report, verify
 from ._flags import parse_flag
 from ._weak import WeakIdMap
 from .apply import CacheSwitch, apply, set_args_use_reentrant, set_model_use_reentrant
@@ -633,7 +633,7 @@ class SafeGCCallback(TrainerCallback):
                 return
             tensor.register_hook(lambda grad: state.update(pending=False))
 
-        self._forward_watch = [base.register_forward_pre_hook(before), base.register_forward_hook(after)]
+        self._forward_watch = [_hooks.on_forward_pre(base, before), _hooks.on_forward(base, after)]
 
     def _second_forward(self, args: Any) -> None:
         rule = get_rule("two-forwards-before-backward")

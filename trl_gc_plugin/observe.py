@@ -4,8 +4,9 @@ Static facts can say for certain that a block's inputs will not require grad onl
 before the blocks). Everything else - learned position embeddings, embedding norms, token types, a trainable vision
 tower, a user hook - is settled by looking: on the first training forward (module in train mode, grad enabled) of
 each checkpointing *stack* (the module whose forward runs the checkpointed blocks: a decoder, an encoder, a vision
-tower), a forward pre-hook on the stack wraps the checkpoint function of the modules under it for that one forward,
-and a forward post-hook puts the originals back and removes both hooks. Each wrapped call records which module it
+tower), a forward pre-hook for the stack wraps the checkpoint function of the modules under it for that one forward,
+and a forward post-hook puts the originals back and removes both hooks. The hooks are process-wide ones that act on
+the stack alone (`_hooks.py`), so nothing is attached to the model: a copy of it made meanwhile carries nothing. Each wrapped call records which module it
 checkpoints, the `use_reentrant` it really runs with, whether any positional tensor input requires grad (only
 positional inputs count: transformers passes keyword arguments inside a `functools.partial`, which reentrant
 checkpointing does not see) and whether the module holds trainable parameters.
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from . import probe
+from . import _hooks, probe
 from .errors import GCConfigError
 
 logger = logging.getLogger("trl_gc_plugin")
@@ -175,8 +176,9 @@ class Observation:
         for key, (stack, owners) in stacks.items():
             if key in self._handles or self._names.get(key) in self.observed_stacks:
                 continue
-            pre = stack.register_forward_pre_hook(functools.partial(self._enter, key, owners))
-            post = stack.register_forward_hook(functools.partial(self._leave, key), always_call=True)
+            # outside the stack: a copy of the model made meanwhile carries nothing of the plugin (_hooks.py)
+            pre = _hooks.on_forward_pre(stack, functools.partial(self._enter, key, owners))
+            post = _hooks.on_forward(stack, functools.partial(self._leave, key))
             self._handles[key] = [pre, post]
         return len(self._handles)
 
