@@ -39,7 +39,7 @@ PROJECTIONS = 8
 COLUMNS = 512
 BLOCK = 1 << 22
 """Elements of a gradient converted to float32 at a time (16 MiB)."""
-MAX_TOKENS = 64
+MAX_TOKENS = 16
 MAX_BATCH_TOKENS = 8192
 """The whole first batch is tried (after one sample of it failed) only up to this many tokens."""
 PARITY_RTOL = 1e-4

@@ -856,7 +856,7 @@ RULES += (
         when=_at_runtime,
         condition=(
             "at the first optimizer step, before any update: one forward/backward with checkpointing and one without "
-            "on one sample of the first training batch (text cut to 64 tokens; else the whole first batch up to 8192 "
+            "on one sample of the first training batch (text cut to 16 tokens; else the whole first batch up to 8192 "
             "tokens, else a synthetic 16-token sequence); each gradient reduced to 8 random projections (float64) "
             "and freed as autograd produces it; per parameter |diff| <= rtol * |g| (rtol 1e-4, 1e-2 with 16-bit "
             "parameters). On by default for reentrant runs of any model in one process without sharding "
