@@ -165,10 +165,17 @@ def _read(path: Path) -> str:
 _ENABLE_DEF = re.compile(r"def (?:gradient|activation)_checkpointing_enable\((.*?)\)\s*(?:->[^:]*)?:", re.S)
 
 
+def _imported(name: str, tf_dir: Path) -> Any:
+    """The module `name` of transformers when it is imported from `tf_dir`, else None."""
+    module = sys.modules.get(name)
+    origin = getattr(module, "__file__", None)
+    return module if origin and Path(origin).resolve().parent == tf_dir.resolve() else None
+
+
 def _enable_parameters(tf_dir: Path) -> set[str]:
     """Parameter names of `gradient_checkpointing_enable` / `activation_checkpointing_enable` (the signature when
-    transformers is imported, else the source text)."""
-    module = sys.modules.get("transformers.modeling_utils")
+    transformers is imported from `tf_dir`, else the source text)."""
+    module = _imported("transformers.modeling_utils", tf_dir)
     model_cls = getattr(module, "PreTrainedModel", None) if module is not None else None
     if model_cls is not None:
         names: set[str] = set()
@@ -184,7 +191,7 @@ def _enable_parameters(tf_dir: Path) -> set[str]:
 
 
 def _has_activation_fields(tf_dir: Path) -> bool:
-    module = sys.modules.get("transformers.training_args")
+    module = _imported("transformers.training_args", tf_dir)
     args_cls = getattr(module, "TrainingArguments", None) if module is not None else None
     if args_cls is not None:
         return "activation_checkpointing_kwargs" in getattr(args_cls, "__dataclass_fields__", {})
