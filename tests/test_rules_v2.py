@@ -193,7 +193,7 @@ def test_shared_layer_state_under_reentrant_checkpointing(tmp_path):
     with pytest.raises(GCConfigError, match="shared-layer-state-needs-non-reentrant"):
         trainer_on(model, tmp_path / "strict", {"use_reentrant": True}, [SafeGCCallback()])
     fixed = trainer_on(model, tmp_path / "fix", {"use_reentrant": True}, [SafeGCCallback(mode="fix")])
-    decided = fixed.args.activation_checkpointing_kwargs
+    decided = getattr(fixed.args, "activation_checkpointing_kwargs", fixed.args.gradient_checkpointing_kwargs)
     assert decided == {"use_reentrant": False}
     assert worst_relative_difference(grads(model, decided, batch), ref) == 0
 
@@ -216,13 +216,14 @@ def test_preserve_rng_state_false_with_dropout(reentrant, tmp_path):
     ref = grads(model, None, batch)
     asked = {"use_reentrant": reentrant, "preserve_rng_state": False}
     assert worst_relative_difference(grads(model, asked, batch), ref) > 0.1  # silently wrong without the plugin
-    assert worst_relative_difference(grads(model, {**asked, "preserve_rng_state": True}, batch), ref) == 0
+    # equal up to float rounding (transformers 5.17, run: 9.5e-8 relative), against > 0.1 without the RNG state
+    assert worst_relative_difference(grads(model, {**asked, "preserve_rng_state": True}, batch), ref) < 1e-6
     with pytest.raises(GCConfigError, match="preserve-rng-state-with-dropout"):
         trainer_on(model, tmp_path / "strict", asked, [SafeGCCallback()])
     fixed = trainer_on(model, tmp_path / "fix", asked, [SafeGCCallback(mode="fix")])
     decided = fixed.args.gradient_checkpointing_kwargs
     assert decided["preserve_rng_state"] is True
-    assert worst_relative_difference(grads(model, decided, batch), ref) == 0
+    assert worst_relative_difference(grads(model, decided, batch), ref) < 1e-6
     # without dropout the same value is harmless and kept
     quiet = make_model()
     callback = SafeGCCallback()
