@@ -12,12 +12,20 @@ BNB ?= 0.50.2
 # extra packages for an environment (CI's transformers 5 one gets DeepSpeed for the ZeRO-3 tests; the default .venv
 # of `make demo` / `make test` does not: its tests that need DeepSpeed are skipped there)
 EXTRA ?=
-# pytest workers (pytest-xdist), each test file on one worker: the multi-process tests of a file share a port
+# pytest workers (pytest-xdist), each test file on one worker
 WORKERS ?= 2
+# The slice of the suite run in the floor, middle and latest environments of `make matrix` (`make test-slice`):
+# the engine and capability tables, the rules reproduced with real trainers (Trainer, SFT, DPO, GRPO), the post-init
+# patch and the CLI/config checker. It touches every module and the trainers' real code paths; the trainer x variant
+# matrix, distributed, DeepSpeed, FSDP, zoo and startup tests stay in the full environments.
+SLICE ?= tests/test_capabilities.py tests/test_engine.py tests/test_rules_v2.py tests/test_patching.py \
+	tests/test_check_cli.py tests/test_cli.py tests/test_no_trace.py
+# An empty TF / TRL / PEFT / BNB installs the latest release the registry offers (the `latest` CI environment).
+pin = $(if $(2),"$(1)==$(2)","$(1)")
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-tf$(TF)-trl$(TRL)$(if $(EXTRA),-$(subst =,,$(EXTRA)))
+STAMP := $(VENV)/.installed-tf$(TF)-trl$(TRL)-peft$(PEFT)$(if $(EXTRA),-$(subst =,,$(EXTRA)))
 
-.PHONY: venv demo test lint matrix clean bench-startup bench-pth bench-overhead bench-modes bench-zero3 readme
+.PHONY: venv demo test test-slice lint matrix clean bench-startup bench-pth bench-overhead bench-modes bench-zero3 readme
 
 venv: $(STAMP)
 
@@ -26,7 +34,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==$(TORCH)"
-	$(PY) -m pip install -q "torch==$(TORCH)" "transformers==$(TF)" "trl==$(TRL)" "peft==$(PEFT)" "bitsandbytes==$(BNB)" $(EXTRA) -e ".[test]"
+	$(PY) -m pip install -q "torch==$(TORCH)" $(call pin,transformers,$(TF)) $(call pin,trl,$(TRL)) \
+		$(call pin,peft,$(PEFT)) $(call pin,bitsandbytes,$(BNB)) $(EXTRA) -e ".[test]"
+	$(PY) -m pip list 2>/dev/null | grep -iE '^(torch|transformers|trl|peft|accelerate|deepspeed|bitsandbytes) '
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -35,6 +45,9 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+test-slice: venv
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile $(SLICE) $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check trl_gc_plugin tests examples benchmarks
@@ -59,12 +72,18 @@ bench-modes: venv
 	$(PY) -m pip install -q "matplotlib>=3.7"
 	$(PY) benchmarks/modes.py
 
-# The CI matrix: latest transformers 5 + TRL (+ DeepSpeed); transformers 4.57 + latest TRL; transformers 4.57 +
-# TRL 0.26 (the TRL that enables checkpointing inside the trainer's __init__).
+# The CI matrix (README "Compatibility"): the full suite on transformers 5.23 + TRL 1.16 (+ DeepSpeed) and on
+# transformers 4.57 + TRL 1.16; the zoo slice on TRL 0.26 (the TRL that enables checkpointing inside the trainer's
+# __init__); SLICE at the floor of pyproject.toml (transformers 4.53.2 + TRL 0.20.0, the lowest TRL 0.20 resolves
+# with, PEFT 0.13.2, accelerate 1.4.0), at a middle 5.x (5.17: every_n_layers and offload read by transformers, no
+# activation_* fields yet), and at the latest releases, unpinned, so a new release shows up as a CI result.
 matrix:
 	$(MAKE) test VENV=.venv-tf5 TF=5.23.0 TRL=1.16.0 EXTRA=deepspeed==0.19.8
 	$(MAKE) test VENV=.venv-tf4 TF=4.57.6 TRL=1.16.0
 	ZOO=slice $(MAKE) test VENV=.venv-tf4-trl026 TF=4.57.6 TRL=0.26.2
+	$(MAKE) test-slice VENV=.venv-floor TF=4.53.2 TRL=0.20.0 PEFT=0.13.2 EXTRA=accelerate==1.4.0
+	$(MAKE) test-slice VENV=.venv-tf517 TF=5.17.0 TRL=1.16.0
+	$(MAKE) test-slice VENV=.venv-latest TF= TRL= PEFT= BNB=
 
 clean:
 	rm -rf .venv .venv-* dist build *.egg-info

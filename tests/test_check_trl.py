@@ -9,6 +9,7 @@ import os
 import time
 
 import pytest
+from torchrun import free_port
 
 from trl_gc_plugin.check import Launch, check_files
 from trl_gc_plugin.launchers.accelerate import trl_bundled
@@ -78,7 +79,7 @@ def both_parsers(tmp_path_factory):
     )
     model = by_name(check_files(paths, Launch(parser="model")))
     saved = dict(os.environ)
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     try:
         start = time.perf_counter()
         launcher = by_name(check_files(paths, Launch(parser="launcher", timeout=300)))

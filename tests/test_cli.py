@@ -20,7 +20,7 @@ def test_rules_lists_every_rule_with_its_evidence_and_versions():
     out = run("rules")
     for rule in RULES:
         assert rule.id in out and rule.evidence[0] in out
-    assert "versions: transformers >=5.23" in out
+    assert "applies where: activation_fields (read on transformers >=5.23)" in out
 
 
 def test_rules_json_is_the_table():

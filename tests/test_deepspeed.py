@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
+from torchrun import free_port
 from trainers import HAS_ACTIVATION_FIELDS, common_args
 
 from trl_gc_plugin import probe
@@ -61,7 +62,7 @@ def sft_zero3_results(tmp_path_factory):
     script = Path(__file__).with_name("ds_scenarios.py")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                           "29551", str(script), str(out), "none", "strict"],
+                           str(free_port()), str(script), str(out), "none", "strict"],
                           capture_output=True, text=True, timeout=900, env=env)
     results = {json.loads(line)["plugin"]: json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()}
     assert proc.returncode == 0 and set(results) == {"none", "strict"}, proc.stderr[-4000:]

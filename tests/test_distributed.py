@@ -26,7 +26,7 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_scenarios("ddp_scenarios.py", tmp_path_factory.mktemp("ddp"), list(SCENARIOS), port=29541)
+    return run_scenarios("ddp_scenarios.py", tmp_path_factory.mktemp("ddp"), list(SCENARIOS))
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

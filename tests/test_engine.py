@@ -309,8 +309,8 @@ def test_non_reentrant_only_options_against_old_deepspeed_zero3_are_one_conflict
         assert "zero3-frozen-needs-reentrant" in err.reason and "non-reentrant-only-kwargs" in err.reason
 
 
-@pytest.mark.parametrize(("versions", "rule"), [(TF4, "layer-kwargs-need-transformers-5.23"), (TF5, None)])
-def test_layer_kwargs_before_5_23_are_taken_out(versions, rule):
+@pytest.mark.parametrize(("versions", "rule"), [(TF4, "layer-kwargs-unsupported"), (TF5, None)])
+def test_layer_kwargs_before_5_16_are_taken_out(versions, rule):
     ds = decide(facts(versions=versions, kwargs_keys=("every_n_layers",), every_n_layers=2))
     found = [d for d in ds if d.setting == "checkpointing_kwargs"]
     assert [d.rule_id for d in found] == ([rule] if rule else [])

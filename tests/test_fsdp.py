@@ -67,7 +67,7 @@ FULL = [s for s in SCENARIOS if s.split("-")[1] == "full" and SCENARIOS[s] is No
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    return out, run_scenarios("fsdp_scenarios.py", out, [*SCENARIOS, *PLANNED], port=29571)
+    return out, run_scenarios("fsdp_scenarios.py", out, [*SCENARIOS, *PLANNED])
 
 
 def _check(ranks: dict, expected: str | None) -> None:

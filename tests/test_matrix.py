@@ -22,6 +22,17 @@ from trl_gc_plugin import GCConfigError, SafeGCCallback
 from trl_gc_plugin.probe import model_use_reentrant
 
 
+def _grpo_hooks_inputs() -> bool:
+    """TRL 0.20's GRPOTrainer enables checkpointing in `__init__` and calls `enable_input_require_grads()` for every
+    model when the kwargs are reentrant (read in its `_enable_gradient_checkpointing`); later TRLs do not."""
+    import inspect
+
+    from trl import GRPOTrainer
+
+    method = getattr(GRPOTrainer, "_enable_gradient_checkpointing", None)
+    return method is not None and "enable_input_require_grads" in inspect.getsource(method)
+
+
 def _run(kind, variant, use_reentrant, checkpoint, out, callbacks):
     model, peft_config = build_model(variant, kind, checkpoint)
     trainer = make_trainer(kind, model, out, gc_kwargs=gc_kwargs_for(use_reentrant), callbacks=callbacks,
@@ -39,7 +50,7 @@ def test_every_block_parameter_trains(kind, variant, use_reentrant, tiny_checkpo
     # Known from the upstream sources: transformers 4.x adds no input-grad hook (5.x does, in train()); TRL adds one
     # for PEFT models; TRL <= 0.26's DPOTrainer adds one for every model; PEFT's prepare_model_for_kbit_training
     # adds none when it does not enable checkpointing itself.
-    trl_hooks_full_model = kind == "dpo" and Version("0.27") > TRL_VERSION
+    trl_hooks_full_model = (kind == "dpo" and Version("0.27") > TRL_VERSION) or (kind == "grpo" and _grpo_hooks_inputs())
     expect_refusal = (not TF5 and use_reentrant is True
                       and ((variant == "frozen_emb" and not trl_hooks_full_model)
                            or (variant in ("lora", "qlora") and kind == "trainer")))

@@ -84,9 +84,11 @@ def test_user_values_and_other_keys_are_kept(tmp_path):
     from trl import SFTConfig
 
     with trl_gc_plugin.installed():
-        args = SFTConfig(**common_args(str(tmp_path), gradient_checkpointing_kwargs={"use_reentrant": True,
-                                                                                       "preserve_rng_state": False}))
-        unset = SFTConfig(**common_args(str(tmp_path), gradient_checkpointing_kwargs={"preserve_rng_state": False}))
+        # gradient_checkpointing explicit: TRL 0.20's SFTConfig defaults it to False (later TRLs to True)
+        args = SFTConfig(**common_args(str(tmp_path), gradient_checkpointing=True,
+                                       gradient_checkpointing_kwargs={"use_reentrant": True, "preserve_rng_state": False}))
+        unset = SFTConfig(**common_args(str(tmp_path), gradient_checkpointing=True,
+                                        gradient_checkpointing_kwargs={"preserve_rng_state": False}))
     assert args.gradient_checkpointing_kwargs == {"use_reentrant": True, "preserve_rng_state": False}
     assert get_record(args).user_given and get_record(args).user_value is True
     assert unset.gradient_checkpointing_kwargs == {"use_reentrant": False, "preserve_rng_state": False}

@@ -11,11 +11,12 @@ from trainers import TF5, common_args, make_trainer
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from zoo_run import run
 
-from trl_gc_plugin import GCConfigError, SafeGCCallback
+from trl_gc_plugin import GCConfigError, SafeGCCallback, capabilities
 from trl_gc_plugin.probe import block_pattern, reads_layer_kwargs
 from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
 
-TF523 = reads_layer_kwargs({"transformers": __import__("transformers").__version__})
+READS = reads_layer_kwargs(capabilities.installed())
+"""The layer kwargs the installed transformers reads itself: every_n_layers from 5.16, offload from 5.17."""
 
 
 class PatternSeen:
@@ -53,10 +54,10 @@ def _grpo(kwargs, callbacks, tmp_path, max_steps=2):
     return seen.seen, None, trainer
 
 
-# --- 1. every_n_layers lost across TRL's per-step re-enables (transformers >= 5.23) -----------------------------
+# --- 1. every_n_layers lost across TRL's per-step re-enables (transformers >= 5.16) -----------------------------
 
 
-@pytest.mark.skipif(not TF523, reason="every_n_layers is a transformers >= 5.23 setting")
+@pytest.mark.skipif("every_n_layers" not in READS, reason="every_n_layers is a transformers >= 5.16 setting")
 def test_every_n_layers_is_lost_by_grpos_re_enables_without_the_plugin(tmp_path):
     seen, error, _ = _grpo({"use_reentrant": False, "every_n_layers": 2}, None, tmp_path / "a")
     assert error is None and seen and all(p == (True,) * 4 for p in seen)  # asked [1,0,1,0], ran [1,1,1,1]
@@ -64,7 +65,7 @@ def test_every_n_layers_is_lost_by_grpos_re_enables_without_the_plugin(tmp_path)
     assert error is not None and "Unexpected keyword arguments: every_n_layers" in error
 
 
-@pytest.mark.skipif(not TF523, reason="every_n_layers is a transformers >= 5.23 setting")
+@pytest.mark.skipif("every_n_layers" not in READS, reason="every_n_layers is a transformers >= 5.16 setting")
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_the_plugin_keeps_the_pattern_across_re_enables(reentrant, tmp_path):
     callback = SafeGCCallback()
@@ -75,11 +76,11 @@ def test_the_plugin_keeps_the_pattern_across_re_enables(reentrant, tmp_path):
     assert not [d for d in callback.decisions if d.rule_id == "checkpointing-drift"]
 
 
-# --- 2. every_n_layers / offload before transformers 5.23 ------------------------------------------------------
+# --- 2. every_n_layers / offload before transformers 5.16 ------------------------------------------------------
 
 
-@pytest.mark.skipif(TF523, reason="transformers >= 5.23 reads every_n_layers itself")
-def test_every_n_layers_before_5_23_without_and_with_the_plugin(tmp_path):
+@pytest.mark.skipif(bool(READS), reason="transformers >= 5.16 reads every_n_layers itself")
+def test_every_n_layers_before_5_16_without_and_with_the_plugin(tmp_path):
     def trainer(kwargs, callbacks, out):
         model = four_layers()
         seen = PatternSeen(model)
@@ -94,7 +95,7 @@ def test_every_n_layers_before_5_23_without_and_with_the_plugin(tmp_path):
 
     callback = SafeGCCallback()
     seen, plugged = trainer({"use_reentrant": True, "every_n_layers": 2, "offload": True}, [callback], "plugin")
-    (repair,) = [d for d in callback.decisions if d.rule_id == "layer-kwargs-need-transformers-5.23"]
+    (repair,) = [d for d in callback.decisions if d.rule_id == "layer-kwargs-unsupported"]
     assert repair.action == "repair" and repair.level == "warning" and repair.before == ("every_n_layers", "offload")
     assert "every_n_layers" not in plugged.args.gradient_checkpointing_kwargs  # torch never gets them
     plugged.train()
@@ -104,7 +105,9 @@ def test_every_n_layers_before_5_23_without_and_with_the_plugin(tmp_path):
 # --- 3. offload without an accelerator ------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not TF523 or torch.cuda.is_available(), reason="transformers >= 5.23 on a CPU-only machine")
+@pytest.mark.skipif(
+    "offload" not in READS or torch.cuda.is_available(), reason="transformers >= 5.17 on a CPU-only machine"
+)
 def test_offload_without_an_accelerator(tmp_path):
     kwargs = {"use_reentrant": False, "offload": True}
     bare = make_trainer("trainer", make_model(), str(tmp_path / "bare"), gc_kwargs=kwargs)
@@ -115,7 +118,7 @@ def test_offload_without_an_accelerator(tmp_path):
                      callbacks=[SafeGCCallback()])
     fixed = make_trainer("trainer", make_model(), str(tmp_path / "fix"), gc_kwargs=kwargs,
                          callbacks=[SafeGCCallback(mode="fix")])
-    assert "offload" not in fixed.args.activation_checkpointing_kwargs
+    assert "offload" not in getattr(fixed.args, "activation_checkpointing_kwargs", fixed.args.gradient_checkpointing_kwargs)
     fixed.train()
 
 
@@ -190,7 +193,7 @@ def test_shared_layer_state_under_reentrant_checkpointing(tmp_path):
     with pytest.raises(GCConfigError, match="shared-layer-state-needs-non-reentrant"):
         trainer_on(model, tmp_path / "strict", {"use_reentrant": True}, [SafeGCCallback()])
     fixed = trainer_on(model, tmp_path / "fix", {"use_reentrant": True}, [SafeGCCallback(mode="fix")])
-    decided = fixed.args.activation_checkpointing_kwargs
+    decided = getattr(fixed.args, "activation_checkpointing_kwargs", fixed.args.gradient_checkpointing_kwargs)
     assert decided == {"use_reentrant": False}
     assert worst_relative_difference(grads(model, decided, batch), ref) == 0
 
@@ -213,8 +216,8 @@ def test_preserve_rng_state_false_with_dropout(reentrant, tmp_path):
     ref = grads(model, None, batch)
     asked = {"use_reentrant": reentrant, "preserve_rng_state": False}
     assert worst_relative_difference(grads(model, asked, batch), ref) > 0.1  # silently wrong without the plugin
-    # the same dropout masks: equal up to float rounding (8.9e-8 on some CPUs, where the recomputed tensors' addresses
-    # change which SIMD path a kernel takes; 0 on others)
+    # the same dropout masks: equal up to float rounding (8.9e-8 / 9.5e-8 relative on this machine's CPU, 0 on
+    # others), against > 0.1 without the RNG state
     assert worst_relative_difference(grads(model, {**asked, "preserve_rng_state": True}, batch), ref) < 1e-6
     with pytest.raises(GCConfigError, match="preserve-rng-state-with-dropout"):
         trainer_on(model, tmp_path / "strict", asked, [SafeGCCallback()])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -15,10 +16,18 @@ from pathlib import Path
 from typing import Any
 
 
-def run_scenarios(script: str, out: Path, scenarios: list[str], port: int, env: dict[str, str] | None = None,
-                  timeout: int = 900) -> dict[str, dict[int, Any]]:
-    """{scenario: {rank: result}} for `scenarios` run by `tests/<script>` on 2 ranks; fails with the stderr tail when
-    the launch fails or a rank misses a scenario."""
+def free_port() -> int:
+    """A TCP port nothing listens on now (two CI jobs or pytest workers on one machine must not share one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_scenarios(script: str, out: Path, scenarios: list[str], port: int | None = None,
+                  env: dict[str, str] | None = None, timeout: int = 900) -> dict[str, dict[int, Any]]:
+    """{scenario: {rank: result}} for `scenarios` run by `tests/<script>` on 2 ranks (on a free port unless `port`);
+    fails with the stderr tail when the launch fails or a rank misses a scenario."""
+    port = port or free_port()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
          str(Path(__file__).with_name(script)), str(out), *scenarios],

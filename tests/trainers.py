@@ -60,6 +60,9 @@ def lora_config():
 
 
 def load_4bit(checkpoint: str):
+    import pytest
+
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes (the `test` extra) is not installed: no 4-bit model")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     qconfig = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)

@@ -596,17 +596,18 @@ class SafeGCCallback(TrainerCallback):
         )
 
     def _keep_what_was_enabled(self, facts: Facts, model: Any) -> None:
-        """Apply `every_n_layers` where transformers cannot (< 5.23), and keep the layer pattern, the offload wrapper
-        and the plugin's keywords across re-enables (TRL's DPO/GRPO/KTO/RLOO re-enable with the raw kwargs every
-        step)."""
+        """Apply `every_n_layers` where transformers cannot (before 5.16), and keep the layer pattern, the offload
+        wrapper and the plugin's keywords across re-enables (TRL's DPO/GRPO/KTO/RLOO re-enable with the raw kwargs
+        every step)."""
         if self._stands_back() or not probe.checkpointing_on(model):
             return
-        layer_kwargs = probe.reads_layer_kwargs(facts.versions)
-        if self._every_n:
+        layer_kwargs = probe.reads_layer_kwargs(facts.caps)
+        every_n = None if "every_n_layers" in layer_kwargs else self._every_n
+        if every_n:
             blocks = probe.checkpointed_blocks(probe.unwrap(model))
-            for block, on in zip(blocks, every_n_pattern(len(blocks), self._every_n), strict=True):
+            for block, on in zip(blocks, every_n_pattern(len(blocks), every_n), strict=True):
                 block.gradient_checkpointing = on
-        if self._every_n or (layer_kwargs and (facts.every_n_layers or facts.offload)):
+        if every_n or (layer_kwargs and (facts.every_n_layers or facts.offload)):
             self._guard = EnableGuard(model, layer_kwargs)
             self._guard.install()
 
@@ -717,7 +718,7 @@ class SafeGCCallback(TrainerCallback):
                 self._record(args, [self._plan_skipped(f"it could not be applied ({exc})")])
                 return
             if self._guard is None:
-                self._guard = EnableGuard(model, probe.reads_layer_kwargs(probe.installed_versions()))
+                self._guard = EnableGuard(model, probe.reads_layer_kwargs(probe.capabilities.installed()))
                 self._guard.install()
             self._guard.record()
         report.note(

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from . import capabilities
 from .decisions import Decision, first_sentence
 from .engine import decide
 from .facts import Facts
@@ -35,7 +36,7 @@ __all__ = ["ConfigError", "Launch", "Report", "check", "check_files", "load", "r
 PACKAGES = ("transformers", "trl", "peft", "torch", "deepspeed")
 ASSUMED_VERSIONS = {
     "deepspeed": ("0.9.3", "the oldest DeepSpeed transformers supports"),
-    "transformers": ("4.46.0", "the oldest transformers the plugin supports"),
+    "transformers": ("4.53.2", "the oldest transformers the plugin supports"),
 }
 """Versions assumed when a package is neither installed nor given: the oldest supported, so the rules for old
 releases apply (conservative), and the output says so."""
@@ -165,7 +166,7 @@ def _facts(reading: Reading, versions: dict[str, Fact]) -> Facts:
     all_versions: dict[str, str | None] = dict(installed_versions())
     all_versions.update({k: v.value for k, v in versions.items()})
     values = {name: fact.value for name, fact in reading.facts.items() if name in FACT_FIELDS and name != "versions"}
-    return Facts(stage="init_end", versions=all_versions, **values)
+    return Facts(stage="init_end", versions=all_versions, capabilities=capabilities.for_check(all_versions), **values)
 
 
 ENGINE_CHANGES = {

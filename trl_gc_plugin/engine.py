@@ -24,10 +24,11 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ._flags import parse_flag
+from .capabilities import Capabilities
 from .decisions import Action, Decision, Level
 from .facts import Facts
 from .modes import MODES, Mode
-from .rules import RULES, USE_REENTRANT, Rule, get_rule
+from .rules import RULES, USE_REENTRANT, Rule, get_rule, unread_layer_kwargs
 
 _EXPLICIT = {"user", "unknown"}
 _REFUSED: dict[str, Action] = {"strict": "error", "fix": "override", "warn": "warn"}
@@ -58,9 +59,17 @@ def version_applies(rule: Rule, versions: dict[str, str | None]) -> bool:
     return True
 
 
+def capabilities_apply(rule: Rule, caps: Capabilities) -> bool:
+    """Whether the stack can do what `rule.needs` says (an unknown capability, `None`, fails the gate)."""
+    return all(getattr(caps, name) is want for name, want in rule.needs.items())
+
+
 def applicable(facts: Facts, rules: Sequence[Rule] = RULES) -> list[Rule]:
-    """The rules whose stage, version gates and condition hold for `facts`, in table order."""
-    return [r for r in rules if facts.stage in r.stages and version_applies(r, facts.versions) and r.when(facts)]
+    """The rules whose stage, capability gates and condition hold for `facts`, in table order. Versions are the
+    evidence of a rule, not its gate (`version_applies` says whether a version is among those the evidence was read
+    on)."""
+    caps = facts.caps
+    return [r for r in rules if facts.stage in r.stages and capabilities_apply(r, caps) and r.when(facts)]
 
 
 def _decision(
@@ -359,9 +368,6 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
 _REPAIRED_ABOVE = frozenset({USE_REENTRANT, "activation_checkpointing_kwargs", "model.use_reentrant"})
 """Repairs `decide` folds into the choice of `use_reentrant` (field disagreement, a non-bool value, a stale model)."""
 
-LAYER_KWARGS = ("every_n_layers", "offload")
-"""Checkpointing kwargs transformers >= 5.23 reads itself (it takes them out before calling torch)."""
-
 
 def _current(facts: Facts, setting: str) -> tuple[Any, str]:
     """The value of a setting other than `use_reentrant`, and who set it."""
@@ -376,7 +382,7 @@ def _current(facts: Facts, setting: str) -> tuple[Any, str]:
     if setting == "fsdp_activation_checkpointing":
         return facts.fsdp_activation_checkpointing, "user"
     if setting == "checkpointing_kwargs":  # the kwargs torch must not get
-        return tuple(k for k in LAYER_KWARGS if k in facts.kwargs_keys), "user"
+        return unread_layer_kwargs(facts), "user"
     raise KeyError(f"no fact for setting {setting!r}")
 
 

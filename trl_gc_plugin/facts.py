@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+from .capabilities import Capabilities, for_versions
+
 Source = Literal["user", "trainer", "plugin", "unset", "unknown"]
 """Who set a value: the user, the trainer (TRL writes args in its `__init__`), this plugin, nobody (the library
 default applies), or `unknown` (set, but by whom cannot be told: treated as explicit, never silently overridden)."""
@@ -25,7 +27,10 @@ class Facts:
 
     Args:
         stage: `post_init` (arguments only), `init_end` (arguments and model), `train` (checkpointing is live).
-        versions: installed versions by distribution name (`transformers`, `trl`, `peft`, `torch`, `deepspeed`...).
+        versions: installed versions by distribution name (`transformers`, `trl`, `peft`, `torch`, `deepspeed`...):
+            evidence for the report; the rules gate on `caps`.
+        capabilities: what the checkpointing stack can do (`capabilities.py`), detected from the installed packages;
+            `None` (hand-made facts, the checker) maps `versions` to capabilities through the verified table.
         gc_enabled: checkpointing requested in the args or already running on the model.
         use_reentrant: the `use_reentrant` value in the args, as written (may be a str from YAML); `None` if unset.
         use_reentrant_source: who wrote `use_reentrant` (see `Source`).
@@ -61,8 +66,8 @@ class Facts:
             which transformers ignores the checkpointing kwargs (remote code written before 4.35).
         kwargs_keys: the keys of the checkpointing kwargs other than `use_reentrant` (`every_n_layers`, `offload`,
             `preserve_rng_state`, `context_fn`, `determinism_check`, `debug`, ...).
-        every_n_layers / offload: transformers >= 5.23's layer selection and activation offloading, as asked for in
-            the kwargs (None / False when not asked for).
+        every_n_layers / offload: transformers' layer selection (5.16+) and activation offloading (5.17+), as asked
+            for in the kwargs (None / False when not asked for).
         preserve_rng_state: the kwargs' `preserve_rng_state` (None: torch's default, True).
         selective: per-op (selective) checkpointing is asked for (a `context_fn` in the kwargs, or a launcher's
             selective mode); only the non-reentrant implementation has it.
@@ -129,6 +134,12 @@ class Facts:
     fsdp_version: int | None = None
     shared_block_params: bool | None = None
     zero_overlap_comm: bool | None = None
+    capabilities: Capabilities | None = None
+
+    @property
+    def caps(self) -> Capabilities:
+        """The capabilities the rules gate on: detected ones when given, else those of `versions` (the table)."""
+        return self.capabilities if self.capabilities is not None else for_versions(self.versions)
 
     @property
     def ddp(self) -> bool:

@@ -1,14 +1,15 @@
 """Keep what was enabled: the layer pattern, the offload wrapper and the plugin's extra keywords survive re-enables.
 
 TRL's DPO, GRPO, KTO and RLOO switch checkpointing off and back on every step with
-`model.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)`: the raw argument kwargs. On transformers
->= 5.23 that puts `every_n_layers` / `offload` into the kwargs torch's checkpoint gets (every layer checkpointed
-again, the offload wrapper replaced by plain `checkpoint`, and with reentrant `ValueError: Unexpected keyword
-arguments: every_n_layers` in the next forward); before 5.23 nothing understands them at all. `EnableGuard` stands in
+`model.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)`: the raw argument kwargs. That puts
+`every_n_layers` / `offload` into the kwargs torch's checkpoint gets (every layer checkpointed again, the offload
+wrapper replaced by plain `checkpoint`, and with reentrant `ValueError: Unexpected keyword arguments:
+every_n_layers` in the next forward; reproduced on 5.23); a transformers before 5.16 (`every_n_layers`) or 5.17
+(`offload`) does not understand them at all. `EnableGuard` stands in
 for the model's `gradient_checkpointing_enable` (an instance attribute on the unwrapped model, which PEFT wrappers
 reach through their `__getattr__`; transformers 5's `activation_checkpointing_enable` routes through it too) for the
-duration of training: it hands `every_n_layers` / `offload` to transformers as arguments where it reads them (>=
-5.23) or takes them out (< 5.23), calls the real method, and then puts back the recorded per-block flags and the
+duration of training: it hands `every_n_layers` / `offload` to transformers as arguments where it reads them (as
+detected, `capabilities.py`) or takes them out, calls the real method, and then puts back the recorded per-block flags and the
 checkpoint function's wrapper and extra keywords (a plan's `context_fn`), leaving `use_reentrant` to the call (the
 drift check watches that one). `remove()` deletes the instance attribute: the model is as it was.
 """
@@ -16,6 +17,7 @@ drift check watches that one). `remove()` deletes the instance attribute: the mo
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from typing import Any
 
 from . import probe
@@ -30,12 +32,13 @@ class EnableGuard:
 
     Args:
         model: the model the Trainer trains (a PEFT or DDP wrapper is unwrapped).
-        layer_kwargs: whether this transformers reads `every_n_layers` / `offload` itself (>= 5.23).
+        layer_kwargs: the layer kwargs this transformers reads itself (`every_n_layers` from 5.16, `offload` from
+            5.17; `capabilities.Capabilities.layer_kwargs()`); the others are taken out of the kwargs torch gets.
     """
 
-    def __init__(self, model: Any, layer_kwargs: bool) -> None:
+    def __init__(self, model: Any, layer_kwargs: Collection[str]) -> None:
         self.base = probe.unwrap(model)
-        self.layer_kwargs = layer_kwargs
+        self.layer_kwargs = frozenset(layer_kwargs)
         self.pattern: tuple[bool, ...] = ()
         self.funcs: dict[int, Any] = {}
         self.record()
@@ -59,7 +62,7 @@ class EnableGuard:
             torch_kwargs = dict(gradient_checkpointing_kwargs or {})
             for key in LAYER_KWARGS:
                 value = torch_kwargs.pop(key, None)
-                if self.layer_kwargs and value is not None:
+                if key in self.layer_kwargs and value is not None:
                     kwargs.setdefault(key, value)
             result = original(gradient_checkpointing_kwargs=torch_kwargs or None, **kwargs)
             self.reapply()
@@ -125,5 +128,5 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def every_n_pattern(blocks: int, n: int) -> tuple[bool, ...]:
-    """transformers >= 5.23's `every_n_layers`: block `i` checkpoints when `i % n == 0`."""
+    """transformers' `every_n_layers` (5.16+): block `i` checkpoints when `i % n == 0`."""
     return tuple(i % max(int(n), 1) == 0 for i in range(blocks))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from . import capabilities
 from ._flags import parse_flag
 from ._weak import WeakIdMap
 from .facts import Facts, Source
@@ -266,6 +267,7 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
     return Facts(
         stage=stage,  # type: ignore[arg-type]
         versions=dict(installed_versions()),
+        capabilities=capabilities.installed(),
         gc_enabled=gc_on,
         use_reentrant=use_reentrant,
         use_reentrant_source=_source(use_reentrant, kwargs, record),
@@ -340,10 +342,7 @@ def _source_without_record(facts: Facts, peft: bool) -> Source:
     ZeRO-3: `True`), so a value equal to what TRL would write there is the trainer's, anything else the user's."""
     if facts.trainer_kind == "trainer":
         return "user"
-    tf = facts.version("transformers")
-    from packaging.version import Version
-
-    if facts.use_reentrant is False and tf is not None and Version(tf) < Version("5.0.0"):
+    if facts.use_reentrant is False and facts.caps.none_kwargs_reentrant:
         return "trainer"
     if facts.use_reentrant is True and peft and facts.zero_stage == 3:
         return "trainer"
@@ -399,12 +398,10 @@ def block_pattern(model: Any) -> tuple[bool, ...]:
     return tuple(getattr(b, "gradient_checkpointing", False) is True for b in checkpointed_blocks(unwrap(model)))
 
 
-def reads_layer_kwargs(versions: dict[str, str | None]) -> bool:
-    """transformers >= 5.23 reads `every_n_layers` / `offload` itself (before, they would reach torch)."""
-    from packaging.version import Version
-
-    tf = versions.get("transformers")
-    return tf is not None and Version(tf) >= Version("5.23.0")
+def reads_layer_kwargs(caps: capabilities.Capabilities) -> frozenset[str]:
+    """The layer kwargs transformers reads itself (`every_n_layers` from 5.16, `offload` from 5.17; detected, see
+    `capabilities.py`); the others would reach torch."""
+    return caps.layer_kwargs()
 
 
 def checkpoint_functions(model: Any) -> list[tuple[Any, Any]]:
@@ -494,14 +491,9 @@ def quantization_of(model: Any) -> str | None:
 def _will_add_input_hook(base: Any, facts: Facts) -> bool:
     """transformers >= 5.0 calls `enable_input_require_grads()` itself when it enables checkpointing on a model
     whose `main_input_name` is `input_ids` (and 4.x only for adapters it loaded itself)."""
-    tf = facts.version("transformers")
     if getattr(base, "_hf_peft_config_loaded", False):
         return True
-    if tf is None:
-        return False
-    from packaging.version import Version
-
-    return Version(tf) >= Version("5.0.0") and getattr(base, "main_input_name", None) == "input_ids"
+    return bool(facts.caps.enable_adds_input_hook) and getattr(base, "main_input_name", None) == "input_ids"
 
 
 def _nothing_upstream(model: Any, base: Any, blocks: list[Any]) -> bool:

@@ -1,8 +1,10 @@
 """The rule table: every rule the plugin applies, as data.
 
 Each `Rule` says when it applies (`when`, a predicate on `Facts`, and `condition`, the same in words), what it does
-(`kind`, `setting`, `value`), why (`message`, `evidence`), the versions where it applies (`versions`, PEP 440
-specifiers by distribution, checked by the engine) and when it can be deleted (`remove_when`), in the way TRL's
+(`kind`, `setting`, `value`), why (`message`, `evidence`), what the installed stack must be able to do for it to
+apply (`needs`: capabilities detected by `capabilities.py`, checked by the engine), the releases where the evidence
+was read (`versions`, PEP 440 specifiers; not a gate: a version number is wrong off the tested stacks) and when it can
+be deleted (`remove_when`), in the way TRL's
 `trl/_compat.py` documents each of its patches. The engine (`engine.py`) is the only reader; the README's table and
 `python -m trl_gc_plugin rules` are generated from this tuple.
 
@@ -51,8 +53,10 @@ class Rule:
         condition: the predicate in words, for the rule table.
         message: why, in one or two sentences; what to change when it fails.
         evidence: links to the upstream issues, PRs and code, and the seed document it comes from.
-        versions: PEP 440 specifiers by distribution name; the rule applies only where all hold (an absent package
-            fails a gate that names it).
+        needs: capability name (`Capabilities` field) -> the value it must have for the rule to apply; an unknown
+            capability (`None`: the package is absent) fails the gate.
+        versions: PEP 440 specifiers by distribution name: the releases where the evidence was read (documentation;
+            the gate is `needs`).
         remove_when: when the rule becomes dead weight.
         stages: the stages where the rule is evaluated (`runtime` for `verify` rules).
         stand_back: when it applies, the plugin makes no other decision (another library owns checkpointing).
@@ -71,6 +75,7 @@ class Rule:
     message: str
     evidence: tuple[str, ...]
     versions: dict[str, str] = field(default_factory=dict)
+    needs: dict[str, bool] = field(default_factory=dict)
     remove_when: str = ""
     stages: tuple[str, ...] = ("post_init", "init_end", "train")
     stand_back: bool = False
@@ -88,11 +93,23 @@ class Rule:
             "message": self.message,
             "evidence": list(self.evidence),
             "versions": dict(self.versions),
+            "needs": dict(self.needs),
             "remove_when": self.remove_when,
             "stages": list(self.stages),
             "stand_back": self.stand_back,
             "level": self.level,
         }
+
+
+LAYER_KWARGS = ("every_n_layers", "offload")
+"""Checkpointing kwargs that transformers reads itself where it can (5.16: every_n_layers; 5.17: offload too)."""
+
+
+def unread_layer_kwargs(f: Facts) -> tuple[str, ...]:
+    """The layer kwargs asked for that the transformers of `f` cannot read (they would reach torch)."""
+    reads = f.caps.layer_kwargs()
+    unknown = f.caps.every_n_layers is None  # transformers absent or unreadable: nothing to say
+    return () if unknown else tuple(k for k in LAYER_KWARGS if k in f.kwargs_keys and k not in reads)
 
 
 def _frozen_inputs(f: Facts) -> bool:
@@ -141,6 +158,7 @@ RULES: tuple[Rule, ...] = (
             "https://github.com/huggingface/trl/issues/2514",
         ),
         versions={"transformers": ">=5.23"},
+        needs={"activation_fields": True},
         remove_when="transformers drops the deprecated `gradient_checkpointing*` aliases (v6), or TRL writes the new names",
         level="info",
     ),
@@ -227,6 +245,7 @@ RULES: tuple[Rule, ...] = (
             "https://github.com/axolotl-ai-cloud/axolotl (seed 001, rule 3: QLoRA + ZeRO-3 + use_reentrant False)",
         ),
         versions={"deepspeed": "<0.19.3"},
+        needs={"deepspeed_recompute_fix": False},
         remove_when="the minimum supported DeepSpeed is >= 0.19.3",
         stages=("init_end", "train"),
     ),
@@ -371,6 +390,7 @@ RULES: tuple[Rule, ...] = (
             "differ from no checkpointing (max relative difference 0.52); non-reentrant equal",
         ),
         versions={"transformers": ">=5.0"},
+        needs={"none_kwargs_reentrant": False},
         remove_when="transformers passes shared KV states as checkpoint inputs",
         stages=("init_end", "train"),
     ),
@@ -392,6 +412,7 @@ RULES: tuple[Rule, ...] = (
             "not reproduced: transformers 4.57.6, Gemma 3n text, 4 layers, num_kv_shared_layers=2 (equal gradients)",
         ),
         versions={"transformers": "<5.0"},
+        needs={"none_kwargs_reentrant": True},
         remove_when="transformers 4.x is no longer supported",
         stages=("init_end", "train"),
     ),
@@ -457,33 +478,42 @@ RULES: tuple[Rule, ...] = (
             "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/modeling_utils.py "
             "(_activation_checkpointing_enable: save_on_cpu(pin_memory=True))",
             "reproduced: transformers 5.23.0, CPU only, offload=True -> RuntimeError in the first forward",
+            "https://github.com/huggingface/transformers/blob/v5.17.0/src/transformers/modeling_utils.py "
+            "(gradient_checkpointing_enable(offload=True): the same save_on_cpu(pin_memory=True), first in 5.17.0)",
         ),
-        versions={"transformers": ">=5.23"},
+        versions={"transformers": ">=5.17"},
+        needs={"offload": True},
         remove_when="transformers skips offloading without an accelerator",
         stages=("init_end", "train"),
     ),
     Rule(
-        id="layer-kwargs-need-transformers-5.23",
-        title="every_n_layers / offload before transformers 5.23",
+        id="layer-kwargs-unsupported",
+        title="every_n_layers / offload the installed transformers does not read",
         kind="repair",
         setting="checkpointing_kwargs",
         value=None,
-        when=lambda f: bool(f.gc_enabled and {"every_n_layers", "offload"} & set(f.kwargs_keys)),
-        condition="`every_n_layers` or `offload` in the checkpointing kwargs on transformers < 5.23",
+        when=lambda f: bool(f.gc_enabled and unread_layer_kwargs(f)),
+        condition=(
+            "`every_n_layers` (read by transformers from 5.16) or `offload` (from 5.17) in the checkpointing kwargs, "
+            "and the installed transformers cannot read it (no such parameter of `gradient_checkpointing_enable`)"
+        ),
         message=(
-            "transformers < 5.23 passes them to torch.utils.checkpoint: non-reentrant silently ignores them (every "
-            "layer checkpointed, nothing offloaded), reentrant raises 'Unexpected keyword arguments' in the first "
-            "forward. The plugin takes them out of the kwargs torch gets, applies every_n_layers itself (per-layer "
-            "flags, kept across TRL's per-step re-enables); offloading needs transformers >= 5.23."
+            "A transformers that does not know them passes them to torch.utils.checkpoint: non-reentrant silently "
+            "ignores them (every layer checkpointed, nothing offloaded), reentrant raises 'Unexpected keyword "
+            "arguments' in the first forward. The plugin takes them out of the kwargs torch gets and applies "
+            "every_n_layers itself (per-layer flags, kept across TRL's per-step re-enables); offloading needs "
+            "transformers >= 5.17."
         ),
         evidence=(
             "reproduced: transformers 4.57.6, every_n_layers=2: non-reentrant checkpoints every layer, reentrant "
             "raises ValueError: Unexpected keyword arguments: every_n_layers",
-            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/trainer.py (pops every_n_layers "
+            "https://github.com/huggingface/transformers/blob/v5.16.0/src/transformers/trainer.py (pops every_n_layers "
+            "before enabling; offload stays in the kwargs)",
+            "https://github.com/huggingface/transformers/blob/v5.17.0/src/transformers/trainer.py (pops every_n_layers "
             "and offload before enabling)",
         ),
-        versions={"transformers": "<5.23"},
-        remove_when="the minimum supported transformers is >= 5.23",
+        versions={"transformers": "<5.17"},
+        remove_when="the minimum supported transformers is >= 5.17",
     ),
     Rule(
         id="deepspeed-activation-checkpointing-ignored",
@@ -843,6 +873,7 @@ RULES += (
             "reproduced: transformers 5.23.0 + TRL 1.16.0 GRPO, hooks 3, 5, 7, 9 over 4 steps",
         ),
         versions={"transformers": ">=5.0"},
+        needs={"enable_adds_input_hook": True},
         remove_when="transformers stops registering a new hook per enable",
         level="info",
         stages=("runtime",),

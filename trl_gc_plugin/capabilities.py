@@ -1,0 +1,269 @@
+"""What the installed transformers / TRL / DeepSpeed can do, detected, not inferred from version numbers.
+
+The rules gate on these capabilities; version numbers are only the evidence of where a capability was read. Off the
+pinned stacks a version gate is wrong (transformers honours `every_n_layers` from 5.16, not 5.23), and on a release
+newer than any tested it would refuse for no reason, so each capability is read off the installed package:
+
+- by signature when the package is already imported (`inspect.signature` of
+  `PreTrainedModel.gradient_checkpointing_enable` / `activation_checkpointing_enable`, `TrainingArguments`' fields);
+- otherwise by a text search of its source files, located with `importlib.util.find_spec` (nothing is imported:
+  importing transformers costs seconds and `import trl_gc_plugin` must stay free of it).
+
+The config checker (`trl-gc-check --transformers-version X`) has no installed package for X; `for_versions` maps a
+version to capabilities through `TRANSFORMERS_FIRST`, read from the released wheels. A release newer than every
+tested one gets the newest capabilities: an unknown version is never a reason to refuse.
+
+| capability | transformers | read in the wheels of |
+|---|---|---|
+| `checkpointing_layer` (`GradientCheckpointingLayer`, the per-layer flag `every_n_layers` needs) | 4.52.0 | 4.51.3 (absent), 4.52.0 |
+| `none_kwargs_reentrant` False (kwargs None -> non-reentrant) | 5.0.0 | 4.57.6 (`{"use_reentrant": True}`), 5.0.0 |
+| `enable_adds_input_hook` (enabling calls `enable_input_require_grads()` for `input_ids` models) | 5.0.0 | 4.57.6, 5.0.0 |
+| `every_n_layers` (model signature and Trainer pops it from the kwargs) | 5.16.0 | 5.15.0 (absent), 5.16.0 |
+| `empty_kwargs_to_none` (Trainer: `gc_kwargs or None`, so `{}` means the model default) | 5.16.0 | 5.15.0, 5.16.0 |
+| `offload` (model signature, `save_on_cpu(pin_memory=True)`; Trainer pops it) | 5.17.0 | 5.16.0 (absent), 5.17.0, 5.22.0 |
+| `activation_fields` (`TrainingArguments.activation_checkpointing*`) | 5.23.0 | 5.22.0 (absent), 5.23.0, 5.24.0 |
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+TRANSFORMERS_FIRST: dict[str, str] = {
+    "checkpointing_layer": "4.52.0",
+    "enable_adds_input_hook": "5.0.0",
+    "every_n_layers": "5.16.0",
+    "empty_kwargs_to_none": "5.16.0",
+    "offload": "5.17.0",
+    "activation_fields": "5.23.0",
+}
+"""The first transformers release with each capability, read from the released wheels (module docstring)."""
+
+NON_REENTRANT_DEFAULT_FROM = "5.0.0"
+"""`gradient_checkpointing_enable(None)` means `{"use_reentrant": True}` before 5.0, `False` from 5.0 (PR 43203)."""
+
+TESTED_TRANSFORMERS = ("4.53.2", "4.57.6", "5.15.0", "5.16.0", "5.17.0", "5.22.0", "5.23.0", "5.24.0")
+"""Releases whose sources the table was checked against (tests/test_capabilities.py)."""
+
+DEEPSPEED_RECOMPUTE_FIX = "0.19.3"
+"""DeepSpeed PR 8148 (`in_checkpoint_recompute` in `partitioned_param_coordinator.py`): absent in 0.19.2."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the checkpointing stack can do. `None`: not known (the package is absent, or nothing says); a rule that
+    gates on an unknown capability does not apply.
+
+    Args:
+        transformers: the version the transformers capabilities were read from (evidence, not a gate).
+        source: `installed` (detected), `table` (mapped from a version), `newest` (a version newer than every tested
+            one: the newest capabilities), or `unknown`.
+        checkpointing_layer: `transformers.modeling_layers.GradientCheckpointingLayer` exists (4.52+).
+        none_kwargs_reentrant: kwargs None mean reentrant (4.x) rather than non-reentrant (5.x).
+        enable_adds_input_hook: enabling checkpointing registers `enable_input_require_grads()` for models whose
+            `main_input_name` is `input_ids` (one more hook per call).
+        every_n_layers: `gradient_checkpointing_enable(every_n_layers=)` exists and the Trainer takes it out of the
+            kwargs before torch sees them.
+        empty_kwargs_to_none: the Trainer passes `kwargs or None`, so `{}` means the model's default (not torch's).
+        offload: `gradient_checkpointing_enable(offload=)` exists and the Trainer takes it out of the kwargs.
+        activation_fields: `TrainingArguments` has `activation_checkpointing(_kwargs)`; the Trainer reads only them.
+        trl_reenables_per_step: the installed TRL's trainers disable and re-enable checkpointing around reference /
+            generation passes (`disable_gradient_checkpointing`), re-using the raw kwargs.
+        deepspeed_recompute_fix: the installed DeepSpeed keeps frozen ZeRO-3 parameters gathered during a
+            non-reentrant recompute (`in_checkpoint_recompute`).
+    """
+
+    transformers: str | None = None
+    source: str = "unknown"
+    checkpointing_layer: bool | None = None
+    none_kwargs_reentrant: bool | None = None
+    enable_adds_input_hook: bool | None = None
+    every_n_layers: bool | None = None
+    empty_kwargs_to_none: bool | None = None
+    offload: bool | None = None
+    activation_fields: bool | None = None
+    trl_reenables_per_step: bool | None = None
+    deepspeed_recompute_fix: bool | None = None
+
+    def layer_kwargs(self) -> frozenset[str]:
+        """The checkpointing kwargs this transformers takes out and applies itself (`every_n_layers`, `offload`)."""
+        return frozenset(k for k in ("every_n_layers", "offload") if getattr(self, k) is True)
+
+    def replace(self, **changes: Any) -> Capabilities:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+CAPABILITY_NAMES = tuple(f.name for f in fields(Capabilities) if f.name not in ("transformers", "source"))
+
+
+# --- from a version (the config checker, hand-made facts) ----------------------------------------------------------
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    head = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
+    return tuple(int(p) for p in head.group(1).split(".")) if head else None
+
+
+def _at_least(version: tuple[int, ...], first: str) -> bool:
+    want = _release(first) or ()
+    width = max(len(version), len(want))
+    return version + (0,) * (width - len(version)) >= want + (0,) * (width - len(want))
+
+
+@functools.lru_cache(maxsize=64)
+def _transformers_for(version: str | None) -> Capabilities:
+    parsed = _release(version) if version else None
+    if parsed is None:
+        return Capabilities(transformers=version)
+    newest = _release(TESTED_TRANSFORMERS[-1]) or ()
+    values: dict[str, Any] = {name: _at_least(parsed, first) for name, first in TRANSFORMERS_FIRST.items()}
+    values["none_kwargs_reentrant"] = not _at_least(parsed, NON_REENTRANT_DEFAULT_FROM)
+    return Capabilities(transformers=version, source="newest" if parsed > newest else "table", **values)
+
+
+def for_versions(versions: Mapping[str, str | None]) -> Capabilities:
+    """Capabilities for a set of versions (a `--transformers-version X` of the checker, or a hand-made `Facts`),
+    from `TRANSFORMERS_FIRST`. TRL's per-step re-enable is left unknown; DeepSpeed's fix is `>= 0.19.3`."""
+    caps = _transformers_for(versions.get("transformers"))
+    ds = versions.get("deepspeed")
+    ds_release = _release(ds) if ds else None
+    if ds_release is not None:
+        caps = caps.replace(deepspeed_recompute_fix=_at_least(ds_release, DEEPSPEED_RECOMPUTE_FIX))
+    return caps
+
+
+# --- detected from the installed packages --------------------------------------------------------------------------
+
+
+def _package_dir(name: str) -> Path | None:
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+_ENABLE_DEF = re.compile(r"def (?:gradient|activation)_checkpointing_enable\((.*?)\)\s*(?:->[^:]*)?:", re.S)
+
+
+def _imported(name: str, tf_dir: Path) -> Any:
+    """The module `name` of transformers when it is imported from `tf_dir`, else None."""
+    module = sys.modules.get(name)
+    origin = getattr(module, "__file__", None)
+    return module if origin and Path(origin).resolve().parent == tf_dir.resolve() else None
+
+
+def _enable_parameters(tf_dir: Path) -> set[str]:
+    """Parameter names of `gradient_checkpointing_enable` / `activation_checkpointing_enable` (the signature when
+    transformers is imported from `tf_dir`, else the source text)."""
+    module = _imported("transformers.modeling_utils", tf_dir)
+    model_cls = getattr(module, "PreTrainedModel", None) if module is not None else None
+    if model_cls is not None:
+        names: set[str] = set()
+        for attr in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
+            method = getattr(model_cls, attr, None)
+            if method is not None:
+                names |= set(inspect.signature(method).parameters)
+        return names
+    names = set()
+    for params in _ENABLE_DEF.findall(_read(tf_dir / "modeling_utils.py")):
+        names |= {p.split(":")[0].split("=")[0].strip().lstrip("*") for p in params.split(",")}
+    return names
+
+
+def _has_activation_fields(tf_dir: Path) -> bool:
+    module = _imported("transformers.training_args", tf_dir)
+    args_cls = getattr(module, "TrainingArguments", None) if module is not None else None
+    if args_cls is not None:
+        return "activation_checkpointing_kwargs" in getattr(args_cls, "__dataclass_fields__", {})
+    return re.search(r"^\s+activation_checkpointing_kwargs\s*:", _read(tf_dir / "training_args.py"), re.M) is not None
+
+
+def _version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def detect_transformers(tf_dir: Path | None = None) -> Capabilities:
+    """The transformers capabilities read off the installed package (or the package directory `tf_dir`)."""
+    tf_dir = tf_dir or _package_dir("transformers")
+    if tf_dir is None or not (tf_dir / "modeling_utils.py").is_file():
+        return Capabilities()
+    params = _enable_parameters(tf_dir)
+    modeling = _read(tf_dir / "modeling_utils.py")
+    trainer = _read(tf_dir / "trainer.py")
+    default = re.search(r'_kwargs = \{"use_reentrant": (True|False)\}', modeling)
+    return Capabilities(
+        transformers=_version("transformers") if tf_dir == _package_dir("transformers") else None,
+        source="installed",
+        checkpointing_layer="class GradientCheckpointingLayer" in _read(tf_dir / "modeling_layers.py"),
+        none_kwargs_reentrant=None if default is None else default.group(1) == "True",
+        enable_adds_input_hook='main_input_name == "input_ids"' in modeling,
+        every_n_layers="every_n_layers" in params and 'pop("every_n_layers"' in trainer,
+        empty_kwargs_to_none="gc_kwargs or None" in trainer,
+        offload="offload" in params and 'pop("offload"' in trainer,
+        activation_fields=_has_activation_fields(tf_dir),
+    )
+
+
+def detect_trl(trl_dir: Path | None = None) -> bool | None:
+    """Whether the installed TRL's trainers re-enable checkpointing every step (`disable_gradient_checkpointing`)."""
+    trl_dir = trl_dir or _package_dir("trl")
+    if trl_dir is None or not (trl_dir / "trainer").is_dir():
+        return None
+    return any("disable_gradient_checkpointing(" in _read(p) for p in sorted((trl_dir / "trainer").glob("*.py")))
+
+
+def detect_deepspeed(ds_dir: Path | None = None) -> bool | None:
+    """Whether the installed DeepSpeed has the `in_checkpoint_recompute` guard (PR 8148, 0.19.3)."""
+    ds_dir = ds_dir or _package_dir("deepspeed")
+    if ds_dir is None:
+        return None
+    source = ds_dir / "runtime" / "zero" / "partitioned_param_coordinator.py"
+    return "in_checkpoint_recompute" in _read(source) if source.is_file() else None
+
+
+@functools.lru_cache(maxsize=1)
+def installed() -> Capabilities:
+    """The capabilities of the installed stack (cached: read once per process)."""
+    return detect_transformers().replace(
+        trl_reenables_per_step=detect_trl(), deepspeed_recompute_fix=detect_deepspeed()
+    )
+
+
+def for_check(versions: Mapping[str, str | None]) -> Capabilities:
+    """The capabilities for the checker: the installed ones where the version asked for is the installed one, else
+    the table's for that version."""
+    if versions.get("transformers") == _version("transformers"):
+        caps = installed()
+        ds = versions.get("deepspeed")
+        if ds is not None and ds != _version("deepspeed"):
+            caps = caps.replace(deepspeed_recompute_fix=for_versions({"deepspeed": ds}).deepspeed_recompute_fix)
+        return caps
+    table = for_versions(versions)
+    if versions.get("deepspeed") == _version("deepspeed"):
+        table = table.replace(deepspeed_recompute_fix=detect_deepspeed())
+    return table
