@@ -19,7 +19,7 @@ WORKERS ?= 2
 # patch and the CLI/config checker. It touches every module and the trainers' real code paths; the trainer x variant
 # matrix, distributed, DeepSpeed, FSDP, zoo and startup tests stay in the full environments.
 SLICE ?= tests/test_capabilities.py tests/test_engine.py tests/test_rules_v2.py tests/test_patching.py \
-	tests/test_check_cli.py tests/test_cli.py tests/test_no_trace.py
+	tests/test_check_cli.py tests/test_cli.py tests/test_no_trace.py tests/test_copies.py
 # An empty TF / TRL / PEFT / BNB installs the latest release the registry offers (the `latest` CI environment).
 pin = $(if $(2),"$(1)==$(2)","$(1)")
 PY := $(VENV)/bin/python
@@ -73,14 +73,15 @@ bench-modes: venv
 	$(PY) benchmarks/modes.py
 
 # The CI matrix (README "Compatibility"): the full suite on transformers 5.23 + TRL 1.16 (+ DeepSpeed) and on
-# transformers 4.57 + TRL 1.16; the zoo slice on TRL 0.26 (the TRL that enables checkpointing inside the trainer's
-# __init__); SLICE at the floor of pyproject.toml (transformers 4.53.2 + TRL 0.20.0, the lowest TRL 0.20 resolves
-# with, PEFT 0.13.2, accelerate 1.4.0), at a middle 5.x (5.17: every_n_layers and offload read by transformers, no
+# transformers 4.57 + TRL 1.16; SLICE plus the trainer matrix and the TRL checks on TRL 0.26 (the TRL that enables
+# checkpointing inside the trainer's __init__); SLICE at the floor of pyproject.toml (transformers 4.53.2 + TRL
+# 0.20.0, the lowest TRL 0.20 resolves with, PEFT 0.13.2, accelerate 1.4.0), at a middle 5.x (5.17: every_n_layers and offload read by transformers, no
 # activation_* fields yet), and at the latest releases, unpinned, so a new release shows up as a CI result.
 matrix:
 	$(MAKE) test VENV=.venv-tf5 TF=5.23.0 TRL=1.16.0 EXTRA=deepspeed==0.19.8
 	$(MAKE) test VENV=.venv-tf4 TF=4.57.6 TRL=1.16.0
-	ZOO=slice $(MAKE) test VENV=.venv-tf4-trl026 TF=4.57.6 TRL=0.26.2
+	$(MAKE) test-slice VENV=.venv-tf4-trl026 TF=4.57.6 TRL=0.26.2 \
+		SLICE="$(SLICE) tests/test_matrix.py tests/test_model_state.py tests/test_check_trl.py"
 	$(MAKE) test-slice VENV=.venv-floor TF=4.53.2 TRL=0.20.0 PEFT=0.13.2 EXTRA=accelerate==1.4.0
 	$(MAKE) test-slice VENV=.venv-tf517 TF=5.17.0 TRL=1.16.0
 	$(MAKE) test-slice VENV=.venv-latest TF= TRL= PEFT= BNB=
