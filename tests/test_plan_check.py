@@ -155,3 +155,39 @@ def test_a_replan_follows_the_measurement(tmp_path):
     blocks = {c["name"]: sum(c["pattern"]) for c in first.after["candidates"]}
     assert blocks[second.after["plan"]] > blocks[first.after["plan"]]
     assert sum(planner.pattern_of(trained)) == blocks[second.after["plan"]]  # applied to the live model
+
+
+def test_a_packed_sft_batch_is_planned_as_one_row_of_batch_times_max_length(tmp_path):
+    """SFT with BFD packing (padding-free): the batch is one row of every packed sequence; the plan is for one row of
+    per_device_train_batch_size x max_length tokens, the check for the row that ran."""
+    callback = SafeGCCallback(memory_budget="1TiB")
+    trained = model()
+    first = FirstForward(trained)
+    trainer = make_trainer("sft", trained, str(tmp_path), callbacks=[callback], max_steps=2,
+                           per_device_train_batch_size=4, packing=True)
+    trainer.train()
+    (decision,) = plans(callback)
+    assert (decision.after["estimate"]["batch_size"], decision.after["estimate"]["seq_len"]) == (1, 4 * 32)
+    rows, tokens = first.kwargs["input_ids"].shape
+    assert rows == 1 and tokens > 32  # several sequences in one row
+    comparison = callback.plan_check
+    assert comparison.batch_shape == (1, tokens) and not checks(callback)
+    trainer.model.train()
+    again = memory.measure(trainer.model, first.kwargs)
+    assert abs(comparison.predicted - again.total) <= 0.10 * again.total, (comparison, again.total)
+
+
+def test_no_hook_of_the_plan_or_its_check_survives_the_first_step(tmp_path):
+    from transformers import TrainerCallback
+
+    class AfterStepOne(TrainerCallback):
+        found = None
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 1:
+                AfterStepOne.found = plugin_hooks(model)
+
+    trained = model()
+    make_trainer("dpo", trained, str(tmp_path), callbacks=[SafeGCCallback(memory_budget="1TiB"), AfterStepOne()],
+                 max_steps=2).train()
+    assert AfterStepOne.found == []

@@ -110,7 +110,9 @@ class SafeGCCallback(TrainerCallback):
             Activation memory per device (`"40GiB"`, `"512MiB"`, bytes, or `"auto"`: the free CUDA memory at train
             begin less the optimizer state). With a budget, the plugin plans how much to checkpoint: the fastest
             candidate (no checkpointing, every n-th block, every block, selective per-op saving, offloading) whose
-            predicted peak fits, applied to the live model (rule `memory-plan`). `None`: the budget given to
+            predicted peak fits, applied to the live model (rule `memory-plan`), planned at the first training
+            forward for the rows it runs and the longest sequence the arguments allow, and checked against what that
+            forward saved (off by more than 15%: a warning; fix mode re-plans). `None`: the budget given to
             `install()`, else `TRL_GC_PLUGIN_BUDGET`, else no plan (checkpointing as asked).
 
     Environment:
@@ -121,6 +123,8 @@ class SafeGCCallback(TrainerCallback):
     Attributes:
         decisions (`list[Decision]`): the decisions for the last Trainer this callback saw, the ones taken when
             its arguments were built (with `install()`) first.
+        plan_check (`plan_check.Comparison`, *optional*): with a memory budget, the plan's predicted saved bytes
+            against those the first training forward saved (None until then, or when not compared).
 
     Example:
         ```python
@@ -752,15 +756,6 @@ class SafeGCCallback(TrainerCallback):
         compare them with the prediction for its own batch shape (a one-shot post-hook, gone after it ran)."""
         from . import memory
 
-        estimate, plan = planned
-        if (estimate.batch_size, estimate.seq_len) != shape:  # planned for a longer batch: predict this one
-            try:
-                real = memory.estimate(model, *shape, forward_kwargs=keywords)
-            except Exception as exc:  # the check is skipped, the plan stands
-                report.note(f"memory plan check skipped ({type(exc).__name__}: {exc})", "info")
-                return
-        else:
-            real = estimate
         metering = memory.meter(model)
         measured = metering.__enter__()
 
@@ -774,7 +769,7 @@ class SafeGCCallback(TrainerCallback):
             if output is None:  # the forward raised: nothing to compare
                 return
             try:
-                self._check_plan(args, model, estimate, plan, real, measured)
+                self._check_plan(args, model, planned, measured, shape, keywords)
             except GCConfigError:
                 raise
             except Exception as exc:  # a plugin bug never stops training
@@ -783,12 +778,26 @@ class SafeGCCallback(TrainerCallback):
         hook = base.register_forward_hook(after, always_call=True)
         self._plan_hook = _Once(finish)
 
-    def _check_plan(self, args: Any, model: Any, estimate: Any, plan: Any, real: Any, measured: Any) -> None:
+    def _check_plan(
+        self,
+        args: Any,
+        model: Any,
+        planned: tuple[Any, Any],
+        measured: Any,
+        shape: tuple[int, int],
+        keywords: dict[str, Any],
+    ) -> None:
         """Report a plan whose prediction misses the first step's measurement by more than 15%; fix mode re-plans
-        from the measurement. An accurate plan says nothing."""
-        from . import plan_check, planner
+        from the measurement. An accurate plan says nothing. The prediction for the forward's own shape is the
+        plan's estimate scaled to its tokens when the plan was made for a longer batch, and a miss is confirmed
+        with an estimate at that shape (paid only then)."""
+        from . import memory, plan_check, planner
 
-        comparison = plan_check.compare(real, measured, model)
+        estimate, plan = planned
+        same = (estimate.batch_size, estimate.seq_len) == shape
+        comparison = plan_check.compare(estimate if same else plan_check.scaled(estimate, *shape), measured, model)
+        if comparison is not None and comparison.off and not same:
+            comparison = plan_check.compare(memory.estimate(model, *shape, forward_kwargs=keywords), measured, model)
         self.plan_check = comparison
         if comparison is None or not comparison.off:
             return

@@ -108,6 +108,30 @@ def compare(est: ActivationEstimate, measured: SavedBytes, model: Any) -> Compar
     )
 
 
+def scaled(est: ActivationEstimate, batch_size: int, seq_len: int) -> ActivationEstimate:
+    """`est` taken to another batch shape in proportion to its tokens: exact for what grows with the tokens (every
+    activation with SDPA or flash attention), not for what grows with their square (eager attention's scores, a
+    padding mask). A first, free prediction for the check; a miss is confirmed with a real estimate."""
+    ratio = (batch_size * seq_len) / max(est.batch_size * est.seq_len, 1)
+
+    def scale(values: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(round(v * ratio) for v in values)
+
+    return dataclasses.replace(
+        est,
+        saved=scale(est.saved),
+        inputs=scale(est.inputs),
+        input_saved=scale(est.input_saved),
+        selective=scale(est.selective),
+        shared=round(est.shared * ratio),
+        kwargs_bytes=round(est.kwargs_bytes * ratio),
+        outside=round(est.outside * ratio),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        method=f"{est.method}, scaled from {est.batch_size} x {est.seq_len} tokens",
+    )
+
+
 def corrected(planned: ActivationEstimate, comparison: Comparison) -> ActivationEstimate:
     """`planned` (the estimate the plan was made from, possibly at a longer shape) scaled by what the first step
     measured: the blocks' bytes by the blocks' measured/predicted ratio, the outside bytes by theirs. What fix mode
