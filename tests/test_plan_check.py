@@ -191,3 +191,22 @@ def test_no_hook_of_the_plan_or_its_check_survives_the_first_step(tmp_path):
     make_trainer("dpo", trained, str(tmp_path), callbacks=[SafeGCCallback(memory_budget="1TiB"), AfterStepOne()],
                  max_steps=2).train()
     assert AfterStepOne.found == []
+
+
+def test_a_wrapper_that_closes_over_the_forward_is_followed_by_the_estimate(tmp_path):
+    """A forward wrapper holding the original bound forward in its closure (as TRL's fused LM head does) runs on the
+    estimate's fake copy too: a wrapper that doubles the batch is predicted, not reported."""
+    callback = SafeGCCallback(memory_budget="1TiB")
+    trained = model()
+    original = trained.forward
+
+    def doubled(input_ids=None, labels=None, attention_mask=None, **kwargs):
+        twice = {k: torch.cat([v, v]) for k, v in
+                 {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}.items() if v is not None}
+        return original(**twice, **kwargs)
+
+    trained.forward = doubled
+    make_trainer("trainer", trained, str(tmp_path), callbacks=[callback], max_steps=2).train()
+    comparison = callback.plan_check
+    assert comparison.batch_shape == (2, 16) and not checks(callback)
+    assert abs(comparison.predicted - comparison.measured) <= 0.10 * comparison.measured, comparison
