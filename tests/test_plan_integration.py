@@ -1,4 +1,4 @@
-"""The memory plan in a real run: chosen at train begin (or at the first forward), applied to the live model, kept
+"""The memory plan in a real run: chosen at the first training forward, applied to the live model, kept
 across TRL's per-step re-enables, gradient-exact, refused or taken at its lowest when nothing fits."""
 
 from __future__ import annotations

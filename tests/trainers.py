@@ -103,6 +103,7 @@ def make_trainer(kind: str, model, output_dir: str, gc: bool = True, gc_kwargs: 
     """A real trainer of `kind` on the tiny datasets, with checkpointing `gc` and `gc_kwargs` (and `overrides` of
     the common arguments, e.g. `save_strategy`)."""
     tokenizer = make_tokenizer()
+    max_length = overrides.pop("max_length", 32)  # SFT and DPO
     gc_fields = dict(gradient_checkpointing=gc, gradient_checkpointing_kwargs=gc_kwargs, **overrides)
     if kind == "trainer":
         from transformers import Trainer, TrainingArguments
@@ -112,13 +113,13 @@ def make_trainer(kind: str, model, output_dir: str, gc: bool = True, gc_kwargs: 
     if kind == "sft":
         from trl import SFTConfig, SFTTrainer
 
-        args = SFTConfig(**common_args(output_dir, max_steps=max_steps, max_length=32, **gc_fields))
+        args = SFTConfig(**common_args(output_dir, max_steps=max_steps, max_length=max_length, **gc_fields))
         return SFTTrainer(model=model, args=args, train_dataset=lm_dataset(), processing_class=tokenizer,
                           callbacks=callbacks, peft_config=peft_config)
     if kind == "dpo":
         from trl import DPOConfig, DPOTrainer
 
-        args = DPOConfig(**common_args(output_dir, max_steps=max_steps, max_length=32, **gc_fields))
+        args = DPOConfig(**common_args(output_dir, max_steps=max_steps, max_length=max_length, **gc_fields))
         ref = None if (peft_config is not None or _is_peft(model)) else make_model()
         return DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=preference_dataset(),
                           processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config)

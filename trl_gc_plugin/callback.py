@@ -110,7 +110,9 @@ class SafeGCCallback(TrainerCallback):
             Activation memory per device (`"40GiB"`, `"512MiB"`, bytes, or `"auto"`: the free CUDA memory at train
             begin less the optimizer state). With a budget, the plugin plans how much to checkpoint: the fastest
             candidate (no checkpointing, every n-th block, every block, selective per-op saving, offloading) whose
-            predicted peak fits, applied to the live model (rule `memory-plan`). `None`: the budget given to
+            predicted peak fits, applied to the live model (rule `memory-plan`), planned at the first training
+            forward for the rows it runs and the longest sequence the arguments allow, and checked against what that
+            forward saved (off by more than 15%: a warning; fix mode re-plans). `None`: the budget given to
             `install()`, else `TRL_GC_PLUGIN_BUDGET`, else no plan (checkpointing as asked).
 
     Environment:
@@ -121,6 +123,8 @@ class SafeGCCallback(TrainerCallback):
     Attributes:
         decisions (`list[Decision]`): the decisions for the last Trainer this callback saw, the ones taken when
             its arguments were built (with `install()`) first.
+        plan_check (`plan_check.Comparison`, *optional*): with a memory budget, the plan's predicted saved bytes
+            against those the first training forward saved (None until then, or when not compared).
 
     Example:
         ```python
@@ -186,6 +190,7 @@ class SafeGCCallback(TrainerCallback):
         self._model: Any = None
         self._json_path: str | None = None
         self.observed: dict[str, Call] = {}
+        self.plan_check: Any = None
 
     # --- events ------------------------------------------------------------------------------------------------
 
@@ -657,13 +662,11 @@ class SafeGCCallback(TrainerCallback):
     # --- the memory plan ---------------------------------------------------------------------------------------
 
     def _plan_when_the_shape_is_known(self, args: Any, model: Any) -> None:
-        """Plan now when the arguments give the sequence length (TRL's `max_length`, ...), else at the first training
-        forward, from its batch (a one-shot pre-hook, gone after it ran)."""
-        seq = planned_sequence_length(args)
-        batch = int(getattr(args, "per_device_train_batch_size", 0) or 0)
-        if seq and batch:
-            self._plan(args, model, batch, seq)
-            return
+        """Plan at the first training forward (a one-shot pre-hook, gone after it ran), from the batch it really runs
+        (DPO's chosen and rejected rows, GRPO's completions, packed rows) and the non-tensor keywords it is called
+        with (TRL's fused LM head); the sequence length is the longest the arguments allow (`max_length`), so a later,
+        longer batch fits too. That forward is then measured and checked against the prediction (`_check_plan`).
+        Without a readable input shape, the arguments' `per_device_train_batch_size` x `max_length` is planned."""
         base = probe.unwrap(model)
 
         def first_forward(module: Any, f_args: tuple[Any, ...], f_kwargs: dict[str, Any]) -> None:
@@ -671,13 +674,21 @@ class SafeGCCallback(TrainerCallback):
 
             if not (module.training and torch.is_grad_enabled()):
                 return
-            handle.remove()
+            self._remove_plan_hook()
             shape = _input_shape(f_args, f_kwargs)
-            if shape is None:
-                self._record(args, [self._plan_skipped("the first forward's input shape could not be read")])
-                return
             try:
-                self._plan(args, model, *shape)
+                if shape is None:
+                    seq = planned_sequence_length(args)
+                    batch = int(getattr(args, "per_device_train_batch_size", 0) or 0)
+                    if not (seq and batch):
+                        self._record(args, [self._plan_skipped("the first forward's input shape could not be read")])
+                        return
+                    self._plan(args, model, batch, seq)
+                    return
+                keywords = _call_keywords(f_kwargs)
+                planned = self._plan(args, model, *planned_shape(args, shape), forward_kwargs=keywords)
+                if planned is not None:
+                    self._start_plan_check(args, model, base, planned, shape, keywords)
             except GCConfigError:
                 raise
             except Exception as exc:  # a plugin bug never stops training
@@ -686,17 +697,23 @@ class SafeGCCallback(TrainerCallback):
         handle = base.register_forward_pre_hook(first_forward, with_kwargs=True, prepend=True)
         self._plan_hook = handle
 
-    def _plan(self, args: Any, model: Any, batch: int, seq: int) -> None:
+    def _remove_plan_hook(self) -> None:
+        if self._plan_hook is not None:
+            self._plan_hook.remove()
+            self._plan_hook = None
+
+    def _plan(self, args: Any, model: Any, batch: int, seq: int, forward_kwargs: dict[str, Any] | None = None) -> Any:
+        """Estimate, plan and apply; returns the `(estimate, plan)` the plan was made from, None when skipped."""
         from . import memory, planner
 
         sharded = verify.gradients_are_sharded(args, model)
         if sharded:
             self._record(args, [self._plan_skipped(f"not planned under sharding ({sharded})")])
-            return
+            return None
         use_reentrant = probe.model_use_reentrant(model)
         try:
             budget = budget_bytes(self.memory_budget, model)
-            estimate = memory.estimate(model, batch, seq)
+            estimate = memory.estimate(model, batch, seq, forward_kwargs=forward_kwargs)
             plan = planner.plan(
                 estimate, budget, allow_selective=use_reentrant is False, allow_offload=probe.accelerator_available()
             )
@@ -705,7 +722,16 @@ class SafeGCCallback(TrainerCallback):
             raise
         except Exception as exc:  # a model the estimate cannot run: checkpointing stays as asked
             self._record(args, [self._plan_skipped(f"the estimate failed ({type(exc).__name__}: {exc})")])
-            return
+            return None
+        if not self._apply_plan(args, model, plan, decisions, use_reentrant):
+            return None
+        return estimate, plan
+
+    def _apply_plan(self, args: Any, model: Any, plan: Any, decisions: list[Decision], use_reentrant: Any) -> bool:
+        """Record the plan's decisions and apply the chosen candidate (not in warn mode); False when it could not
+        be applied."""
+        from . import planner
+
         if self.mode == "warn":  # warn mode changes nothing: say what would run
             decisions = [dataclasses.replace(d, action="warn", applied=False) for d in decisions]
         self._record(args, decisions)
@@ -716,7 +742,7 @@ class SafeGCCallback(TrainerCallback):
                 planner.apply_plan(model, chosen, bool(use_reentrant))
             except ValueError as exc:  # e.g. blocks the estimate did not count: checkpointing stays as asked
                 self._record(args, [self._plan_skipped(f"it could not be applied ({exc})")])
-                return
+                return False
             if self._guard is None:
                 self._guard = EnableGuard(model, probe.reads_layer_kwargs(probe.capabilities.installed()))
                 self._guard.install()
@@ -726,6 +752,102 @@ class SafeGCCallback(TrainerCallback):
             decisions[0].level,
             report.is_main_process(args),
         )
+        return True
+
+    def _start_plan_check(
+        self,
+        args: Any,
+        model: Any,
+        base: Any,
+        planned: tuple[Any, Any],
+        shape: tuple[int, int],
+        keywords: dict[str, Any],
+    ) -> None:
+        """Measure the forward that is starting (`memory.meter`: bytes autograd saves, per block) and, when it ends,
+        compare them with the prediction for its own batch shape (a one-shot post-hook, gone after it ran)."""
+        from . import memory
+
+        metering = memory.meter(model)
+        measured = metering.__enter__()
+
+        def finish() -> None:
+            hook.remove()
+            self._plan_hook = None
+            metering.__exit__(None, None, None)
+
+        def after(module: Any, f_args: Any, output: Any) -> None:
+            finish()
+            if output is None:  # the forward raised: nothing to compare
+                return
+            try:
+                self._check_plan(args, model, planned, measured, shape, keywords)
+            except GCConfigError:
+                raise
+            except Exception as exc:  # a plugin bug never stops training
+                self._record(args, [self._plan_skipped(f"the check failed ({type(exc).__name__}: {exc})")])
+
+        hook = base.register_forward_hook(after, always_call=True)
+        self._plan_hook = _Once(finish)
+
+    def _check_plan(
+        self,
+        args: Any,
+        model: Any,
+        planned: tuple[Any, Any],
+        measured: Any,
+        shape: tuple[int, int],
+        keywords: dict[str, Any],
+    ) -> None:
+        """Report a plan whose prediction misses the first step's measurement by more than 15%; fix mode re-plans
+        from the measurement. An accurate plan says nothing. The prediction for the forward's own shape is the
+        plan's estimate scaled to its tokens when the plan was made for a longer batch, and a miss is confirmed
+        with an estimate at that shape (paid only then)."""
+        from . import memory, plan_check, planner
+
+        estimate, plan = planned
+        same = (estimate.batch_size, estimate.seq_len) == shape
+        comparison = plan_check.compare(estimate if same else plan_check.scaled(estimate, *shape), measured, model)
+        if comparison is not None and comparison.off and not same:
+            comparison = plan_check.compare(memory.estimate(model, *shape, forward_kwargs=keywords), measured, model)
+        self.plan_check = comparison
+        if comparison is None or not comparison.off:
+            return
+        rows, tokens = comparison.batch_shape
+        replan = None
+        if self.mode == "fix":
+            fixed = plan_check.corrected(estimate, comparison)
+            replan = planner.plan(
+                fixed,
+                plan.budget,
+                allow_selective=probe.model_use_reentrant(model) is False,
+                allow_offload=probe.accelerator_available(),
+            )
+        after = {
+            **comparison.to_dict(),
+            "planned_shape": [estimate.batch_size, estimate.seq_len],
+            "plan": (plan.chosen or plan.lowest).name,
+            "replanned": (replan.chosen or replan.lowest).name if replan is not None else None,
+        }
+        reason = (
+            f"The memory plan's prediction misses the first training step: it saved "
+            f"{planner.format_bytes(comparison.measured)} for the backward ({comparison.measured} bytes) where "
+            f"{planner.format_bytes(comparison.predicted)} ({comparison.predicted} bytes) were predicted for its "
+            f"{rows} x {tokens} batch (x{comparison.ratio:.2f}; blocks {comparison.blocks_measured} vs "
+            f"{comparison.blocks_predicted} bytes, outside them {comparison.outside_measured} vs "
+            f"{comparison.outside_predicted}). Something the estimate does not run changes what is saved (a forward "
+            "wrapper, a hook, another batch shape); "
+            + (
+                "re-planned from the measurement (fix mode)."
+                if replan is not None
+                else "the plan stands; fix mode re-plans from the measurement."
+            )
+        )
+        rule = get_rule("memory-plan")
+        decision = self._verdict(rule, "warn", "prediction", "measurement", reason, setting="memory_plan_check")
+        self._record(args, [dataclasses.replace(decision, before=comparison.predicted, after=after)])
+        if replan is not None:
+            decisions = planner.plan_decisions(replan, self.mode)
+            self._apply_plan(args, model, replan, decisions, probe.model_use_reentrant(model))
 
     def _plan_skipped(self, why: str) -> Decision:
         rule = get_rule("memory-plan")
@@ -866,6 +988,50 @@ def planned_sequence_length(args: Any) -> int | None:
     if isinstance(prompt, int) and isinstance(completion, int) and prompt > 0 and completion > 0:
         return prompt + completion
     return None
+
+
+def planned_shape(args: Any, shape: tuple[int, int]) -> tuple[int, int]:
+    """The batch shape to plan for, from the first training forward's `shape` (rows x tokens): its rows (DPO's
+    chosen and rejected, GRPO's completions), and the longest sequence the arguments allow (`max_length`) when it is
+    longer; a padding-free or packed batch (one row, TRL's `padding_free`, `packing` with `bfd`) up to
+    `per_device_train_batch_size` x `max_length` tokens."""
+    rows, tokens = shape
+    length = planned_sequence_length(args)
+    if length is None:
+        return shape
+    packed = bool(getattr(args, "padding_free", False)) or (
+        bool(getattr(args, "packing", False)) and str(getattr(args, "packing_strategy", "bfd")).startswith("bfd")
+    )
+    if rows == 1 and packed:
+        per_device = int(getattr(args, "per_device_train_batch_size", 1) or 1)
+        return 1, max(tokens, per_device * length)
+    return rows, max(tokens, length)
+
+
+def _call_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The non-tensor keyword arguments of a model call (`fused_lm_head=True`, `use_cache=False`, ...): what makes
+    the estimate's fake forward take the same path."""
+    import torch
+
+    return {
+        k: v
+        for k, v in kwargs.items()
+        if k not in ("input_ids", "labels", "inputs_embeds")
+        and not isinstance(v, torch.Tensor)
+        and (v is None or isinstance(v, bool | int | float | str))
+    }
+
+
+class _Once:
+    """A handle whose `remove()` runs a cleanup once (the plan check's meter and hook)."""
+
+    def __init__(self, cleanup: Callable[[], None]) -> None:
+        self._cleanup: Callable[[], None] | None = cleanup
+
+    def remove(self) -> None:
+        cleanup, self._cleanup = self._cleanup, None
+        if cleanup is not None:
+            cleanup()
 
 
 def _input_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:

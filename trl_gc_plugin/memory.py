@@ -675,19 +675,35 @@ def _param_bytes(module: Any, seen: set[int], trainable_only: bool = True) -> in
 
 
 def _run_fake(
-    model: Any, batch_size: int, seq_len: int, device: Any, total: int, method: str, attn: str
+    model: Any,
+    batch_size: int,
+    seq_len: int,
+    device: Any,
+    total: int,
+    method: str,
+    attn: str,
+    forward_kwargs: Mapping[str, Any] | None = None,
 ) -> ActivationEstimate:
     """One fake training forward (with the loss) of `model` under `meter`, turned into an `ActivationEstimate` for
-    `total` blocks (the last measured block stands for the blocks not built)."""
+    `total` blocks (the last measured block stands for the blocks not built). `forward_kwargs` are passed on (the
+    real call's non-tensor keyword arguments, e.g. TRL's `fused_lm_head=True`). Raises `RuntimeError` when no
+    block ran (the forward took a path around the copy's blocks: the estimate would say nothing about them)."""
     import torch
 
     model.train()
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
     with meter(model, would_keep=True) as report:
-        out = model(input_ids=ids, labels=ids)
-        logits = out.logits
-        vocab, element = int(logits.shape[-1]), int(logits.element_size())
+        out = model(input_ids=ids, labels=ids, **dict(forward_kwargs or {}))
+        logits = getattr(out, "logits", None)
+        if isinstance(logits, torch.Tensor):  # TRL's fused LM head returns per-token log-probs, no logits
+            vocab, element = int(logits.shape[-1]), int(logits.element_size())
+        else:
+            vocab, element = _vocab_size(model), 4
         del out, logits
+    if not any(report.ops) and not any(report.inputs):
+        raise RuntimeError(
+            "the fake forward did not run the model's blocks (a forward wrapper calls another copy of the model)"
+        )
     base = probe.unwrap(model)
     seen: set[int] = set()
     grads = [_param_bytes(b, seen) for _, b in named_blocks(base)]
@@ -736,6 +752,18 @@ def _run_fake(
         method=method,
         measured_blocks=n,
     )
+
+
+def _vocab_size(model: Any) -> int:
+    base = probe.unwrap(model)
+    try:
+        head = base.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = None
+    weight = getattr(head, "weight", None)
+    if weight is not None and weight.dim() == 2:
+        return int(weight.shape[0])
+    return int(getattr(base.config.get_text_config(), "vocab_size", 0) or 0)
 
 
 def _transient(config: Any, attn: str, batch_size: int, seq_len: int, act: int) -> int:
@@ -808,7 +836,9 @@ def _fake_copy(base: Any, fake_mode: Any) -> Any:
     input_hooked = probe.input_grad_hooks(base) > 0
     with FakeCopyMode(fake_mode):
         fake = copy.deepcopy(base, memo)
-    for module in fake.modules():
+    for original, module in zip(base.modules(), fake.modules(), strict=True):
+        if "forward" in module.__dict__:  # a forward wrapper (TRL's fused LM head, accelerate's autocast, a user's)
+            module.forward = _rebound(original.__dict__["forward"], memo, 0)
         if getattr(module, "gradient_checkpointing", False) is True:
             module.gradient_checkpointing = False
     if input_hooked:
@@ -818,11 +848,84 @@ def _fake_copy(base: Any, fake_mode: Any) -> Any:
     return fake
 
 
+def _rebound(value: Any, memo: dict[int, Any], depth: int) -> Any:
+    """`value` (a forward wrapper, or something it closes over) pointing at the fake copy instead of the original
+    model: a module of the original becomes its copy, a method bound to one is bound to the copy, and a function's
+    closure and a partial's arguments are rebuilt the same way (a few levels deep). A wrapper installed as an instance
+    attribute keeps the original forward in its closure (TRL's `add_fused_lm_head`: `original_forward =
+    model.forward`); deep-copied as it is, the copy's forward would run the original model."""
+    import types
+
+    import torch
+
+    if depth > 6:
+        return value
+    if isinstance(value, torch.nn.Module):
+        copied = memo.get(id(value))
+        return copied if isinstance(copied, torch.nn.Module) else value
+    if isinstance(value, types.MethodType):
+        owner = _rebound(value.__self__, memo, depth + 1)
+        func = _rebound(value.__func__, memo, depth + 1)
+        return value if owner is value.__self__ and func is value.__func__ else types.MethodType(func, owner)
+    if isinstance(value, functools.partial):
+        func = _rebound(value.func, memo, depth + 1)
+        args = tuple(_rebound(a, memo, depth + 1) for a in value.args)
+        keywords = {k: _rebound(v, memo, depth + 1) for k, v in value.keywords.items()}
+        same = func is value.func and all(a is b for a, b in zip(args, value.args, strict=True))
+        if same and all(keywords[k] is v for k, v in value.keywords.items()):
+            return value
+        return functools.partial(func, *args, **keywords)
+    if isinstance(value, types.FunctionType) and value.__closure__:
+        cells = []
+        changed = False
+        for cell in value.__closure__:
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                cells.append(cell)
+                continue
+            new = _rebound(content, memo, depth + 1)
+            changed = changed or new is not content
+            cells.append(types.CellType(new) if new is not content else cell)
+        if not changed:
+            return value
+        func = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, tuple(cells))
+        func.__kwdefaults__ = value.__kwdefaults__
+        func.__dict__.update(value.__dict__)
+        return func
+    return value
+
+
 def _require_grad_hook(module: Any, args: Any, output: Any) -> None:
     output.requires_grad_(True)
 
 
-def _estimate_model(model: Any, batch_size: int, seq_len: int, dtype: Any, attn: str | None) -> ActivationEstimate:
+def _estimate_model(
+    model: Any,
+    batch_size: int,
+    seq_len: int,
+    dtype: Any,
+    attn: str | None,
+    forward_kwargs: Mapping[str, Any] | None = None,
+) -> ActivationEstimate:
+    if forward_kwargs:
+        try:
+            return _estimate_model_once(model, batch_size, seq_len, dtype, attn, forward_kwargs)
+        except ValueError:
+            raise
+        except Exception:  # the call's path cannot run on fake tensors (data-dependent shapes): the model's own loss
+            pass
+    return _estimate_model_once(model, batch_size, seq_len, dtype, attn, None)
+
+
+def _estimate_model_once(
+    model: Any,
+    batch_size: int,
+    seq_len: int,
+    dtype: Any,
+    attn: str | None,
+    forward_kwargs: Mapping[str, Any] | None,
+) -> ActivationEstimate:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -841,7 +944,7 @@ def _estimate_model(model: Any, batch_size: int, seq_len: int, dtype: Any, attn:
             sub.use_cache = False
         with fake_mode:
             blocks = len(named_blocks(fake))
-            return _run_fake(fake, batch_size, seq_len, device, blocks, "model", attn)
+            return _run_fake(fake, batch_size, seq_len, device, blocks, "model", attn, forward_kwargs)
 
 
 def estimate(
@@ -851,6 +954,7 @@ def estimate(
     *,
     dtype: Any = None,
     attn_implementation: str | None = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
 ) -> ActivationEstimate:
     """Estimate what one training forward (with the model's own language-modelling loss) keeps for the backward
     pass, per block, without allocating tensor memory: the meter runs on `FakeTensorMode` tensors.
@@ -865,6 +969,9 @@ def estimate(
             default: the config's `dtype`, else float32). A live model is estimated in its own dtype.
         attn_implementation (`str`, *optional*): `sdpa`, `eager`, ... (default: the model's or config's, else
             `sdpa`).
+        forward_kwargs (`Mapping[str, Any]`, *optional*): non-tensor keyword arguments of the real training call,
+            passed to the live model's fake forward so that it takes the same path (TRL's `fused_lm_head=True`);
+            dropped when that path cannot run on fake tensors, and for a config.
 
     Returns:
         `ActivationEstimate`. A live model whose fake copy fails (quantized layers, custom kernels) is estimated from
@@ -882,7 +989,7 @@ def estimate(
         attn = attn_implementation or getattr(config, "_attn_implementation", None) or "sdpa"
         return _estimate_config(config, batch_size, seq_len, torch_dtype, attn)
     try:
-        return _estimate_model(model_or_config, batch_size, seq_len, torch_dtype, attn_implementation)
+        return _estimate_model(model_or_config, batch_size, seq_len, torch_dtype, attn_implementation, forward_kwargs)
     except ValueError:
         raise
     except Exception as exc:  # a layout the fake copy cannot run: fall back to the config

@@ -1,0 +1,164 @@
+"""Check a memory plan against the first real training step.
+
+The plan (`planner.plan` on `memory.estimate`) is a prediction. The first training forward runs anyway, so it is
+measured while it runs (`memory.meter`: saved-tensor hooks that count the bytes autograd keeps, each storage once,
+per block and outside the blocks; bytes are counted, no tensor is kept beyond the forward) and compared with what
+the estimate predicts for the checkpointing that really ran and the batch shape it really had. A prediction off by
+more than `TOLERANCE` is reported (rule `memory-plan`, setting `memory_plan_check`); fix mode re-plans from the
+measurement (`corrected`).
+
+torch is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .memory import ActivationEstimate, SavedBytes
+
+TOLERANCE = 0.15
+"""Largest relative difference between predicted and measured saved bytes that is not reported."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Predicted against measured bytes kept for the backward pass in one training forward.
+
+    Args:
+        predicted (`int`): what the estimate predicts for the checkpointing that ran, at the batch shape that ran.
+        measured (`int`): what the forward saved (`SavedBytes.total`).
+        blocks_predicted (`int`), blocks_measured (`int`): the part kept by the blocks (and their keyword tensors).
+        outside_predicted (`int`), outside_measured (`int`): the part saved outside the blocks (embeddings, head,
+            loss).
+        batch_shape (`tuple[int, int]`): rows x tokens of the forward.
+        pattern (`tuple[bool, ...]`): per block, whether it ran checkpointed.
+    """
+
+    predicted: int
+    measured: int
+    blocks_predicted: int
+    blocks_measured: int
+    outside_predicted: int
+    outside_measured: int
+    batch_shape: tuple[int, int]
+    pattern: tuple[bool, ...]
+
+    @property
+    def ratio(self) -> float:
+        """measured / predicted (inf when nothing was predicted and something was saved)."""
+        if self.predicted <= 0:
+            return 1.0 if self.measured <= 0 else float("inf")
+        return self.measured / self.predicted
+
+    @property
+    def off(self) -> bool:
+        """Whether the prediction misses the measurement by more than `TOLERANCE` of the measurement."""
+        return abs(self.measured - self.predicted) > TOLERANCE * max(self.measured, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["batch_shape"] = list(self.batch_shape)
+        data["pattern"] = [int(x) for x in self.pattern]
+        data["ratio"] = round(self.ratio, 4) if self.ratio != float("inf") else None
+        return data
+
+
+def running(model: Any) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
+    """The live model's checkpointing, per block: checkpointed, selective, offloaded."""
+    from . import planner
+
+    return planner.pattern_of(model), planner.selective_of(model), planner.offload_of(model)
+
+
+def predicted_parts(
+    est: ActivationEstimate, pattern: tuple[bool, ...], selective: tuple[bool, ...], offload: tuple[bool, ...]
+) -> tuple[int, int]:
+    """(bytes the blocks keep, bytes saved outside them) predicted for a per-block checkpointing (the planner's
+    `Candidate.saved_bytes`, block by block, so a mixed live model is predicted too)."""
+    est._check(pattern)
+    kept = 0
+    for i, on in enumerate(pattern):
+        if not on:
+            kept += est.saved[i]
+        elif not (i < len(offload) and offload[i]):
+            kept += est.inputs[i] + (est.selective[i] if i < len(selective) and selective[i] else 0)
+    shared = est.shared if not all(pattern) else 0
+    return kept + shared, est.outside
+
+
+def compare(est: ActivationEstimate, measured: SavedBytes, model: Any) -> Comparison | None:
+    """The prediction of `est` (made at the forward's own batch shape) against what `measured` counted; None when
+    they cannot be compared (another number of blocks)."""
+    pattern, selective, offload = running(model)
+    if len(pattern) != est.num_blocks or len(measured.saved) != est.num_blocks:
+        return None
+    blocks, outside = predicted_parts(est, pattern, selective, offload)
+    measured_blocks = sum(measured.saved) + sum(measured.selective) + measured.shared
+    return Comparison(
+        predicted=blocks + outside,
+        measured=measured.total,
+        blocks_predicted=blocks,
+        blocks_measured=measured_blocks,
+        outside_predicted=outside,
+        outside_measured=measured.outside,
+        batch_shape=(est.batch_size, est.seq_len),
+        pattern=pattern,
+    )
+
+
+def scaled(est: ActivationEstimate, batch_size: int, seq_len: int) -> ActivationEstimate:
+    """`est` taken to another batch shape in proportion to its tokens: exact for what grows with the tokens (every
+    activation with SDPA or flash attention), not for what grows with their square (eager attention's scores, a
+    padding mask). A first, free prediction for the check; a miss is confirmed with a real estimate."""
+    ratio = (batch_size * seq_len) / max(est.batch_size * est.seq_len, 1)
+
+    def scale(values: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(round(v * ratio) for v in values)
+
+    return dataclasses.replace(
+        est,
+        saved=scale(est.saved),
+        inputs=scale(est.inputs),
+        input_saved=scale(est.input_saved),
+        selective=scale(est.selective),
+        shared=round(est.shared * ratio),
+        kwargs_bytes=round(est.kwargs_bytes * ratio),
+        outside=round(est.outside * ratio),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        method=f"{est.method}, scaled from {est.batch_size} x {est.seq_len} tokens",
+    )
+
+
+def corrected(planned: ActivationEstimate, comparison: Comparison) -> ActivationEstimate:
+    """`planned` (the estimate the plan was made from, possibly at a longer shape) scaled by what the first step
+    measured: the blocks' bytes by the blocks' measured/predicted ratio, the outside bytes by theirs. What fix mode
+    re-plans from."""
+
+    def ratio(measured: int, predicted: int) -> float:
+        return measured / predicted if predicted > 0 else 1.0
+
+    blocks = ratio(comparison.blocks_measured, comparison.blocks_predicted)
+    outside = ratio(comparison.outside_measured, comparison.outside_predicted)
+    tokens = (planned.batch_size * planned.seq_len) / max(comparison.batch_shape[0] * comparison.batch_shape[1], 1)
+    outside_bytes = (
+        round(planned.outside * outside)
+        if comparison.outside_predicted > 0
+        else round(comparison.outside_measured * tokens)
+    )
+
+    def scale(values: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(round(v * blocks) for v in values)
+
+    return dataclasses.replace(
+        planned,
+        saved=scale(planned.saved),
+        inputs=scale(planned.inputs),
+        input_saved=scale(planned.input_saved),
+        selective=scale(planned.selective),
+        shared=round(planned.shared * blocks),
+        outside=outside_bytes,
+        method=f"{planned.method}, corrected by the first step (blocks x{blocks:.2f}, outside x{outside:.2f})",
+    )
