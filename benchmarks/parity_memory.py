@@ -1,7 +1,7 @@
 """What the parity probe costs on the first step of a real full fine-tune: memory above the model and time.
 
 A 134M-parameter Llama (hidden 768, 12 layers, vocab 32000) in float32, full fine-tune, reentrant checkpointing,
-AdamW, one `Trainer` step of batch 1 x 512 tokens, on the CPU (or CUDA when present, in bf16 on a >=1B model with
+AdamW, one `Trainer` step of batch 4 x 512 tokens (the modes benchmark's batch), on the CPU (or CUDA when present, in bf16 on a >=1B model with
 `--cuda-1b`). Each configuration runs in its own process: CPU peak = the process's max RSS (`ru_maxrss`) less the
 RSS after the model was built ("above the model": gradients, optimizer state, activations, the probe); CUDA peak =
 `max_memory_allocated` less the memory allocated after the model was placed. Configurations:
@@ -51,8 +51,7 @@ def child(config: str, cuda_1b: bool) -> dict[str, object]:
     else:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     n_params = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(shape["vocab_size"], (512,))
-    data = [{"input_ids": ids, "labels": ids}]
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(shape["vocab_size"], (4, 512))]
     callbacks = []
     probe_seconds: list[float] = []
     if config == "with":
@@ -71,7 +70,7 @@ def child(config: str, cuda_1b: bool) -> dict[str, object]:
         timed.parity_probe = parity_probe
         callbacks.append(SafeGCCallback(parity_check=True))
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=1, learning_rate=1e-5,
+        args = TrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=4, learning_rate=1e-5,
                                  gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True},
                                  report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
                                  use_cpu=not cuda, bf16=cuda_1b)
