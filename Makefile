@@ -25,7 +25,7 @@ pin = $(if $(2),"$(1)==$(2)","$(1)")
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-tf$(TF)-trl$(TRL)-peft$(PEFT)$(if $(EXTRA),-$(subst =,,$(EXTRA)))
 
-.PHONY: venv demo test test-slice lint matrix clean bench-startup bench-pth bench-overhead bench-modes bench-zero3 readme
+.PHONY: venv demo test test-slice lint matrix clean bench-startup bench-pth bench-overhead bench-parity bench-modes bench-zero3 readme
 
 venv: $(STAMP)
 
@@ -64,6 +64,9 @@ bench-pth: venv
 
 bench-overhead: venv
 	$(PY) benchmarks/callback_overhead.py
+
+bench-parity: venv
+	$(PY) benchmarks/parity_memory.py --rounds 2
 
 bench-zero3: venv
 	$(PY) benchmarks/zero3_old_deepspeed.py
