@@ -521,10 +521,9 @@ class SafeGCCallback(TrainerCallback):
         return bool(running and report_world_size(args) == 1 and not verify.gradients_are_sharded(args, model))
 
     def _drop_first_inputs(self) -> None:
-        if self._first_inputs is not None:
+        if self._first_inputs is not None:  # the probe ran at the step's optimizer step, or never will
             self._first_inputs.remove()
-            if not self._parity_pending:
-                self._first_inputs = None
+            self._first_inputs = None
 
     def _parity(self, args: Any, model: Any) -> None:
         rule = get_rule("parity-check")
