@@ -37,6 +37,17 @@ def no_patch_left_behind():
 
 
 @pytest.fixture(autouse=True)
+def no_hook_left_waiting():
+    """Every run, refused or not, must leave no callback in the plugin's process-wide hook table (a waiting one
+    keeps its model alive and the process-wide hooks registered)."""
+    from trl_gc_plugin import _hooks
+
+    before = _hooks.waiting()
+    yield
+    assert _hooks.waiting() == before, "a test left hooks waiting in trl_gc_plugin._hooks"
+
+
+@pytest.fixture(autouse=True)
 def fresh_plugin_logging():
     """Each test starts with the plugin's logging as a new process has it (no message seen yet, no handler)."""
     from trl_gc_plugin import report

@@ -380,7 +380,7 @@ class SafeGCCallback(TrainerCallback):
         self._record(self._args, [decision])
         if verdict == "raise":
             self._stop_watching()
-            raise_for_errors([decision], self.mode)
+            self._raise_for_errors([decision], self.mode)
         if verdict == "repair":
             self._switch(self._args, self._model, False)
         return verdict
@@ -464,7 +464,7 @@ class SafeGCCallback(TrainerCallback):
         self._record(args, verdicts)
         if any(v.action == "override" for v in verdicts):
             self._switch(args, model, False)
-        raise_for_errors(verdicts, self.mode)
+        self._raise_for_errors(verdicts, self.mode)
 
     def _repair_drift(self, args: Any, model: Any, drifted: list[tuple[str, Any]]) -> None:
         assert self._watch is not None
@@ -564,7 +564,7 @@ class SafeGCCallback(TrainerCallback):
             summary + ".",
         )
         self._record(args, [verdict])
-        raise_for_errors([verdict], self.mode)
+        self._raise_for_errors([verdict], self.mode)
 
     def _switch(self, args: Any, model: Any, value: bool) -> None:
         set_args_use_reentrant(args, value)
@@ -650,8 +650,7 @@ class SafeGCCallback(TrainerCallback):
         decision = self._verdict(rule, action, True, False, reason)
         self._record(args, [decision])
         if action == "error":
-            self._stop_watching()
-            raise_for_errors([decision], self.mode if self.mode != "fix" else "strict")
+            self._raise_for_errors([decision], self.mode if self.mode != "fix" else "strict")
 
     def _stop_forward_watch(self) -> None:
         for handle in self._forward_watch:
@@ -734,7 +733,7 @@ class SafeGCCallback(TrainerCallback):
         if self.mode == "warn":  # warn mode changes nothing: say what would run
             decisions = [dataclasses.replace(d, action="warn", applied=False) for d in decisions]
         self._record(args, decisions)
-        raise_for_errors(decisions, self.mode)
+        self._raise_for_errors(decisions, self.mode)
         chosen = plan.chosen or plan.lowest
         if self.mode != "warn" and chosen is not None:
             try:
@@ -859,6 +858,16 @@ class SafeGCCallback(TrainerCallback):
         decides nothing and only reports what its checks see."""
         return any(d.rule_id in _STAND_BACK for d in self.decisions)
 
+    def _raise_for_errors(self, decisions: list[Decision], mode: str) -> None:
+        """Raise `GCConfigError` for the `error` decisions (`raise_for_errors`), after removing every trace of the run
+        from the model: a refused run never reaches `on_train_end`, and a hook left waiting would keep the model
+        alive in the process-wide hook table."""
+        try:
+            raise_for_errors(decisions, mode)
+        except GCConfigError:
+            self._stop_watching()
+            raise
+
     def _stop_watching(self) -> None:
         """Remove every trace of the run from the model (observation hooks, the enable guard) and its config
         (use_cache)."""
@@ -912,7 +921,7 @@ class SafeGCCallback(TrainerCallback):
         """Before anything is applied: in strict/fix mode, log and raise for `error` decisions."""
         if self.mode != "warn" and any(d.action == "error" for d in decisions):
             self._publish(args, decisions)
-            raise_for_errors(decisions, self.mode)
+            self._raise_for_errors(decisions, self.mode)
 
     def _owner_for(self, state: Any) -> SafeGCCallback:
         """The callback that acts for this Trainer: an explicitly passed `SafeGCCallback` before the one `install()`
