@@ -95,7 +95,9 @@ def test_the_budget_comes_from_the_argument_install_or_the_environment(monkeypat
     with trl_gc_plugin.installed(memory_budget="1GiB"):
         assert SafeGCCallback().memory_budget == 1 << 30
     monkeypatch.setenv("TRL_GC_PLUGIN_BUDGET", "lots")
-    assert SafeGCCallback().memory_budget is None  # a bad environment value is said once and ignored
+    with pytest.raises(GCConfigError, match="TRL_GC_PLUGIN_BUDGET: got 'lots'; memory_budget accepts"):
+        SafeGCCallback()  # strict: a bad value is refused, naming the variable
+    assert SafeGCCallback(mode="warn").memory_budget is None  # warn/fix: said, and the default (no plan) used
     assert SafeGCCallback(memory_budget="auto").memory_budget == "auto"
 
 

@@ -139,6 +139,8 @@ def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[D
                 set_model_kwarg(model, d.setting, value)
         elif d.setting == "fsdp_activation_checkpointing":  # FSDP's own off, the Trainer's (non-reentrant) on
             switch_fsdp_checkpointing_off(args)
+        elif d.setting == "checkpointing_kwargs.container":  # not a dict: a dict (with use_reentrant once decided)
+            write_kwargs(args, probe.read_kwargs(args) or {})
         elif d.setting == "checkpointing_kwargs":  # layer kwargs this transformers cannot read: torch must not get them
             for key in d.before or ():
                 set_args_kwarg(args, key, None)

@@ -11,8 +11,7 @@ from typing import Any, TypeVar
 
 from transformers import TrainerCallback
 
-from . import _hooks, parity, probe, report, verify
-from ._flags import parse_flag
+from . import _hooks, parity, probe, report, settings, verify
 from ._weak import WeakIdMap
 from .apply import CacheSwitch, apply, set_args_use_reentrant, set_model_use_reentrant
 from .decisions import Action, Decision, Level, first_sentence, write_decisions
@@ -20,12 +19,10 @@ from .engine import decide, final_use_reentrant, refused
 from .errors import GCConfigError
 from .facts import Facts
 from .keep import EnableGuard, every_n_pattern
-from .modes import Mode, resolve_mode
+from .modes import Mode
 from .observe import Call, Observation, Verdict
-from .patching import installed_mode, raise_for_errors
+from .patching import raise_for_errors
 from .rules import RULES, get_rule
-
-AUDIT_ENV = "TRL_GC_PLUGIN_AUDIT"
 
 _STAND_BACK = frozenset(r.id for r in RULES if r.stand_back)
 
@@ -33,12 +30,6 @@ _OWNERS: WeakIdMap[SafeGCCallback] = WeakIdMap()
 """Which callback acts for a Trainer, keyed by the Trainer's `TrainerState` (kept off the state object itself)."""
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    flag = parse_flag(value) if value else None
-    return default if flag is None else flag
 
 
 def _guarded(event: F) -> F:
@@ -150,17 +141,32 @@ class SafeGCCallback(TrainerCallback):
         parity_check: bool | None = None,
         memory_budget: str | int | None = None,
     ) -> None:
-        self.mode: Mode = resolve_mode(mode, installed_mode())
-        self.memory_budget = resolve_budget(memory_budget)
-        self.write_json = write_json
-        self.audit = _env_flag(AUDIT_ENV, True) if audit is None else audit
-        self.parity_check = parity_check
+        from .patching import installed_settings
+
+        resolved = settings.GCSettings.resolve(
+            {
+                "mode": mode,
+                "write_json": write_json,
+                "audit": audit,
+                "parity_check": parity_check,
+                "memory_budget": memory_budget,
+            },
+            installed_settings(),
+        )
+        self.settings = resolved
+        self.mode: Mode = resolved.mode
+        self.memory_budget = resolved.memory_budget
+        self.write_json = resolved.write_json
+        self.audit = resolved.audit
+        self.parity_check = resolved.parity_check
         self._decisions: list[Decision] = []
         self._owner: SafeGCCallback | None = None
         self._active = False
         self._broken = False
         self._reset_run()
         report.setup()
+        for line in resolved.problems:
+            report.note(f"{line}; using the default.", "warning")
 
     @property
     def decisions(self) -> list[Decision]:
@@ -946,30 +952,7 @@ class SafeGCCallback(TrainerCallback):
             )
 
 
-BUDGET_ENV = "TRL_GC_PLUGIN_BUDGET"
 SEQUENCE_FIELDS = ("max_length", "max_seq_length")
-
-
-def resolve_budget(value: str | int | None) -> str | int | None:
-    """`value`, else the budget given to `install()`, else `$TRL_GC_PLUGIN_BUDGET`, else None. A bad argument raises
-    `ValueError`; a bad environment value warns once and is ignored."""
-    from .patching import installed_budget
-    from .planner import parse_budget
-
-    if value is None:
-        value = installed_budget()
-        if value is None:
-            env = os.environ.get(BUDGET_ENV, "").strip()
-            if not env:
-                return None
-            try:
-                return "auto" if env.lower() == "auto" else parse_budget(env)
-            except ValueError as exc:
-                report.note(f"ignoring {BUDGET_ENV}={env!r}: {exc}", "warning")
-                return None
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    return parse_budget(value)
 
 
 def budget_bytes(budget: str | int, model: Any) -> int:

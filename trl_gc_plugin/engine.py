@@ -33,6 +33,7 @@ from .rules import RULES, USE_REENTRANT, Rule, get_rule, unread_layer_kwargs
 _EXPLICIT = {"user", "unknown"}
 _REFUSED: dict[str, Action] = {"strict": "error", "fix": "override", "warn": "warn"}
 _VERB = {"error": "is refused", "override": "is OVERRIDDEN", "warn": "breaks training"}
+_VERB_DETAIL = {"error": "Refused.", "override": "OVERRIDDEN.", "warn": "This breaks training."}
 
 
 def refused(mode: str) -> Action:
@@ -86,10 +87,18 @@ def _decision(
     return Decision.from_rule(rule, action, before, after, source, reason, facts.stage, setting, level)
 
 
+def _detail(rule: Rule, facts: Facts) -> str:
+    """The rule's fact-specific first sentence, with a trailing blank ('' without one)."""
+    return rule.detail(facts) + " " if rule.detail is not None else ""
+
+
 def _refuse_explicit(rule: Rule, mode: Mode, current: Any, source: str, facts: Facts) -> Decision:
     """An explicit value that a `require` rule says breaks training: error (strict), override (fix), warn."""
     action = refused(mode)
-    reason = f"{rule.setting}={current!r} {_VERB[action]}: {rule.condition}. " + rule.message
+    if rule.detail is not None:
+        reason = _detail(rule, facts) + _VERB_DETAIL[action] + " " + rule.message
+    else:
+        reason = f"{rule.setting}={current!r} {_VERB[action]}: {rule.condition}. " + rule.message
     return _decision(rule, action, current, rule.value, source, reason, facts)
 
 
@@ -361,7 +370,11 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
         current, who = _current(facts, rule.setting)
         out.append(_decision(rule, "repair", current, rule.value, who, rule.message, facts))
     for rule in by_kind["check"]:
-        out.append(_decision(rule, "warn", value, value, source, rule.message, facts, level=rule.level))
+        current, who = (
+            (value, source) if rule.setting == USE_REENTRANT else _current(facts, rule.setting, value, source)
+        )
+        reason = _detail(rule, facts) + rule.message
+        out.append(_decision(rule, "warn", current, current, who, reason, facts, level=rule.level))
     return [_in_warn_mode(d) for d in out] if mode == "warn" else out
 
 
@@ -369,8 +382,9 @@ _REPAIRED_ABOVE = frozenset({USE_REENTRANT, "activation_checkpointing_kwargs", "
 """Repairs `decide` folds into the choice of `use_reentrant` (field disagreement, a non-bool value, a stale model)."""
 
 
-def _current(facts: Facts, setting: str) -> tuple[Any, str]:
-    """The value of a setting other than `use_reentrant`, and who set it."""
+def _current(facts: Facts, setting: str, *fallback: Any) -> tuple[Any, str]:
+    """The value of a setting other than `use_reentrant`, and who set it (`fallback`, the value and its source, for
+    a setting without a fact)."""
     if setting == "model.config.use_cache":
         return facts.use_cache, "model config"
     if setting == "activation_checkpointing":
@@ -383,6 +397,12 @@ def _current(facts: Facts, setting: str) -> tuple[Any, str]:
         return facts.fsdp_activation_checkpointing, "user"
     if setting == "checkpointing_kwargs":  # the kwargs torch must not get
         return unread_layer_kwargs(facts), "user"
+    if setting == "checkpointing_kwargs.container":  # what is wrong with them as a container (None: a dict)
+        return facts.kwargs_problem, "user"
+    if setting == "checkpointing_kwargs.unknown":
+        return list(facts.kwargs_unknown), "user"
+    if fallback:
+        return fallback[0], fallback[1]
     raise KeyError(f"no fact for setting {setting!r}")
 
 

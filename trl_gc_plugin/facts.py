@@ -66,6 +66,10 @@ class Facts:
             which transformers ignores the checkpointing kwargs (remote code written before 4.35).
         kwargs_keys: the keys of the checkpointing kwargs other than `use_reentrant` (`every_n_layers`, `offload`,
             `preserve_rng_state`, `context_fn`, `determinism_check`, `debug`, ...).
+        kwargs_problem: what is wrong with the checkpointing kwargs as a container (`str 'use_reentrant=True'`), None
+            when they are a dict or unset (`settings.checkpoint_kwargs_problem`).
+        kwargs_unknown: keys of the checkpointing kwargs that nothing reads (torch, transformers, the plugin), each
+            with the nearest known key when one is close (`settings.unknown_checkpoint_keys`).
         every_n_layers / offload: transformers' layer selection (5.16+) and activation offloading (5.17+), as asked
             for in the kwargs (None / False when not asked for).
         preserve_rng_state: the kwargs' `preserve_rng_state` (None: torch's default, True).
@@ -121,6 +125,8 @@ class Facts:
     unsloth: bool = False
     legacy_checkpointing: bool = False
     kwargs_keys: tuple[str, ...] = ()
+    kwargs_problem: str | None = None
+    kwargs_unknown: tuple[str, ...] = ()
     every_n_layers: int | None = None
     offload: bool = False
     preserve_rng_state: bool | None = None

@@ -145,13 +145,19 @@ def install(mode: str | None = None, callback: bool = True, memory_budget: str |
     """
     from transformers import TrainingArguments
 
-    if memory_budget is not None:
-        from .planner import parse_budget
+    from .settings import BOOL_FORMS, GCSettings, parse_bool
 
-        _state["budget"] = (
-            memory_budget if str(memory_budget).strip().lower() == "auto" else parse_budget(memory_budget)
-        )
-    patch_training_args(TrainingArguments, mode)
+    try:
+        callback = parse_bool(callback)
+    except ValueError:
+        raise GCConfigError(f"install(callback=...): got {callback!r}; callback accepts {BOOL_FORMS}") from None
+    resolved = GCSettings.resolve({"mode": mode, "memory_budget": memory_budget}, caller="install")
+    for line in resolved.problems:
+        report.note(f"{line}; using the default.", "warning")
+    with _lock:
+        if memory_budget is not None:
+            _state["budget"] = resolved.memory_budget
+        patch_training_args(TrainingArguments, resolved.mode)
     if callback:
         register_callback()
 
@@ -176,6 +182,11 @@ def uninstall() -> None:
 def installed_budget() -> str | int | None:
     """The memory budget `install()` was given (None when none, or not installed)."""
     return _state["budget"]
+
+
+def installed_settings() -> dict[str, Any]:
+    """What `install()` was given (the mode and the budget), for `GCSettings.resolve`; empty when not installed."""
+    return {"mode": _state["mode"], "memory_budget": _state["budget"]} if is_installed() else {}
 
 
 def installed_mode() -> Mode | None:

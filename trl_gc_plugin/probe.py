@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from . import capabilities
+from . import capabilities, settings
 from ._flags import parse_flag
 from ._weak import WeakIdMap
 from .facts import Facts, Source
@@ -291,6 +291,8 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
         ddp_static_graph=getattr(args, "ddp_static_graph", None),
         gc_flag_source=_flag_source(args),
         kwargs_keys=tuple(sorted(str(k) for k in given if k != "use_reentrant")),
+        kwargs_problem=settings.checkpoint_kwargs_problem(kwargs),
+        kwargs_unknown=settings.unknown_checkpoint_keys(given),
         every_n_layers=every if isinstance(every, int) and not isinstance(every, bool) else None,
         offload=bool(parse_flag(given.get("offload", False))),
         preserve_rng_state=parse_flag(given["preserve_rng_state"]) if "preserve_rng_state" in given else None,

@@ -112,10 +112,8 @@ def note(message: str, level: str = "info", main_process: bool = True) -> None:
 def summary_line(decisions: list[Any], mode: str, use_reentrant: Any, source: str, json_path: str | None) -> str:
     """The run's one-line summary: what runs, what the plugin changed or would change, where the decisions are."""
     where = f"; decisions in {json_path}" if json_path else ""
-    flagged = [d for d in decisions if d.level in ("warning", "error")]
-    said = (
-        f"; {len(flagged)} warning(s)/refusal(s): " + ", ".join(sorted({d.rule_id for d in flagged})) if flagged else ""
-    )
+    flagged = sorted({d.rule_id for d in decisions if d.level in ("warning", "error")})  # a check said at two stages
+    said = f"; {len(flagged)} warning(s)/refusal(s): " + ", ".join(flagged) if flagged else ""
     if any(d.rule_id == "checkpointing-off" for d in decisions):
         return f"gradient checkpointing is off (mode={mode}){said}{where}."
     who = {

@@ -60,6 +60,8 @@ class Rule:
         remove_when: when the rule becomes dead weight.
         stages: the stages where the rule is evaluated (`runtime` for `verify` rules).
         stand_back: when it applies, the plugin makes no other decision (another library owns checkpointing).
+        detail: the fact-specific first sentence of a decision's reason (which value, which keys), from the facts;
+            the message follows it.
         level: how its repairs and checks are logged: `warning` when the user should change something, `info` for
             routine repairs of upstream behaviour (shown with the Trainer's `log_level="info"`). Refusals are always
             errors and overrides of a user's value always warnings.
@@ -80,6 +82,7 @@ class Rule:
     stages: tuple[str, ...] = ("post_init", "init_end", "train")
     stand_back: bool = False
     level: Level = "warning"
+    detail: Callable[[Facts], str] | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """The rule as plain data (the predicate is represented by its `condition` text)."""
@@ -135,6 +138,56 @@ RULES: tuple[Rule, ...] = (
             TORCH_CHECKPOINT_DOCS,
         ),
         remove_when="transformers validates the type of `use_reentrant` itself",
+    ),
+    Rule(
+        id="checkpointing-kwargs-not-a-dict",
+        title="the checkpointing kwargs must be a dict",
+        kind="require",
+        setting="checkpointing_kwargs.container",
+        value=None,
+        when=lambda f: bool(f.gc_enabled and f.kwargs_problem),
+        condition=(
+            "`gradient_checkpointing_kwargs` / `activation_checkpointing_kwargs` hold something other than a dict "
+            "(a string that is not JSON, a list)"
+        ),
+        message=(
+            "Without the plugin the Trainer stops when it enables checkpointing ('functools.partial() argument after "
+            "** must be a mapping'); nothing the plugin could do with it would be what you wrote. Write a dict, e.g. "
+            "gradient_checkpointing_kwargs={'use_reentrant': False} (a JSON string of one is parsed by transformers). "
+            "In fix mode the plugin replaces it with a dict holding its own use_reentrant."
+        ),
+        evidence=(
+            "reproduced: transformers 4.57.6, TRL 1.16, gradient_checkpointing_kwargs='use_reentrant=True' or "
+            "['use_reentrant'] -> TypeError: functools.partial() argument after ** must be a mapping",
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/training_args.py "
+            "(_convert_str_dict: only JSON strings are converted to dicts)",
+        ),
+        remove_when="transformers validates the type of the checkpointing kwargs in __post_init__",
+        detail=lambda f: f"The checkpointing kwargs are a {f.kwargs_problem}, not a dict.",
+    ),
+    Rule(
+        id="checkpointing-kwargs-unknown",
+        title="checkpointing kwargs nothing reads",
+        kind="check",
+        setting="checkpointing_kwargs.unknown",
+        value=None,
+        when=lambda f: bool(f.gc_enabled and f.kwargs_unknown),
+        condition=(
+            "a key of the checkpointing kwargs is read by neither the installed torch.utils.checkpoint (its "
+            "signature), transformers (`every_n_layers`, `offload`) nor the plugin (`selective`)"
+        ),
+        message=(
+            "With use_reentrant=False torch passes unknown keys on to the checkpointed layer, whose **kwargs swallow "
+            "them: the setting silently does nothing. With use_reentrant=True torch raises 'Unexpected keyword "
+            "arguments' in the first forward. Correct or remove them."
+        ),
+        evidence=(
+            "reproduced: transformers 4.57.6, {'use_reentrant': False, 'use_reentrent': True} trains with the typo "
+            "ignored; torch 2.13 reentrant checkpoint with an unknown keyword -> ValueError: Unexpected keyword arguments",
+            TORCH_CHECKPOINT_DOCS,
+        ),
+        remove_when="torch or transformers rejects unknown checkpointing keywords",
+        detail=lambda f: "Unknown key(s) in the checkpointing kwargs: " + ", ".join(f.kwargs_unknown) + ".",
     ),
     Rule(
         id="field-disagreement",
