@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .common import ConfigError, expect_mapping, pydantic_bool, short, type_name
+from .._flags import pydantic_bool
+from .common import ConfigError, expect_mapping, short, type_name
 from .deepspeed import read_deepspeed
 from .load import load_yaml_file
 
