@@ -202,7 +202,7 @@ def test_an_accelerate_config_with_fsdp_checkpointing_and_trls_default(tmp_path)
         ("env: [1]\n", "key 'env' (line 3): TRL requires a mapping of environment variables"),
         ("deepspeed: 3\n", "key 'deepspeed' (line 3): expected a path to a DeepSpeed JSON file or a mapping"),
         ("deepspeed: {zero_optimization: auto}\n", "key 'zero_optimization': expected a mapping"),
-        ("deepspeed: {zero_optimization: {stage: auto}}\n", "must be 0, 1, 2 or 3, got 'auto'"),
+        ("deepspeed: {zero_optimization: {stage: full}}\n", "must be 0, 1, 2 or 3, got 'full'"),  # 'auto' reads as 2
         ("deepspeed: nothere.json\n", "DeepSpeed config 'nothere.json' not found"),
         ("fsdp_config: [1]\n", "key 'fsdp_config' (line 3): expected a mapping"),
         ("gradient_checkpointing_kwargs: '{broken'\n", "not a JSON object"),

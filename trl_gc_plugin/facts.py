@@ -79,7 +79,8 @@ class Facts:
         dropout: some dropout probability of the model is > 0 (None: unknown).
         shared_state_layers: some layers read tensors another layer computed outside their inputs (cross-layer KV
             sharing, `num_kv_shared_layers`); None unknown.
-        deepspeed_activation_checkpointing: the DeepSpeed config has an `activation_checkpointing` block.
+        deepspeed_activation_checkpointing: the DeepSpeed config's `activation_checkpointing` block sets one of
+            DeepSpeed's keys to a truthy value (`_deepspeed`, the reading the check shares).
         gc_running_blocks: how many blocks really checkpoint (live flags, train mode), None before checkpointing is
             enabled.
         fsdp_wrapped: FSDP was asked for and accelerate's state says whether it is applied (True) or not (False:
@@ -88,8 +89,9 @@ class Facts:
         fsdp_version: 1 or 2 when FSDP is asked for.
         shared_block_params: a trainable parameter belongs to two or more checkpointed blocks (a block shared across
             depth, Zamba2): two reentrant calls then send it gradients from two inner backwards.
-        zero_overlap_comm: DeepSpeed's `zero_optimization.overlap_comm` (ZeRO-1 reduces gradients during the backward
-            only with it); None when not set.
+        zero_overlap_comm: DeepSpeed's `zero_optimization.overlap_comm` as DeepSpeed resolves it (ZeRO-1 reduces
+            gradients during the backward only with it; unset or `auto`: True at stage 3, else False); None without a
+            DeepSpeed config or when the config's stage is unreadable.
     """
 
     stage: Stage = "init_end"

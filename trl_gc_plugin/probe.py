@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
 from . import capabilities, settings
+from ._deepspeed import ACCELERATE_DEFAULT_STAGE, DeepSpeedFacts
+from ._deepspeed import deepspeed_facts as read_deepspeed_config
 from ._flags import parse_flag
 from ._weak import WeakIdMap
 from .facts import Facts, Source
+
+logger = logging.getLogger("trl_gc_plugin")
 
 NEW_KWARGS, OLD_KWARGS = "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"
 NEW_FLAG, OLD_FLAG = "activation_checkpointing", "gradient_checkpointing"
@@ -166,22 +171,49 @@ def _deepspeed_config(args: Any) -> dict[str, Any] | None:
     return None
 
 
-def zero_stage(args: Any) -> int | None:
-    """The DeepSpeed ZeRO stage in use, or None without DeepSpeed."""
-    plugin = getattr(args, "deepspeed_plugin", None)
-    stage = getattr(plugin, "zero_stage", None)
-    if isinstance(stage, int):
-        return stage
+def _plugin_stage(args: Any) -> int | None:
+    """The stage in accelerate's `DeepSpeedPlugin` (TrainingArguments builds it; it fills a stage `"auto"`)."""
+    stage = getattr(getattr(args, "deepspeed_plugin", None), "zero_stage", None)
+    return stage if isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage <= 3 else None
+
+
+def _env_stage() -> int | None:
+    env_stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+    return int(env_stage) if env_stage.isdigit() and int(env_stage) <= 3 else None
+
+
+def deepspeed_facts(args: Any) -> DeepSpeedFacts | None:
+    """The DeepSpeed config's facts (`_deepspeed.deepspeed_facts`, the reading `trl-gc-check` shares), or None without
+    a config. A stage `"auto"` is the plugin's stage, else accelerate's (`ACCELERATE_DEEPSPEED_ZERO_STAGE`, else 2).
+    Problems (values DeepSpeed would refuse) are logged once each; the run fails on them in DeepSpeed, not here."""
     config = _deepspeed_config(args)
-    if config is not None:
-        stage = (config.get("zero_optimization") or {}).get("stage", 0)
-        try:
-            return int(stage)
-        except (TypeError, ValueError):  # "auto"
-            return None
+    if config is None:
+        return None
+    auto = _plugin_stage(args)
+    if auto is None:
+        auto = _env_stage()
+    facts = read_deepspeed_config(config, auto_stage=ACCELERATE_DEFAULT_STAGE if auto is None else auto)
+    for problem in facts.problems:
+        if problem not in _LOGGED_PROBLEMS:
+            _LOGGED_PROBLEMS.add(problem)
+            logger.warning("DeepSpeed config: %s", problem)
+    return facts
+
+
+_LOGGED_PROBLEMS: set[str] = set()
+
+
+def zero_stage(args: Any) -> int | None:
+    """The DeepSpeed ZeRO stage in use, or None without DeepSpeed (or when the config's stage is unreadable)."""
+    stage = _plugin_stage(args)
+    if stage is not None:
+        return stage
+    ds = deepspeed_facts(args)
+    if ds is not None:
+        return ds.stage
     if parse_flag(os.environ.get("ACCELERATE_USE_DEEPSPEED", "")):
-        env_stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
-        return int(env_stage) if env_stage.isdigit() else 0
+        env_stage = _env_stage()
+        return 0 if env_stage is None else env_stage
     return None
 
 
@@ -263,7 +295,7 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
     kind = trainer_kind(args)
     given = kwargs if isinstance(kwargs, dict) else {}
     every = given.get("every_n_layers")
-    ds_config = _deepspeed_config(args)
+    ds = deepspeed_facts(args)
     return Facts(
         stage=stage,  # type: ignore[arg-type]
         versions=dict(installed_versions()),
@@ -286,7 +318,7 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
         fsdp_activation_checkpointing=fsdp_ac and applied is not False,
         fsdp_wrapped=applied,
         fsdp_version=fsdp_version(args) if fsdp else None,
-        zero_overlap_comm=_overlap_comm(ds_config),
+        zero_overlap_comm=ds.overlap_comm if ds is not None else None,
         ddp_find_unused_parameters=getattr(args, "ddp_find_unused_parameters", None),
         ddp_static_graph=getattr(args, "ddp_static_graph", None),
         gc_flag_source=_flag_source(args),
@@ -297,31 +329,7 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
         offload=bool(parse_flag(given.get("offload", False))),
         preserve_rng_state=parse_flag(given["preserve_rng_state"]) if "preserve_rng_state" in given else None,
         selective="context_fn" in given or bool(parse_flag(given.get("selective", False))),
-        deepspeed_activation_checkpointing=deepspeed_activation_checkpointing(ds_config),
-    )
-
-
-DEEPSPEED_AC_KEYS = (
-    "partition_activations",
-    "cpu_checkpointing",
-    "contiguous_memory_optimization",
-    "number_checkpoints",
-    "synchronize_checkpoint_boundary",
-    "profile",
-)
-
-
-def _overlap_comm(config: Any) -> bool | None:
-    zero = config.get("zero_optimization") if isinstance(config, dict) else None
-    value = zero.get("overlap_comm") if isinstance(zero, dict) else None
-    return parse_flag(value) if value is not None else None
-
-
-def deepspeed_activation_checkpointing(config: Any) -> bool:
-    """The DeepSpeed config asks for DeepSpeed's own activation checkpointing (a block with a truthy setting)."""
-    block = config.get("activation_checkpointing") if isinstance(config, dict) else None
-    return isinstance(block, dict) and any(
-        block.get(k) not in (None, False, 0, "false", "none") for k in DEEPSPEED_AC_KEYS
+        deepspeed_activation_checkpointing=ds is not None and ds.activation_checkpointing,
     )
 
 

@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .common import ConfigError, expect_mapping, pydantic_bool, short, type_name
+from .._flags import pydantic_bool
+from .common import ConfigError, expect_mapping, short, type_name
 from .deepspeed import read_deepspeed
 from .load import load_yaml_file
 
@@ -55,7 +56,8 @@ class AccelerateConfig:
         distributed_type: `NO`, `MULTI_GPU`, `DEEPSPEED`, `FSDP`, ...
         num_processes: the total process count (None when the file does not say).
         zero_stage: the ZeRO stage under DeepSpeed, else None.
-        deepspeed_activation_checkpointing: the DeepSpeed config file it names has an `activation_checkpointing` block.
+        deepspeed_activation_checkpointing: the `activation_checkpointing` block of the DeepSpeed config
+            file it names asks for something (`_deepspeed`).
         fsdp: FSDP is used.
         fsdp_version: 1 or 2 under FSDP.
         fsdp_activation_checkpointing: FSDP's own activation checkpointing is on.

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .._flags import pydantic_bool
 from .common import (
     ConfigError,
     Context,
@@ -34,7 +35,6 @@ from .common import (
     Origin,
     Reading,
     expect_mapping,
-    pydantic_bool,
     short,
     type_name,
     where,

@@ -1,8 +1,10 @@
-"""Read the DeepSpeed config a training config names: its ZeRO stage and whether it has an `activation_checkpointing`
-block. Launchers read a relative path from the directory the launch runs in; the check looks there first, then next
-to the config file (and says so), then in the launcher's table of the configs it ships (Axolotl's
+"""Read the DeepSpeed config a training config names: its ZeRO stage, `overlap_comm`, and whether its
+`activation_checkpointing` block asks for something, through `trl_gc_plugin._deepspeed` (the reading the running
+plugin uses too). Launchers read a relative path from the directory the launch runs in; the check looks there first,
+then next to the config file (and says so), then in the launcher's table of the configs it ships (Axolotl's
 `deepspeed_configs/zero3.json`, LLaMA-Factory's `examples/deepspeed/ds_z3_config.json`), which examples name without
-shipping. A file that is none of these, or that is not a JSON object with a valid stage, is a `ConfigError`.
+shipping. A file that is none of these, that is not a JSON object, or with a value the run would fail on (the reader's
+`problems`), is a `ConfigError`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .common import ConfigError, Origin, Reading, expect_mapping, short, type_name, where
+from .._deepspeed import deepspeed_facts
+from .common import ConfigError, Origin, Reading, short, type_name, where
 from .load import load_json_file
 
 
@@ -21,10 +24,11 @@ class DeepSpeedConfig:
     """What the check needs from a DeepSpeed config.
 
     Args:
-        stage: the ZeRO stage (0 when the config has no `zero_optimization.stage`, as DeepSpeed defaults).
-        activation_checkpointing: the config has an `activation_checkpointing` block that asks for something (a
-            setting other than false / 0 / none).
-        overlap_comm: `zero_optimization.overlap_comm` (None when not set or `auto`).
+        stage: the ZeRO stage (0 when the config has no `zero_optimization.stage`, as DeepSpeed defaults; `"auto"`
+            is accelerate's 2).
+        activation_checkpointing: the `activation_checkpointing` block sets one of DeepSpeed's keys to a truthy value.
+        overlap_comm: `zero_optimization.overlap_comm` as DeepSpeed resolves it (unset or `auto`: True at stage 3,
+            else False); None for a shipped config that was not read.
         origin: `deepspeed config` (read) or `launcher default` (a config the launcher ships, not found on disk).
         detail: which file, and how it was found.
         note: something the output must say (found next to the config rather than in the launch directory).
@@ -123,31 +127,19 @@ def _parse(
         raise ConfigError(
             f"DeepSpeed config {label} ({path}, key {key!r}): must be a JSON object, not {type_name(data)}"
         )
-    zero = data.get("zero_optimization", {})
-    if zero is None:
-        zero = {}
-    zero = expect_mapping(zero, label, "zero_optimization", None, example="{stage: 3}")
-    raw = zero.get("stage", 0)
-    stage = -1
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        stage = raw
-    elif isinstance(raw, str) and raw.strip().isdigit():
-        stage = int(raw.strip())
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(
-            f"DeepSpeed config {label}: key 'zero_optimization.stage': must be 0, 1, 2 or 3, got {short(raw)}"
+    facts = deepspeed_facts(data)
+    if facts.problems or facts.stage is None:
+        raise ConfigError(f"DeepSpeed config {label}: " + "; ".join(facts.problems))
+    if facts.stage_auto:
+        auto = (
+            f"{label}: zero_optimization.stage is 'auto': read as {facts.stage}, the stage accelerate fills in "
+            "(ACCELERATE_DEEPSPEED_ZERO_STAGE, else 2)."
         )
-    block = data.get("activation_checkpointing")
-    if block is not None and not isinstance(block, dict):
-        raise ConfigError(
-            f"DeepSpeed config {label}: key 'activation_checkpointing': expected a mapping, got {type_name(block)} {short(block)}"
-        )
-    overlap = zero.get("overlap_comm")
+        note = f"{note} {auto}" if note else auto
     return DeepSpeedConfig(
-        stage=stage,
-        activation_checkpointing=isinstance(block, dict)
-        and any(v not in (None, False, 0, "false", "none") for v in block.values()),
-        overlap_comm=overlap if isinstance(overlap, bool) else None,
+        stage=facts.stage,
+        activation_checkpointing=facts.activation_checkpointing,
+        overlap_comm=facts.overlap_comm,
         origin=origin,
         detail=detail,
         note=note,
