@@ -393,6 +393,7 @@ SHOWN = (
     ("checkpointing", "gc_enabled"),
     ("use_reentrant", "use_reentrant"),
     ("other checkpointing kwargs", "kwargs_keys"),
+    ("checkpointing kwargs nothing reads", "kwargs_unknown"),
     ("offload (transformers' kwarg)", "offload"),
     ("activation offloading (launcher)", "activation_offloading"),
     ("selective checkpointing", "selective"),

@@ -144,21 +144,22 @@ RULES: tuple[Rule, ...] = (
         title="the checkpointing kwargs must be a dict",
         kind="require",
         setting="checkpointing_kwargs.container",
-        value=None,
+        value="dict",
         when=lambda f: bool(f.gc_enabled and f.kwargs_problem),
         condition=(
             "`gradient_checkpointing_kwargs` / `activation_checkpointing_kwargs` hold something other than a dict "
             "(a string that is not JSON, a list)"
         ),
         message=(
-            "Without the plugin the Trainer stops when it enables checkpointing ('functools.partial() argument after "
-            "** must be a mapping'); nothing the plugin could do with it would be what you wrote. Write a dict, e.g. "
+            "Without the plugin the Trainer stops when it enables checkpointing (4.x: 'functools.partial() argument "
+            "after ** must be a mapping'; 5.x: 'dictionary update sequence element #0 ...'); nothing the plugin could do with it would be what you wrote. Write a dict, e.g. "
             "gradient_checkpointing_kwargs={'use_reentrant': False} (a JSON string of one is parsed by transformers). "
             "In fix mode the plugin replaces it with a dict holding its own use_reentrant."
         ),
         evidence=(
             "reproduced: transformers 4.57.6, TRL 1.16, gradient_checkpointing_kwargs='use_reentrant=True' or "
-            "['use_reentrant'] -> TypeError: functools.partial() argument after ** must be a mapping",
+            "['use_reentrant'] -> TypeError: functools.partial() argument after ** must be a mapping; transformers "
+            "5.23.0 -> ValueError: dictionary update sequence element #0 has length 1; 2 is required",
             "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/training_args.py "
             "(_convert_str_dict: only JSON strings are converted to dicts)",
         ),

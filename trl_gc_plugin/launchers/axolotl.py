@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._flags import pydantic_bool
+from ..settings import unknown_checkpoint_keys
 from .common import (
     ConfigError,
     Context,
@@ -789,6 +790,9 @@ def read(config: Config, ctx: Context) -> Reading:
         extra = tuple(sorted(k for k in kwargs if k != "use_reentrant"))
         if extra:
             reading.set("kwargs_keys", extra, "file", "keys of gradient_checkpointing_kwargs")
+        unknown = unknown_checkpoint_keys(kwargs)
+        if unknown:
+            reading.set("kwargs_unknown", unknown, "file", "keys of gradient_checkpointing_kwargs nothing reads")
 
     peft = bool(adapter)
     quant = "bitsandbytes_4bit" if four else "bitsandbytes_8bit" if eight else "gptq" if gptq else None

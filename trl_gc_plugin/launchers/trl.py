@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..probe import GENERATING_TRAINERS, RL_TRAINERS
+from ..settings import unknown_checkpoint_keys
 from .accelerate import read_accelerate, trl_bundled, trl_bundled_names, whole_number
 from .common import (
     ConfigError,
@@ -326,6 +327,9 @@ def read_kwargs(reading: Reading, kwargs: dict[str, Any] | None, key: str) -> No
     extra = tuple(sorted(k for k in kwargs if k != "use_reentrant"))
     if extra:
         reading.set("kwargs_keys", extra, "file", f"keys of {key}")
+    unknown = unknown_checkpoint_keys(kwargs)
+    if unknown:
+        reading.set("kwargs_unknown", unknown, "file", f"keys of {key} nothing reads")
     if "every_n_layers" in kwargs:
         reading.set("every_n_layers", kwargs["every_n_layers"], "file", f"key {key}.every_n_layers")
     if kwargs.get("offload"):
