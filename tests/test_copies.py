@@ -58,3 +58,26 @@ def test_a_copy_at_any_first_step_event_equals_the_plugin_free_copy(reentrant, t
     assert outcomes[True] == outcomes[False]
     assert not any(named for _, named, _ in outcomes[True].values())
     assert _hooks.waiting() == 0
+
+
+def test_a_copy_of_a_guarded_model_enables_its_own_checkpointing_and_nothing_stays_on_the_class():
+    """The enable guard (kept layer pattern across TRL's re-enables) lives on the class and dispatches by identity:
+    a deep copy made while it is installed carries nothing of it, and enabling the copy changes the copy only."""
+    from trl_gc_plugin import probe
+    from trl_gc_plugin.keep import EnableGuard
+
+    model = make_model(num_hidden_layers=4)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for block, on in zip(probe.checkpointed_blocks(model), (True, False, True, False), strict=True):
+        block.gradient_checkpointing = on
+    guard = EnableGuard(model, frozenset())
+    guard.install()
+    assert "gradient_checkpointing_enable" not in vars(model)
+    twin = copy.deepcopy(model)
+    assert "gradient_checkpointing_enable" not in vars(twin)  # it was the guard's closure, bound to `model`
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert probe.block_pattern(model) == (True, False, True, False)  # the guard put the pattern back
+    twin.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert probe.block_pattern(twin) == (True,) * 4  # the copy's own enable, not the original's
+    guard.remove()
+    assert "gradient_checkpointing_enable" not in vars(type(model))

@@ -6,12 +6,13 @@ TRL's DPO, GRPO, KTO and RLOO switch checkpointing off and back on every step wi
 wrapper replaced by plain `checkpoint`, and with reentrant `ValueError: Unexpected keyword arguments:
 every_n_layers` in the next forward; reproduced on 5.23); a transformers before 5.16 (`every_n_layers`) or 5.17
 (`offload`) does not understand them at all. `EnableGuard` stands in
-for the model's `gradient_checkpointing_enable` (an instance attribute on the unwrapped model, which PEFT wrappers
-reach through their `__getattr__`; transformers 5's `activation_checkpointing_enable` routes through it too) for the
-duration of training: it hands `every_n_layers` / `offload` to transformers as arguments where it reads them (as
+for the model's `gradient_checkpointing_enable` for the duration of training: the method of the unwrapped model's
+class dispatches by identity (PEFT wrappers reach it through their `__getattr__`; transformers 5's
+`activation_checkpointing_enable` routes through it too), so nothing is put on the model, and a deep copy of it made
+meanwhile (an EMA or reference model) enables its own checkpointing, not the original's. The guard: it hands `every_n_layers` / `offload` to transformers as arguments where it reads them (as
 detected, `capabilities.py`) or takes them out, calls the real method, and then puts back the recorded per-block flags and the
 checkpoint function's wrapper and extra keywords (a plan's `context_fn`), leaving `use_reentrant` to the call (the
-drift check watches that one). `remove()` deletes the instance attribute: the model is as it was.
+drift check watches that one). `remove()` puts the class back once its last guard goes.
 """
 
 from __future__ import annotations
@@ -21,9 +22,52 @@ from collections.abc import Collection
 from typing import Any
 
 from . import probe
+from ._weak import WeakIdMap
 
 LAYER_KWARGS = ("every_n_layers", "offload")
 _MARK = "__trl_gc_plugin_enable_guard__"
+
+_GUARDS: WeakIdMap[EnableGuard] = WeakIdMap()
+"""The guard of each guarded model, by identity (kept off the model: a copy or pickle of it carries nothing)."""
+_PATCHED: dict[type, tuple[Any, int]] = {}
+"""Model classes whose `gradient_checkpointing_enable` dispatches to a guard: (what the class itself held, users)."""
+_MISSING = object()
+
+
+def _patch_class(cls: type) -> None:
+    """Make `cls.gradient_checkpointing_enable` dispatch by identity: a guarded model goes through its guard, any
+    other instance (a deep copy of a guarded model, another model of the class) straight to the real method."""
+    held, users = _PATCHED.get(cls, (None, 0))
+    if users:
+        _PATCHED[cls] = (held, users + 1)
+        return
+    held = cls.__dict__.get("gradient_checkpointing_enable", _MISSING)
+    real = cls.gradient_checkpointing_enable  # type: ignore[attr-defined]
+
+    @functools.wraps(real)
+    def gradient_checkpointing_enable(self: Any, *args: Any, **kwargs: Any) -> Any:
+        guard = _GUARDS.get(self)
+        bound = real.__get__(self, type(self))
+        if guard is None:
+            return bound(*args, **kwargs)
+        return guard.enable(bound, *args, **kwargs)
+
+    setattr(gradient_checkpointing_enable, _MARK, True)
+    cls.gradient_checkpointing_enable = gradient_checkpointing_enable  # type: ignore[attr-defined]
+    _PATCHED[cls] = (held, 1)
+
+
+def _unpatch_class(cls: type) -> None:
+    held, users = _PATCHED.get(cls, (None, 0))
+    if users > 1:
+        _PATCHED[cls] = (held, users - 1)
+        return
+    _PATCHED.pop(cls, None)
+    if getattr(cls.__dict__.get("gradient_checkpointing_enable"), _MARK, False):
+        if held is _MISSING:
+            delattr(cls, "gradient_checkpointing_enable")
+        else:
+            cls.gradient_checkpointing_enable = held  # type: ignore[attr-defined]
 
 
 class EnableGuard:
@@ -41,6 +85,7 @@ class EnableGuard:
         self.layer_kwargs = frozenset(layer_kwargs)
         self.pattern: tuple[bool, ...] = ()
         self.funcs: dict[int, Any] = {}
+        self._patched: type | None = None
         self.record()
 
     def record(self) -> None:
@@ -55,26 +100,31 @@ class EnableGuard:
 
     def install(self) -> None:
         if self.base.__dict__.get("gradient_checkpointing_enable") is not None:
-            return  # someone (TRL's selective checkpointing, an earlier guard) wraps it already: leave it alone
-        original = self.base.gradient_checkpointing_enable
+            return  # someone (TRL's selective checkpointing) wraps it on the instance already: leave it alone
+        if _GUARDS.get(self.base) is not None:
+            return  # an earlier guard stands in already
+        _GUARDS.set(self.base, self)
+        _patch_class(type(self.base))
+        self._patched = type(self.base)
 
-        def gradient_checkpointing_enable(gradient_checkpointing_kwargs: Any = None, **kwargs: Any) -> Any:
-            torch_kwargs = dict(gradient_checkpointing_kwargs or {})
-            for key in LAYER_KWARGS:
-                value = torch_kwargs.pop(key, None)
-                if key in self.layer_kwargs and value is not None:
-                    kwargs.setdefault(key, value)
-            result = original(gradient_checkpointing_kwargs=torch_kwargs or None, **kwargs)
-            self.reapply()
-            return result
-
-        setattr(gradient_checkpointing_enable, _MARK, True)
-        self.base.gradient_checkpointing_enable = gradient_checkpointing_enable
+    def enable(self, original: Any, gradient_checkpointing_kwargs: Any = None, **kwargs: Any) -> Any:
+        """The guarded `gradient_checkpointing_enable`: hand the layer kwargs over or take them out, call `original`
+        (the model's own method, bound), then put back what was recorded."""
+        torch_kwargs = dict(gradient_checkpointing_kwargs or {})
+        for key in LAYER_KWARGS:
+            value = torch_kwargs.pop(key, None)
+            if key in self.layer_kwargs and value is not None:
+                kwargs.setdefault(key, value)
+        result = original(gradient_checkpointing_kwargs=torch_kwargs or None, **kwargs)
+        self.reapply()
+        return result
 
     def remove(self) -> None:
-        current = self.base.__dict__.get("gradient_checkpointing_enable")
-        if current is not None and getattr(current, _MARK, False):
-            del self.base.__dict__["gradient_checkpointing_enable"]
+        if _GUARDS.get(self.base) is self:
+            _GUARDS.pop(self.base)
+        patched, self._patched = self._patched, None
+        if patched is not None:
+            _unpatch_class(patched)
 
     def drifted(self) -> list[tuple[str, Any]]:
         """(what, found) where the live model no longer holds the recorded pattern or checkpoint function."""
