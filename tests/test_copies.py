@@ -44,13 +44,14 @@ for _event in EVENTS:
     setattr(Copier, _event, lambda self, args, state, control, model=None, _e=_event, **kw: self._look(_e, model))
 
 
+@pytest.mark.parametrize("budget", [None, "1TiB"], ids=["no-plan", "plan"])  # a plan waits for the first forward
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_a_copy_at_any_first_step_event_equals_the_plugin_free_copy(reentrant, tmp_path):
+def test_a_copy_at_any_first_step_event_equals_the_plugin_free_copy(reentrant, budget, tmp_path):
     outcomes = {}
     for plugin in (False, True):
         torch.manual_seed(0)
         copier = Copier()
-        callbacks = ([SafeGCCallback(parity_check=True)] if plugin else []) + [copier]
+        callbacks = ([SafeGCCallback(parity_check=True, memory_budget=budget)] if plugin else []) + [copier]
         make_trainer("trainer", make_model(), str(tmp_path / str(plugin)), gc_kwargs={"use_reentrant": reentrant},
                      callbacks=callbacks, max_steps=2).train()
         assert set(copier.seen) == set(EVENTS)
@@ -81,3 +82,23 @@ def test_a_copy_of_a_guarded_model_enables_its_own_checkpointing_and_nothing_sta
     assert probe.block_pattern(twin) == (True,) * 4  # the copy's own enable, not the original's
     guard.remove()
     assert "gradient_checkpointing_enable" not in vars(type(model))
+
+
+def test_a_keyword_pre_hook_outside_the_module_sees_the_keywords_and_leaves_nothing():
+    """The plan's first-forward hook needs the call's keywords (Trainer calls `model(**inputs)`): a process-wide
+    pre-hook gets them for the chosen module only; a copy made meanwhile is not called back; removal leaves no key."""
+    model = make_model(num_hidden_layers=1)
+    seen = []
+    handle = _hooks.on_forward_pre_with_kwargs(model, lambda m, a, k: seen.append((m, sorted(k))))
+    assert handle is not None  # torch 2.13 passes the keywords to a flagged process-wide hook
+    twin = copy.deepcopy(model)
+    ids = torch.tensor([[1, 2, 3]])
+    model(input_ids=ids)
+    twin(input_ids=ids)
+    assert [(m is model, keys) for m, keys in seen] == [(True, ["input_ids"])]
+    assert hooks(twin) == hooks(make_model(num_hidden_layers=1))
+    handle.remove()
+    handle.remove()  # idempotent
+    assert _hooks.waiting() == 0 and not model._forward_pre_hooks_with_kwargs
+    model(input_ids=ids)
+    assert len(seen) == 1

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 _pre: dict[int, dict[int, tuple[weakref.ref[Any], Callable[..., Any]]]] = {}
+_pre_kw: dict[int, dict[int, tuple[weakref.ref[Any], Callable[..., Any]]]] = {}
 _post: dict[int, dict[int, tuple[weakref.ref[Any], Callable[..., Any]]]] = {}
 _global: dict[str, Any] = {}
 _next = [0]
@@ -55,15 +56,22 @@ def _post_hook(module: Any, args: Any, output: Any) -> None:
     _dispatch(_post, module, args, output)
 
 
+def _pre_kw_hook(module: Any, args: Any, kwargs: Any = None) -> None:
+    if kwargs is not None:  # called with the keywords only for the modules flagged in `_flag`
+        _dispatch(_pre_kw, module, args, kwargs)
+
+
 def _sync() -> None:
     """Register the process-wide hooks while a callback waits, remove them when none does."""
     from torch.nn.modules import module as torch_module
 
-    for name, table in (("pre", _pre), ("post", _post)):
+    for name, table in (("pre", _pre), ("post", _post), ("pre_kw", _pre_kw)):
         handle = _global.get(name)
         if table and handle is None:
             if name == "pre":
                 _global[name] = torch_module.register_module_forward_pre_hook(_pre_hook)
+            elif name == "pre_kw":
+                _global[name] = torch_module.register_module_forward_pre_hook(_pre_kw_hook)
             else:
                 try:
                     _global[name] = torch_module.register_module_forward_hook(_post_hook, always_call=True)
@@ -72,6 +80,46 @@ def _sync() -> None:
         elif not table and handle is not None:
             handle.remove()
             del _global[name]
+
+
+def _flag(module: Any, on: bool) -> None:
+    """torch calls a process-wide pre-hook with the keywords for a module whose `_forward_pre_hooks_with_kwargs` holds
+    the hook's id (the same test `nn.Module._call_impl` applies to its own hooks); only an int key, never a plugin
+    object, and taken out again."""
+    handle = _global.get("pre_kw")
+    flags = getattr(module, "_forward_pre_hooks_with_kwargs", None)
+    if handle is None or flags is None:
+        return
+    if on:
+        flags[handle.id] = True
+    else:
+        flags.pop(handle.id, None)
+
+
+_KWARGS_CAPABLE: list[bool] = []
+
+
+def kwargs_capable() -> bool:
+    """Whether the installed torch passes the keywords to a flagged process-wide pre-hook (tried once, on a
+    throw-away module)."""
+    if not _KWARGS_CAPABLE:
+        import torch
+        from torch.nn.modules import module as torch_module
+
+        seen: list[Any] = []
+        probe = torch.nn.Identity()
+        handle = torch_module.register_module_forward_pre_hook(
+            lambda m, a, k=None: seen.append(k) if m is probe else None
+        )
+        try:
+            getattr(probe, "_forward_pre_hooks_with_kwargs", {})[handle.id] = True
+            probe(torch.zeros(1))
+        except Exception:
+            seen.clear()
+        finally:
+            handle.remove()
+        _KWARGS_CAPABLE.append(seen == [{}])
+    return _KWARGS_CAPABLE[0]
 
 
 def _add(table: dict[int, dict[int, Any]], module: Any, callback: Callable[..., Any]) -> Handle:
@@ -86,6 +134,31 @@ def on_forward_pre(module: Any, callback: Callable[[Any, Any], None]) -> Handle:
     return _add(_pre, module, callback)
 
 
+def on_forward_pre_with_kwargs(module: Any, callback: Callable[[Any, Any, Any], None]) -> Handle | None:
+    """`callback(module, args, kwargs)` before every forward of `module` until removed; None where the installed torch
+    cannot pass the keywords to a process-wide hook (`kwargs_capable`)."""
+    if not kwargs_capable():
+        return None
+    handle = _add(_pre_kw, module, callback)
+    _flag(module, True)
+    return _KwHandle(handle, weakref.ref(module))
+
+
+class _KwHandle:
+    """Removes a keyword pre-hook and its flag on the module (idempotent)."""
+
+    __slots__ = ("_handle", "_module")
+
+    def __init__(self, handle: Handle, module: weakref.ref[Any]) -> None:
+        self._handle, self._module = handle, module
+
+    def remove(self) -> None:
+        module = self._module()
+        if module is not None and len(_pre_kw.get(id(module), {})) <= 1:  # its last keyword callback goes
+            _flag(module, False)
+        self._handle.remove()
+
+
 def on_forward(module: Any, callback: Callable[[Any, Any, Any], None]) -> Handle:
     """`callback(module, args, output)` after every forward of `module`, also one that raised, until removed."""
     return _add(_post, module, callback)
@@ -93,4 +166,4 @@ def on_forward(module: Any, callback: Callable[[Any, Any, Any], None]) -> Handle
 
 def waiting() -> int:
     """How many callbacks wait (for tests)."""
-    return sum(len(v) for v in _pre.values()) + sum(len(v) for v in _post.values())
+    return sum(len(v) for table in (_pre, _post, _pre_kw) for v in table.values())

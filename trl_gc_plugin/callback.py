@@ -698,7 +698,11 @@ class SafeGCCallback(TrainerCallback):
             except Exception as exc:  # a plugin bug never stops training
                 self._record(args, [self._plan_skipped(f"{type(exc).__name__}: {exc}")])
 
-        handle = base.register_forward_pre_hook(first_forward, with_kwargs=True, prepend=True)
+        # outside the module where torch allows it (a copy of the model made before the first forward carries
+        # nothing of the plugin); else a module hook, gone after the first training forward
+        handle = _hooks.on_forward_pre_with_kwargs(base, first_forward)
+        if handle is None:
+            handle = base.register_forward_pre_hook(first_forward, with_kwargs=True, prepend=True)
         self._plan_hook = handle
 
     def _remove_plan_hook(self) -> None:
@@ -790,7 +794,7 @@ class SafeGCCallback(TrainerCallback):
             except Exception as exc:  # a plugin bug never stops training
                 self._record(args, [self._plan_skipped(f"the check failed ({type(exc).__name__}: {exc})")])
 
-        hook = base.register_forward_hook(after, always_call=True)
+        hook = _hooks.on_forward(base, after)
         self._plan_hook = _Once(finish)
 
     def _check_plan(
