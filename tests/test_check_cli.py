@@ -172,7 +172,7 @@ def test_every_fact_says_where_it_came_from(capsys):
         (("--deepspeed-version", "latest"), "--deepspeed-version 'latest': not a version number"),
         (("--transformers-version", "foo"), "--transformers-version 'foo': not a version number"),
         (("--trainer", "foo"), "--trainer 'foo': not a trainer TRL has"),
-        (("--mode", "loose"), "--mode 'loose': one of strict, fix, warn"),
+        (("--mode", "loose"), "--mode 'loose': mode accepts strict, fix or warn (any case)"),
         (("--format", "yaml"), "--format 'yaml'"),
         (("--parser", "fast"), "--parser 'fast'"),
         (("--timeout", "0"), "--timeout '0'"),
@@ -202,7 +202,8 @@ def test_mode_and_trainer_have_help(capsys):
     code, out, _ = run_cli("--help", capsys=capsys)
     assert code == 0
     text = " ".join(out.split())
-    assert "--mode MODE the plugin's mode to decide for: strict (default" in text
+    assert "--mode MODE the plugin's mode to decide for: strict (a setup known to break training is refused)" in text
+    assert "default: $TRL_GC_PLUGIN_MODE as the run reads it, else strict" in text
     assert "--trainer KIND the trainer a TRL config is for, one of TRL's: distillation, dpo, grpo, kto, reward, rloo, sft" in text
     assert "Exit status: 0 every file fine; 1" in text
 

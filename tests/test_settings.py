@@ -308,3 +308,19 @@ def test_the_check_reports_an_unknown_key_with_the_same_rule_and_message(tmp_pat
     (decision,) = [d for d in report.decisions if d.rule_id == "checkpointing-kwargs-unknown"]
     assert "use_reentrent (did you mean use_reentrant?)" in decision.reason
     assert report.facts.kwargs_unknown == ("use_reentrent (did you mean use_reentrant?)",)
+
+
+def test_the_check_takes_its_mode_as_the_run_does(tmp_path, monkeypatch, capsys):
+    """`trl-gc-check` without --mode decides for the mode the run will have ($TRL_GC_PLUGIN_MODE), read by the same
+    layer: a setup strict refuses passes the check under TRL_GC_PLUGIN_MODE=warn, as the run would."""
+    from trl_gc_plugin.__main__ import check_main as main
+
+    path = tmp_path / "sft.yaml"
+    path.write_text("model_name_or_path: m\ndataset_name: d\ngradient_checkpointing: true\n"
+                    "gradient_checkpointing_kwargs:\n  use_reentrant: maybe\n")
+    assert main([str(path)]) == 1  # strict: a use_reentrant that spells no boolean is refused
+    monkeypatch.setenv("TRL_GC_PLUGIN_MODE", "warn")
+    assert main([str(path)]) == 0
+    monkeypatch.setenv("TRL_GC_PLUGIN_MODE", "wran")
+    assert main([str(path)]) == 1 and "TRL_GC_PLUGIN_MODE: got 'wran'; mode accepts" in capsys.readouterr().err
+    assert main([str(path), "--mode", "loud"]) == 2

@@ -57,10 +57,10 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mode",
-        default="strict",
+        default=None,
         metavar="MODE",
-        help="the plugin's mode to decide for: strict (default: a setup known to break training is refused), fix "
-        "(it is overridden), warn (logged only)",
+        help="the plugin's mode to decide for: strict (a setup known to break training is refused), fix "
+        "(it is overridden), warn (logged only); default: $TRL_GC_PLUGIN_MODE as the run reads it, else strict",
     )
     parser.add_argument(
         "--format",
@@ -116,7 +116,7 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
     from .check import Launch
     from .launchers.accelerate import trl_bundled
     from .launchers.detect import FORMATS
-    from .modes import MODES, parse_mode
+    from .modes import parse_mode
 
     nproc = None
     if ns.nproc is not None:
@@ -129,9 +129,14 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
     trainer = ns.trainer
     if trainer is not None and trainer not in trainer_kinds():
         raise OptionError(f"--trainer {trainer!r}: not a trainer TRL has; one of {', '.join(trainer_kinds())}")
-    mode = parse_mode(ns.mode)
-    if mode is None:
-        raise OptionError(f"--mode {ns.mode!r}: one of {', '.join(MODES)}")
+    from .settings import BY_NAME, GCSettings
+
+    if ns.mode is not None and parse_mode(ns.mode) is None:
+        raise OptionError(f"--mode {ns.mode!r}: mode accepts {BY_NAME['mode'].accepted}")
+    resolved = GCSettings.resolve({"mode": ns.mode}, caller="trl-gc-check --mode")  # the run's precedence
+    for line in resolved.problems:
+        sys.stderr.write(f"trl-gc-check: {line}; using the default.\n")
+    mode = resolved.mode
     if ns.format not in ("auto", *FORMATS):
         raise OptionError(f"--format {ns.format!r}: one of auto, {', '.join(FORMATS)}")
     if ns.parser not in ("auto", "launcher", "model"):
