@@ -150,8 +150,8 @@ def with_keywords(func: Any, **changes: Any) -> functools.partial[Any]:
 
 
 def set_flag(module: Any, on: bool) -> None:
-    """Switch checkpointing of one module on or off (its `gradient_checkpointing` flag)."""
-    if module.__dict__.get(FLAG) is not on:
+    """Switch checkpointing of one module on or off (its `gradient_checkpointing` flag); no write when it is so."""
+    if getattr(module, FLAG, None) is not on:
         setattr(module, FLAG, on)
 
 
