@@ -5,11 +5,10 @@ Only decisions with `applied=True` are carried out; the engine never marks `erro
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from typing import Any
 
-from . import probe
+from . import ckpt, probe
 from .decisions import Decision
 
 
@@ -49,23 +48,7 @@ def set_model_kwarg(model: Any, key: str, value: Any) -> int:
     The `functools.partial` transformers stores is rebuilt with the same function and other keywords, so offloading
     and any torch kwargs survive, and no hook is added. Returns how many modules changed.
     """
-    changed = 0
-    for module, func in probe.checkpoint_functions(probe.unwrap(model)):
-        func = getattr(func, "original", func)  # an observer of the first forward stands in for the real one
-        if isinstance(func, functools.partial):
-            if func.keywords.get(key, None) is value and (value is not None or key not in func.keywords):
-                continue
-            keywords = {**func.keywords, key: value}
-            if value is None:
-                del keywords[key]
-            new = functools.partial(func.func, *func.args, **keywords)
-        elif value is None:
-            continue
-        else:
-            new = functools.partial(func, **{key: value})
-        module._gradient_checkpointing_func = new
-        changed += 1
-    return changed
+    return ckpt.set_keyword(model, key, value)
 
 
 def set_model_use_reentrant(model: Any, value: bool) -> int:

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from transformers import TrainerCallback
 
-from . import _hooks, parity, probe, report, settings, verify
+from . import _hooks, ckpt, parity, probe, report, settings, verify
 from ._weak import WeakIdMap
 from .apply import CacheSwitch, apply, set_args_use_reentrant, set_model_use_reentrant
 from .decisions import Action, Decision, Level, first_sentence, write_decisions
@@ -614,9 +614,8 @@ class SafeGCCallback(TrainerCallback):
         layer_kwargs = probe.reads_layer_kwargs(facts.caps)
         every_n = None if "every_n_layers" in layer_kwargs else self._every_n
         if every_n:
-            blocks = probe.checkpointed_blocks(probe.unwrap(model))
-            for block, on in zip(blocks, every_n_pattern(len(blocks), every_n), strict=True):
-                block.gradient_checkpointing = on
+            blocks = ckpt.blocks(probe.unwrap(model))
+            ckpt.apply(model, ckpt.Spec(pattern=every_n_pattern(len(blocks), every_n)))
         if every_n or (layer_kwargs and (facts.every_n_layers or facts.offload)):
             self._guard = EnableGuard(model, layer_kwargs)
             self._guard.install()

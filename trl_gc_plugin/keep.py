@@ -21,7 +21,7 @@ import functools
 from collections.abc import Collection
 from typing import Any
 
-from . import probe
+from . import ckpt, probe
 from ._weak import WeakIdMap
 
 LAYER_KWARGS = ("every_n_layers", "offload")
@@ -86,17 +86,15 @@ class EnableGuard:
         self.pattern: tuple[bool, ...] = ()
         self.funcs: dict[int, Any] = {}
         self._patched: type | None = None
+        self.recorded: ckpt.Snapshot | None = None
         self.record()
 
     def record(self) -> None:
         """Take the model's current state as the one to keep (after the Trainer's enable, and after each change the
         plugin makes on purpose)."""
         self.pattern = probe.block_pattern(self.base)
-        self.funcs = {id(m): getattr(f, "original", f) for m, f in probe.checkpoint_functions(self.base)}
-        for block in probe.checkpointed_blocks(self.base):  # blocks switched off keep their function too
-            func = block.__dict__.get("_gradient_checkpointing_func")
-            if func is not None:
-                self.funcs.setdefault(id(block), getattr(func, "original", func))
+        self.recorded = ckpt.snapshot(self.base)
+        self.funcs = self.recorded.real_functions()
 
     def install(self) -> None:
         if self.base.__dict__.get("gradient_checkpointing_enable") is not None:
@@ -132,49 +130,24 @@ class EnableGuard:
         pattern = probe.block_pattern(self.base)
         if self.pattern and pattern != self.pattern:
             found.append(("layer_pattern", pattern))
-        for module, func in probe.checkpoint_functions(self.base):
+        for module, func in ckpt.functions(self.base):
             want = self.funcs.get(id(module))
-            func = getattr(func, "original", func)
+            func = ckpt.real(func)
             if want is not None and _wrapped(func) is not _wrapped(want):
                 found.append(("checkpoint_function", getattr(_wrapped(func), "__name__", repr(func))))
                 break
         return found
 
     def reapply(self) -> None:
-        """Put back the recorded block flags and, for every module, the recorded checkpoint function (its wrapper
-        and keywords) with the `use_reentrant` the module runs now."""
-        if not self.pattern and not self.funcs:
+        """Put back the recorded flags and, for every module, the recorded checkpoint function (its wrapper and
+        keywords) with the `use_reentrant` the module runs now."""
+        if self.recorded is None or (not self.pattern and not self.funcs):
             return
-        blocks = probe.checkpointed_blocks(self.base)
-        if len(blocks) == len(self.pattern):
-            for block, on in zip(blocks, self.pattern, strict=True):
-                block.gradient_checkpointing = on
-        for module in self.base.modules():
-            want = self.funcs.get(id(module))
-            now = module.__dict__.get("_gradient_checkpointing_func")
-            if want is None or now is None or not isinstance(want, functools.partial):
-                continue
-            mode = getattr(getattr(now, "original", now), "keywords", {}).get("use_reentrant")
-            keywords = dict(want.keywords)
-            if mode is not None:
-                keywords["use_reentrant"] = mode
-            restored = functools.partial(want.func, *want.args, **keywords)
-            if not _same(restored, getattr(now, "original", now)):
-                module._gradient_checkpointing_func = restored
+        ckpt.restore(self.recorded, keep_use_reentrant=True)
 
 
 def _wrapped(func: Any) -> Any:
     return func.func if isinstance(func, functools.partial) else func
-
-
-def _same(a: Any, b: Any) -> bool:
-    return (
-        isinstance(a, functools.partial)
-        and isinstance(b, functools.partial)
-        and a.func is b.func
-        and a.args == b.args
-        and a.keywords == b.keywords
-    )
 
 
 def every_n_pattern(blocks: int, n: int) -> tuple[bool, ...]:

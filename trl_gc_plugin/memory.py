@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import probe
+from . import ckpt, probe
 
 OUTSIDE = "<outside>"
 
@@ -118,22 +118,7 @@ def selective_context() -> Any:
 def is_selective(func: Any) -> bool:
     """Whether a block's checkpoint function (a `functools.partial` of torch's `checkpoint`, possibly behind the
     plugin's first-forward observer) runs with `selective_context`."""
-    func = getattr(func, "original", func)
-    keywords = getattr(func, "keywords", None) or {}
-    return keywords.get("context_fn") is selective_context
-
-
-def with_context(func: Any, context_fn: Any) -> Any:
-    """`func` (a checkpoint `functools.partial`) with another `context_fn` (None: without one)."""
-    func = getattr(func, "original", func)
-    keywords = dict(getattr(func, "keywords", None) or {})
-    if context_fn is None:
-        keywords.pop("context_fn", None)
-    else:
-        keywords["context_fn"] = context_fn
-    if isinstance(func, functools.partial):
-        return functools.partial(func.func, *func.args, **keywords)
-    return functools.partial(func, **keywords)
+    return ckpt.keywords(func).get("context_fn") is selective_context
 
 
 # --- the meter ---------------------------------------------------------------------------------------------------
@@ -385,16 +370,15 @@ def meter(model: Any, *, would_keep: bool = False) -> Iterator[SavedBytes]:
     exclude = {storage_key(p) for p in base.parameters()} | {storage_key(b) for b in base.buffers()}
     counter = _Counter([n for n, _ in blocks], exclude)
     handles = []
-    swapped: list[tuple[Any, Any]] = []
+    selective = [b for _, b in blocks if getattr(b, ckpt.FLAG, False) and is_selective(getattr(b, ckpt.FUNC, None))]
+    saved = ckpt.snapshot(base, flags=False, only=selective)  # put back exactly what is swapped, nothing else
     for name, block in blocks:
         handles.append(
             block.register_forward_pre_hook(functools.partial(_pre_hook, counter, name), with_kwargs=True, prepend=True)
         )
         handles.append(block.register_forward_hook(functools.partial(_post_hook, counter, name), always_call=True))
-        func = getattr(block, "_gradient_checkpointing_func", None)
-        if getattr(block, "gradient_checkpointing", False) and is_selective(func):
-            swapped.append((block, func))
-            block._gradient_checkpointing_func = with_context(func, _counting_context(counter))
+    for block in selective:
+        ckpt.set_function(block, ckpt.with_keywords(getattr(block, ckpt.FUNC), context_fn=_counting_context(counter)))
     mode = _would_keep_mode(counter) if would_keep else contextlib.nullcontext()
     try:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, _identity), mode:
@@ -402,8 +386,7 @@ def meter(model: Any, *, would_keep: bool = False) -> Iterator[SavedBytes]:
     finally:
         for h in handles:
             h.remove()
-        for block, func in swapped:
-            block._gradient_checkpointing_func = func
+        ckpt.restore(saved)
         counter.clear()
 
 
@@ -830,7 +813,7 @@ def _fake_copy(base: Any, fake_mode: Any) -> Any:
             hooks = getattr(module, name, None)
             if hooks is not None:
                 memo[id(hooks)] = type(hooks)()
-        func = module.__dict__.get("_gradient_checkpointing_func")
+        func = ckpt.function_of(module)
         if func is not None:
             memo[id(func)] = func
     input_hooked = probe.input_grad_hooks(base) > 0
@@ -839,8 +822,8 @@ def _fake_copy(base: Any, fake_mode: Any) -> Any:
     for original, module in zip(base.modules(), fake.modules(), strict=True):
         if "forward" in module.__dict__:  # a forward wrapper (TRL's fused LM head, accelerate's autocast, a user's)
             module.forward = _rebound(original.__dict__["forward"], memo, 0)
-        if getattr(module, "gradient_checkpointing", False) is True:
-            module.gradient_checkpointing = False
+        if getattr(module, ckpt.FLAG, False) is True:
+            ckpt.set_flag(module, False)
     if input_hooked:
         fake_embeddings = probe._input_embeddings(fake)
         if fake_embeddings is not None:

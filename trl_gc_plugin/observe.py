@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from . import _hooks, probe
+from . import _hooks, ckpt, probe
 from .errors import GCConfigError
 
 logger = logging.getLogger("trl_gc_plugin")
@@ -112,7 +112,7 @@ class _Observer:
         args, exact = self.observation.see(self, function, args)
         original = self.original
         if exact and isinstance(original, functools.partial):
-            original = functools.partial(original.func, *original.args, **{**original.keywords, "use_reentrant": False})
+            original = ckpt.with_keywords(original, use_reentrant=False)
         return original(function, *args, **kwargs)
 
 
@@ -208,11 +208,11 @@ class Observation:
             return
         wrapped = []
         for owner in owners:
-            func = getattr(owner, "_gradient_checkpointing_func", None)
-            if func is None or isinstance(func, _Observer) or not getattr(owner, "gradient_checkpointing", False):
+            func = getattr(owner, ckpt.FUNC, None)
+            if func is None or isinstance(func, _Observer) or not getattr(owner, ckpt.FLAG, False):
                 continue
             observer = _Observer(self, owner, func)
-            owner._gradient_checkpointing_func = observer
+            ckpt.set_function(owner, observer)
             wrapped.append((owner, observer))
         self._active[key] = wrapped
 
@@ -227,8 +227,8 @@ class Observation:
     def _restore(self, key: int) -> None:
         for owner, observer in self._active.pop(key, []):
             # a switch of mode during the forward (fix mode) replaced the observer: keep what is there now
-            if owner.__dict__.get("_gradient_checkpointing_func") is observer:
-                owner._gradient_checkpointing_func = observer.original
+            if ckpt.function_of(owner) is observer:
+                ckpt.set_function(owner, observer.original)
 
     def see(self, observer: _Observer, function: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], bool]:
         """Record one checkpointed call; on a finding ask the owner (which may raise). Returns the (possibly

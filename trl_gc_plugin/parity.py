@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import probe
+from . import ckpt, probe
 
 PROJECTIONS = 8
 COLUMNS = 512
@@ -332,7 +332,7 @@ def parity_probe(
     if not params:
         result.skipped = "no trainable parameters"
         return result
-    flagged = [m for m in base.modules() if getattr(m, "gradient_checkpointing", None) is True]
+    flagged = [m for m in base.modules() if getattr(m, ckpt.FLAG, None) is True]
     if not flagged:
         result.skipped = "no module checkpoints"
         return result
@@ -384,9 +384,11 @@ def _passes(
     device = params[0][1].device
     devices = [device] if device.type == "cuda" else []
 
+    saved = ckpt.snapshot(base, functions=False)
+
     def run(checkpointing: bool) -> dict[int, list[float]]:
         for m in flagged:
-            m.gradient_checkpointing = checkpointing
+            ckpt.set_flag(m, checkpointing)
         prints = Fingerprints(params, seed)
         with torch.random.fork_rng(devices=devices), fingerprinting(prints):
             torch.manual_seed(seed)
@@ -402,8 +404,7 @@ def _passes(
         with_gc = run(True)
         without = run(False)
     finally:
-        for m in flagged:
-            m.gradient_checkpointing = True
+        ckpt.restore(saved)
         for (_, p), g in zip(params, saved_grads, strict=True):
             p.grad = g
         with torch.no_grad():

@@ -29,15 +29,15 @@ torch and transformers are imported inside the functions only.
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from . import probe
+from . import ckpt, probe
+from .ckpt import offload_checkpoint
 from .decisions import Decision
-from .memory import ActivationEstimate, is_selective, selective_context, with_context
+from .memory import ActivationEstimate, is_selective, selective_context
 
 RULE_ID = "memory-plan"
 
@@ -456,48 +456,6 @@ def plan_decisions(
 # --- applying a plan to the live model ---------------------------------------------------------------------------
 
 
-def offload_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
-    """torch's `checkpoint` with the saved inputs in pinned host memory (`save_on_cpu`); needs an accelerator."""
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    with torch.autograd.graph.save_on_cpu(pin_memory=True):
-        return checkpoint(function, *args, **kwargs)
-
-
-def _torch_checkpoint() -> Any:
-    from torch.utils.checkpoint import checkpoint
-
-    return checkpoint
-
-
-def _same(a: Any, b: Any) -> bool:
-    if not (isinstance(a, functools.partial) and isinstance(b, functools.partial)):
-        return a is b
-    return a.func is b.func and a.args == b.args and a.keywords == b.keywords
-
-
-def _function_for(current: Any, candidate: Candidate, use_reentrant: bool) -> functools.partial[Any]:
-    base = getattr(current, "original", current)
-    if isinstance(base, functools.partial):
-        func, args, keywords = base.func, base.args, dict(base.keywords)
-    else:
-        func, args, keywords = (base if callable(base) else _torch_checkpoint()), (), {}
-    if candidate.offload:
-        func = offload_checkpoint
-    elif func is offload_checkpoint:
-        func = _torch_checkpoint()
-    keywords["use_reentrant"] = use_reentrant
-    for key in ("every_n_layers", "offload"):  # transformers' own keys never reach torch's checkpoint
-        keywords.pop(key, None)
-    result = functools.partial(func, *args, **keywords)
-    if candidate.selective:
-        return with_context(result, selective_context)
-    if keywords.get("context_fn") is selective_context:
-        return with_context(result, None)
-    return result
-
-
 def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
     """Apply `candidate` to the live model: each block's `gradient_checkpointing` flag, and its checkpoint function
     (`use_reentrant`, selective's `context_fn`, offloading). Idempotent; works on transformers 4.x and 5.x.
@@ -514,21 +472,16 @@ def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
     Raises:
         `ValueError`: selective with `use_reentrant=True`, or a pattern for another number of blocks.
     """
-    if candidate.selective and use_reentrant:
-        raise ValueError("selective checkpointing needs use_reentrant=False (torch accepts context_fn only there)")
-    blocks = probe.checkpointed_blocks(probe.unwrap(model))
-    if len(blocks) != len(candidate.pattern):
-        raise ValueError(f"the plan is for {len(candidate.pattern)} blocks; the model has {len(blocks)}")
-    for block, on in zip(blocks, candidate.pattern, strict=True):
-        current = block.__dict__.get("_gradient_checkpointing_func")
-        new = _function_for(current, candidate, use_reentrant)
-        if not _same(getattr(current, "original", current), new):
-            if current is not None and hasattr(current, "original"):
-                current.original = new  # the first-forward observer stays in front
-            else:
-                block._gradient_checkpointing_func = new
-        if block.__dict__.get("gradient_checkpointing") is not on:
-            block.gradient_checkpointing = on
+    ckpt.apply(
+        model,
+        ckpt.Spec(
+            pattern=candidate.pattern,
+            use_reentrant=use_reentrant,
+            keywords={"every_n_layers": None, "offload": None},  # transformers' own keys never reach torch's checkpoint
+            selective=candidate.selective,
+            offload=candidate.offload,
+        ),
+    )
 
 
 def pattern_of(model: Any) -> tuple[bool, ...]:
@@ -540,19 +493,14 @@ def pattern_of(model: Any) -> tuple[bool, ...]:
 
 def selective_of(model: Any) -> tuple[bool, ...]:
     """Per block, whether its checkpoint function runs the planner's selective policy."""
-    return tuple(
-        is_selective(b.__dict__.get("_gradient_checkpointing_func"))
-        for b in probe.checkpointed_blocks(probe.unwrap(model))
-    )
+    return tuple(is_selective(ckpt.function_of(b)) for b in probe.checkpointed_blocks(probe.unwrap(model)))
 
 
 def offload_of(model: Any) -> tuple[bool, ...]:
     """Per block, whether its checkpoint function offloads (the planner's `offload_checkpoint`)."""
     out = []
     for b in probe.checkpointed_blocks(probe.unwrap(model)):
-        func = b.__dict__.get("_gradient_checkpointing_func")
-        func = getattr(func, "original", func)
-        out.append(getattr(func, "func", None) is offload_checkpoint)
+        out.append(getattr(ckpt.real(ckpt.function_of(b)), "func", None) is offload_checkpoint)
     return tuple(out)
 
 

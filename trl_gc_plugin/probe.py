@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from . import capabilities, settings
+from . import capabilities, ckpt, settings
 from ._deepspeed import ACCELERATE_DEFAULT_STAGE, DeepSpeedFacts
 from ._deepspeed import deepspeed_facts as read_deepspeed_config
 from ._flags import parse_flag
@@ -384,23 +384,8 @@ def is_peft_model(model: Any) -> bool:
 
 
 def checkpointed_blocks(model: Any) -> list[Any]:
-    """The repeated checkpointed blocks (decoder layers): `GradientCheckpointingLayer` instances, or, for models
-    that predate it, modules carrying a `gradient_checkpointing` flag that are not whole models."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # transformers < 4.52
-        GradientCheckpointingLayer = None  # type: ignore[assignment,misc]
-    from transformers import PreTrainedModel
-
-    blocks = []
-    for module in model.modules():
-        if (GradientCheckpointingLayer is not None and isinstance(module, GradientCheckpointingLayer)) or (
-            GradientCheckpointingLayer is None
-            and hasattr(module, "gradient_checkpointing")
-            and not isinstance(module, PreTrainedModel)
-        ):
-            blocks.append(module)
-    return blocks
+    """The repeated checkpointed blocks (decoder layers); see `ckpt.blocks`."""
+    return ckpt.blocks(model)
 
 
 def block_pattern(model: Any) -> tuple[bool, ...]:
@@ -415,12 +400,8 @@ def reads_layer_kwargs(caps: capabilities.Capabilities) -> frozenset[str]:
 
 
 def checkpoint_functions(model: Any) -> list[tuple[Any, Any]]:
-    """(module, checkpoint function) for every module with checkpointing switched on."""
-    return [
-        (m, m._gradient_checkpointing_func)
-        for m in model.modules()
-        if getattr(m, "gradient_checkpointing", False) is True and hasattr(m, "_gradient_checkpointing_func")
-    ]
+    """(module, checkpoint function) for every module with checkpointing switched on; see `ckpt.functions`."""
+    return ckpt.functions(model)
 
 
 def checkpointing_on(model: Any) -> bool:
@@ -430,16 +411,13 @@ def checkpointing_on(model: Any) -> bool:
 
 def effective_use_reentrant(func: Any) -> bool:
     """The `use_reentrant` a checkpoint function really runs with (a missing key means torch's default: True)."""
-    keywords = getattr(func, "keywords", None) or {}
-    value = keywords.get("use_reentrant")
-    return True if value is None else bool(value)
+    return ckpt.use_reentrant(func)
 
 
 def model_use_reentrant(model: Any) -> bool | None:
     """The effective `use_reentrant` of the live model (None when checkpointing is off; the first block's value
     when blocks disagree)."""
-    funcs = checkpoint_functions(unwrap(model))
-    return effective_use_reentrant(funcs[0][1]) if funcs else None
+    return ckpt.model_use_reentrant(model)
 
 
 def input_grad_hooks(model: Any) -> int:
