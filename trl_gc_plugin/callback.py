@@ -15,14 +15,18 @@ from . import _hooks, ckpt, parity, probe, report, settings, verify
 from ._weak import WeakIdMap
 from .apply import CacheSwitch, apply, set_args_use_reentrant, set_model_use_reentrant
 from .decisions import Action, Decision, Level, first_sentence, write_decisions
-from .engine import decide, final_use_reentrant, refused
+from .engine import decide, final_use_reentrant
 from .errors import GCConfigError
 from .facts import Facts
 from .keep import EnableGuard, every_n_pattern
 from .modes import Mode
 from .observe import Call, Observation, Verdict
 from .patching import raise_for_errors
+from .policy import action_for, refused
 from .rules import RULES, get_rule
+
+_VERDICT: dict[str, Verdict] = {"warn": "report", "error": "raise"}
+"""The first-forward verdict for an action (`repair` / `override`: repair)."""
 
 _STAND_BACK = frozenset(r.id for r in RULES if r.stand_back)
 
@@ -331,14 +335,10 @@ class SafeGCCallback(TrainerCallback):
         """A block ran reentrant with trainable parameters and inputs that do not require grad (observe.py)."""
         rule = get_rule("frozen-inputs-observed")
         explicit, source = self._explicit()
-        if self.mode == "warn" or self._stands_back():
-            if self._count("frozen-inputs") > 1:  # said once; the audit lists every block
-                return "report"
-            action, verdict = "warn", "report"
-        elif explicit and self.mode == "strict":
-            action, verdict = "error", "raise"
-        else:
-            action, verdict = ("override" if explicit else "repair"), "repair"
+        action = action_for(self.mode, explicit=explicit, stands_back=self._stands_back())
+        if action == "warn" and self._count("frozen-inputs") > 1:  # said once; the audit lists every block
+            return "report"
+        verdict: Verdict = _VERDICT.get(action, "repair")
         what = {
             "raise": "refused before the backward",
             "repair": "this call's input made to require grad; use_reentrant=False from now on",
@@ -356,21 +356,16 @@ class SafeGCCallback(TrainerCallback):
         rule = get_rule("reentrant-keyword-inputs")
         explicit, source = self._explicit()
         names = ", ".join(call.keyword_inputs)
+        action = action_for(self.mode, explicit=explicit, stands_back=self._stands_back())
+        verdict: Verdict = _VERDICT.get(action, "repair")
         if shared_with is None:  # not certain yet
-            if self.mode == "warn" or self._stands_back() or (explicit and self.mode == "strict"):
+            if action in ("warn", "error"):  # reported or refused once certain
                 return "keep"
-            if explicit:  # fix mode: this call runs non-reentrant (exact) until the evidence is in
+            if action == "override":  # fix mode: this call runs non-reentrant (exact) until the evidence is in
                 return "exact"
-            action, verdict = "repair", "repair"  # a value the user did not choose: switch now
-            evidence = f"{call.module} gets {names} as keyword argument(s) that require grad"
+            evidence = f"{call.module} gets {names} as keyword argument(s) that require grad"  # repaired now
         else:
             evidence = f"{call.module} and {shared_with} get the same tensor ({names}) as a keyword argument"
-            if self.mode == "warn" or self._stands_back():
-                action, verdict = "warn", "report"
-            elif explicit and self.mode == "strict":
-                action, verdict = "error", "raise"
-            else:
-                action, verdict = ("override" if explicit else "repair"), "repair"
         reason = (
             f"{evidence} under use_reentrant=True (set by {source}): reentrant checkpointing does not see keyword "
             "inputs and backpropagates into their graph from inside its own backward, so the second block fails with "
@@ -475,7 +470,7 @@ class SafeGCCallback(TrainerCallback):
     def _repair_drift(self, args: Any, model: Any, drifted: list[tuple[str, Any]]) -> None:
         assert self._watch is not None
         rule, value = get_rule("checkpointing-drift"), self._watch.value
-        report_only = self.mode == "warn" or self._stands_back()
+        report_only = action_for(self.mode, "repair", stands_back=self._stands_back()) == "warn"
         verdicts = []
         for setting, found in drifted:
             count = self._reported.get(f"drift:{setting}", 0) + 1
@@ -501,10 +496,10 @@ class SafeGCCallback(TrainerCallback):
         before = watch.input_hooks()
         count = self._reported.get("hooks", 0) + 1
         self._reported["hooks"] = count
-        if self.mode != "warn":
+        action = action_for(self.mode, "repair")
+        if action == "repair":
             watch.dedupe_input_hooks()
         if count == 1:
-            action: Action = "warn" if self.mode == "warn" else "repair"
             self._record(
                 args,
                 [
@@ -647,7 +642,7 @@ class SafeGCCallback(TrainerCallback):
 
     def _second_forward(self, args: Any) -> None:
         rule = get_rule("two-forwards-before-backward")
-        action: Action = "warn" if self.mode == "warn" or self._stands_back() else "error"
+        action = action_for(self.mode, explicit=True, stands_back=self._stands_back(), can_fix=False)
         reason = (
             "A second grad-enabled forward of the model ran before the first backward, with reentrant checkpointing, "
             "under a wrapper that reduces each parameter's gradient once per backward. " + rule.message
@@ -655,7 +650,7 @@ class SafeGCCallback(TrainerCallback):
         decision = self._verdict(rule, action, True, False, reason)
         self._record(args, [decision])
         if action == "error":
-            self._raise_for_errors([decision], self.mode if self.mode != "fix" else "strict")
+            self._raise_for_errors([decision], "strict")  # nothing to switch: fix mode refuses as strict does
 
     def _stop_forward_watch(self) -> None:
         for handle in self._forward_watch:

@@ -28,17 +28,12 @@ from .capabilities import Capabilities
 from .decisions import Action, Decision, Level
 from .facts import Facts
 from .modes import MODES, Mode
+from .policy import refused
 from .rules import RULES, USE_REENTRANT, Rule, get_rule, unread_layer_kwargs
 
 _EXPLICIT = {"user", "unknown"}
-_REFUSED: dict[str, Action] = {"strict": "error", "fix": "override", "warn": "warn"}
 _VERB = {"error": "is refused", "override": "is OVERRIDDEN", "warn": "breaks training"}
 _VERB_DETAIL = {"error": "Refused.", "override": "OVERRIDDEN.", "warn": "This breaks training."}
-
-
-def refused(mode: str) -> Action:
-    """What an explicit choice known to break training becomes: `error` (strict), `override` (fix), `warn`."""
-    return _REFUSED[mode]
 
 
 def coerce_bool(value: Any) -> bool | None:
