@@ -324,3 +324,24 @@ def test_the_check_takes_its_mode_as_the_run_does(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("TRL_GC_PLUGIN_MODE", "wran")
     assert main([str(path)]) == 1 and "TRL_GC_PLUGIN_MODE: got 'wran'; mode accepts" in capsys.readouterr().err
     assert main([str(path), "--mode", "loud"]) == 2
+
+
+@pytest.mark.parametrize("value", ["yes", 1, "False"])
+def test_a_non_bool_use_reentrant_gets_one_behaviour_on_every_route(value, tmp_path):
+    """The callback and install() used to differ (one warned, one trained silently): the same decision on both."""
+    seen = {}
+    for route in ("callback", "install"):
+        callback = SafeGCCallback()
+        if route == "install":
+            with trl_gc_plugin.installed():
+                trainer = make_trainer("trainer", make_model(), str(tmp_path / route), gc_kwargs={"use_reentrant": value},
+                                       callbacks=[callback], max_steps=1)
+                trainer.train()
+        else:
+            trainer = make_trainer("trainer", make_model(), str(tmp_path / route), gc_kwargs={"use_reentrant": value},
+                                   callbacks=[callback], max_steps=1)
+            trainer.train()
+        (decision,) = {d.rule_id: d for d in callback.decisions if d.rule_id == "invalid-use-reentrant"}.values()
+        seen[route] = (decision.action, decision.level, decision.after, probe.read_kwargs(trainer.args))
+    assert seen["callback"] == seen["install"]
+    assert seen["callback"][:2] == ("repair", "warning")
