@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from transformers import TrainerCallback
 
-from . import _hooks, ckpt, parity, probe, report, settings, verify
+from . import _hooks, ckpt, parity, probe, report, settings, tracker, verify
 from ._weak import WeakIdMap
 from .apply import CacheSwitch, apply, set_args_use_reentrant, set_model_use_reentrant
 from .decisions import Action, Decision, Level, first_sentence, write_decisions
@@ -201,6 +201,7 @@ class SafeGCCallback(TrainerCallback):
         self._json_path: str | None = None
         self.observed: dict[str, Call] = {}
         self.plan_check: Any = None
+        self._tracked = False
 
     # --- events ------------------------------------------------------------------------------------------------
 
@@ -213,6 +214,7 @@ class SafeGCCallback(TrainerCallback):
         self._active, self._owner = True, None
         self._reset_run()
         report.follow_trainer(args)
+        tracker.move_before_reporters(self)  # a callback passed to the Trainer comes after the reporters
         if model is None:
             return
         facts = probe.facts_from_trainer(args, model, stage="init_end")
@@ -231,6 +233,18 @@ class SafeGCCallback(TrainerCallback):
             report.logger.info(
                 report.summary_line(self.decisions, self.mode, self._final[0], self._final[1], self._json_path)
             )
+
+    @_guarded
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        """Once, in the first log after the first training step, on the main process: the plugin's summary for the
+        run's reporters (`tracker.py`); `Trainer.log` has already copied `logs` into the trainer state by then."""
+        if self._tracked or not self._active or not isinstance(logs, dict) or state.global_step < 1:
+            return
+        self._tracked = True
+        if not getattr(state, "is_world_process_zero", True):
+            return
+        text = bool(set(tracker.reporters(args)) & tracker.TEXT_REPORTERS)
+        logs.update(tracker.summary(self.decisions, self._final[0], self._final[1], self.mode, self.plan_check, text))
 
     @_guarded
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
