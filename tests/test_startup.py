@@ -179,6 +179,27 @@ def test_a_failing_patch_is_logged_and_never_breaks_the_import(venv_python, tmp_
     assert "could not patch transformers.training_args" in out.stderr and "boom" in out.stderr
 
 
+REFUSED = """
+    from transformers import TrainingArguments
+    TrainingArguments(output_dir="out", gradient_checkpointing=True, report_to=[],
+                      gradient_checkpointing_kwargs={"use_reentrant": True, "debug": True})
+"""
+
+
+def test_a_refusal_under_the_variable_reads_as_its_message_not_a_traceback(venv_python, tmp_path):
+    """A launcher that builds the arguments while parsing its config (the TRL CLI) would show a traceback through its
+    parser: the refusal is the message, which names the change; TRL_GC_PLUGIN_TRACEBACK=1 shows the traceback too."""
+    out = py(venv_python, REFUSED, tmp_path, TRL_GC_PLUGIN="1")
+    assert out.returncode == 1
+    assert "trl_gc_plugin refused this gradient-checkpointing setup" in out.stderr and "Traceback" not in out.stderr
+    assert "[non-reentrant-only-kwargs]" in out.stderr and "TRL_GC_PLUGIN_TRACEBACK=1" in out.stderr
+    out = py(venv_python, REFUSED, tmp_path, TRL_GC_PLUGIN="1", TRL_GC_PLUGIN_TRACEBACK="1")
+    assert out.returncode == 1 and "Traceback" in out.stderr and "GCConfigError" in out.stderr
+    code = "import sys; from transformers import TrainingArguments; assert sys.excepthook is not sys.__excepthook__; raise KeyError('other')"
+    out = py(venv_python, code, tmp_path, TRL_GC_PLUGIN="1")  # anything else: the previous hook, as it was
+    assert "Traceback" in out.stderr and "KeyError" in out.stderr
+
+
 TRAIN_SCRIPT = """
 import json, logging, os, sys
 logging.basicConfig(level=logging.WARNING, format="%(name)s %(message)s")

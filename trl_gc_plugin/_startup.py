@@ -151,6 +151,7 @@ def _patch(fullname: str, module: object) -> None:
 
         if fullname == "transformers.training_args":
             patching.patch_training_args(module.TrainingArguments)  # type: ignore[attr-defined]
+            patching.install_refusal_hook()  # a launcher's refusal reads as the message, not a traceback
         elif fullname == "transformers.trainer":
             patching.register_callback(module)
     except Exception:

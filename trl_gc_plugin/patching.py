@@ -13,11 +13,13 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 from . import probe, report
+from ._flags import parse_flag
 from .apply import apply
 from .engine import decide, errors, final_use_reentrant
 from .errors import GCConfigError
@@ -111,6 +113,42 @@ def patch_training_args(cls: Any, mode: str | None = None) -> None:
             cls.__post_init__ = _wrap(current)
 
 
+TRACEBACK_ENV = "TRL_GC_PLUGIN_TRACEBACK"
+
+
+def install_refusal_hook() -> None:
+    """For the `TRL_GC_PLUGIN=1` route (launchers: the TRL CLI, `accelerate launch`, LLaMA-Factory): an uncaught
+    `GCConfigError` prints its message (which says what to change) instead of a traceback through the launcher's
+    argument parsing; any other exception goes to the previous `sys.excepthook`. `TRL_GC_PLUGIN_TRACEBACK=1` shows
+    the traceback as well. Undone by `uninstall()`."""
+    import sys
+
+    with _lock:
+        current = sys.excepthook
+        if getattr(current, _MARK, False):
+            return
+
+        def excepthook(exc_type: Any, exc: BaseException, tb: Any) -> None:
+            if isinstance(exc, GCConfigError) and not parse_flag(os.environ.get(TRACEBACK_ENV, "")):
+                sys.stderr.write(
+                    f"{exc}\n(trl_gc_plugin stopped the run before training; {TRACEBACK_ENV}=1 shows the traceback)\n"
+                )
+                return
+            current(exc_type, exc, tb)
+
+        setattr(excepthook, _MARK, True)
+        excepthook.previous = current  # type: ignore[attr-defined]
+        sys.excepthook = excepthook
+
+
+def _remove_refusal_hook() -> None:
+    import sys
+
+    hook = sys.excepthook
+    if getattr(hook, _MARK, False):
+        sys.excepthook = hook.previous  # type: ignore[attr-defined]
+
+
 def register_callback(trainer_module: Any = None) -> None:
     """Append `AutoSafeGCCallback` to `transformers.trainer.DEFAULT_CALLBACKS` (in place, once)."""
     if trainer_module is None:
@@ -176,6 +214,7 @@ def uninstall() -> None:
             defaults, cb = _state["callback"]
             while cb in defaults:
                 defaults.remove(cb)
+        _remove_refusal_hook()
         _state.update(original=None, mode=None, callback=None, budget=None)
 
 
