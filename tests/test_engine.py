@@ -189,13 +189,22 @@ def test_stages():
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.id)
 def test_every_rule_is_documented(rule):
     assert rule.id and rule.title and rule.condition and rule.message and rule.remove_when
-    assert rule.kind in ("require", "prefer", "repair", "check", "verify", "plan")
+    assert rule.kind in ("require", "prefer", "repair", "check", "verify", "plan", "state")
     assert rule.evidence and any(e.startswith("https://") for e in rule.evidence)
     for spec in rule.versions.values():
         SpecifierSet(spec)  # parses
     assert set(rule.stages) <= {"post_init", "init_end", "train", "runtime"} and rule.stages
     assert (rule.kind in ("verify", "plan")) == (rule.stages == ("runtime",))
     assert rule.to_dict()["id"] == rule.id
+
+
+def test_the_engines_own_answers_are_rows_of_the_table():
+    """`checkpointing-off` and `conflict` are decisions like any other: `get_rule` finds them and the docs list them."""
+    from trl_gc_plugin.rules import get_rule
+
+    (off,) = [d for d in decide(Facts(gc_enabled=False)) if d.rule_id == "checkpointing-off"]
+    assert get_rule(off.rule_id).kind == "state" and off.evidence == get_rule("checkpointing-off").evidence
+    assert get_rule("conflict").kind == "state"
 
 
 def test_rule_ids_are_unique():

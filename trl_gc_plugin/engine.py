@@ -32,6 +32,7 @@ from .policy import refused
 from .rules import RULES, USE_REENTRANT, Rule, get_rule, unread_layer_kwargs
 
 _EXPLICIT = {"user", "unknown"}
+_OFF_REASON = "Checkpointing is off: nothing to decide."
 _VERB = {"error": "is refused", "override": "is OVERRIDDEN", "warn": "breaks training"}
 _VERB_DETAIL = {"error": "Refused.", "override": "OVERRIDDEN.", "warn": "This breaks training."}
 
@@ -124,16 +125,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if not facts.gc_enabled and not facts.fsdp_activation_checkpointing:
-        off = Decision(
-            rule_id="checkpointing-off",
-            action="none",
-            setting="activation_checkpointing",
-            before=False,
-            after=False,
-            source="unset",
-            reason="Checkpointing is off: nothing to decide.",
-            stage=facts.stage,
-        )
+        off = _decision(get_rule("checkpointing-off"), "none", False, False, "unset", _OFF_REASON, facts)
         checks = [r for r in applicable(facts, rules) if r.kind == "check"]  # said whether checkpointing is on or off
         return [off] + [_decision(r, "warn", None, None, "unset", r.message, facts, level=r.level) for r in checks]
 
@@ -251,19 +243,9 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
     final: Any = value
     if len(demanded) > 1:
         names = ", ".join(f"{r.id} (use_reentrant={r.value})" for r in requires)
-        out.append(
-            Decision(
-                rule_id="conflict",
-                action="error",
-                setting=USE_REENTRANT,
-                before=value,
-                after=None,
-                source=source,
-                reason=f"Rules demand opposite values: {names}. " + " ".join(r.message for r in requires),
-                evidence=tuple(e for r in requires for e in r.evidence),
-                stage=facts.stage,
-            )
-        )
+        reason = f"Rules demand opposite values: {names}. " + " ".join(r.message for r in requires)
+        conflict = _decision(get_rule("conflict"), "error", value, None, source, reason, facts)
+        out.append(dataclasses.replace(conflict, evidence=tuple(e for r in requires for e in r.evidence)))
     elif requires or prefers:
         rule = requires[0] if requires else prefers[0]
         strong = bool(requires)

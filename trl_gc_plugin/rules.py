@@ -15,6 +15,8 @@ Kinds:
 - `repair`: an upstream inconsistency the plugin fixes in strict and fix mode (logged only in warn mode).
 - `check`: a warning only.
 - `verify`: a check of the running training (stage `runtime`), done by the callback, not by the engine.
+- `state`: what the engine says about the setup as a whole (checkpointing off; rules demanding opposite values); built
+  by the engine itself, never by the generic loop.
 - `plan`: how much to checkpoint within a memory budget (`memory_budget=`), chosen at train begin from a measurement
   of the model (`planner.py`), not by the engine.
 """
@@ -28,7 +30,7 @@ from typing import Any, Literal
 from .decisions import Level
 from .facts import Facts
 
-RuleKind = Literal["require", "prefer", "repair", "check", "verify", "plan"]
+RuleKind = Literal["require", "prefer", "repair", "check", "verify", "plan", "state"]
 
 USE_REENTRANT = "use_reentrant"
 """The setting most rules are about: `use_reentrant` in the checkpointing kwargs of the args (both field names)."""
@@ -120,6 +122,39 @@ def _frozen_inputs(f: Facts) -> bool:
 
 
 RULES: tuple[Rule, ...] = (
+    Rule(
+        id="checkpointing-off",
+        title="checkpointing is off: nothing to decide",
+        kind="state",
+        setting="activation_checkpointing",
+        value=False,
+        when=lambda f: not f.gc_enabled and not f.fsdp_activation_checkpointing,
+        condition="neither the Trainer's checkpointing (`gradient_checkpointing` / `activation_checkpointing`) nor "
+        "FSDP's own is on",
+        message="Checkpointing is off: nothing to decide. Only the `check` rules are said (e.g. checkpointing that "
+        "runs on the model although the arguments say off).",
+        evidence=(
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/trainer.py (checkpointing is "
+            "enabled on the model only when args.activation_checkpointing is true)",
+        ),
+        remove_when="never: it is the engine's answer for a run without checkpointing",
+        level="info",
+    ),
+    Rule(
+        id="conflict",
+        title="rules demand opposite use_reentrant values",
+        kind="state",
+        setting=USE_REENTRANT,
+        value=None,
+        when=lambda f: False,  # decided by the engine from the `require` rules that apply (see `engine.decide`)
+        condition="two `require` rules that apply demand opposite `use_reentrant` values",
+        message="No value of use_reentrant trains this setup correctly: change one of the settings the rules name.",
+        evidence=(
+            TORCH_CHECKPOINT_DOCS,
+            "trl_gc_plugin.engine.decide: the require rules are collected before any value is chosen",
+        ),
+        remove_when="never: it is the engine's answer when its own rules disagree",
+    ),
     Rule(
         id="invalid-use-reentrant",
         title="use_reentrant must be a bool",
