@@ -43,7 +43,7 @@ except ImportError as exc:  # PluginManager only logs an ImportError and trains 
         "Install trl-gc-plugin and axolotl in the same environment, or remove the line from `plugins:`."
     ) from exc
 
-PLUGIN_LINE = "trl_gc_plugin.integrations.axolotl.SafeGCPlugin"
+PLUGIN_LINE = f"{__name__}.SafeGCPlugin"
 KEY_PREFIX = "trl_gc_"
 SOURCE = "launcher (axolotl)"
 """Who wrote a `use_reentrant` that is not in the YAML (the words `trl-gc-check` uses for the same value)."""
