@@ -27,7 +27,7 @@ pin = $(if $(2),"$(1)==$(2)","$(1)")
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-tf$(TF)-trl$(TRL)-peft$(PEFT)$(if $(EXTRA),-$(subst =,,$(EXTRA)))
 
-.PHONY: venv demo test test-slice lint matrix clean bench-startup bench-pth bench-overhead bench-parity bench-modes bench-zero3 readme
+.PHONY: venv demo test test-slice test-launchers lint matrix clean bench-startup bench-pth bench-overhead bench-parity bench-modes bench-zero3 readme
 
 venv: $(STAMP)
 
@@ -50,6 +50,24 @@ test: venv
 
 test-slice: venv
 	$(PY) -m pytest -n $(WORKERS) --dist loadfile $(SLICE) $(PYTEST_ARGS)
+
+# The launcher integrations against the real launcher, in its own environment (its releases pin their own
+# transformers/TRL, so it is not one of the matrix's): Axolotl 0.19.0 from the registry (transformers 5.16.1, TRL 1.9.0)
+# on CPU, `axolotl train` included. Not part of `make test`; the package is used from this checkout (PYTHONPATH).
+AXOLOTL ?= 0.19.0
+AXO_VENV ?= .venv-axolotl
+AXO_STAMP := $(AXO_VENV)/.installed-axolotl$(AXOLOTL)-torch$(TORCH)
+
+$(AXO_STAMP):
+	$(PYTHON) -m venv $(AXO_VENV)
+	$(AXO_VENV)/bin/python -m pip install -q "torch==$(TORCH)"
+	$(AXO_VENV)/bin/python -m pip install -q "torch==$(TORCH)" "axolotl==$(AXOLOTL)" pytest hypothesis
+	$(AXO_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(axolotl|torch|transformers|trl|peft|accelerate) '
+	rm -f $(AXO_VENV)/.installed-*
+	touch $@
+
+test-launchers: $(AXO_STAMP)
+	PYTHONPATH=$(CURDIR) $(AXO_VENV)/bin/python -m pytest tests/test_launchers_axolotl.py $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check trl_gc_plugin tests examples benchmarks

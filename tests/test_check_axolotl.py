@@ -298,3 +298,27 @@ def test_base_model_is_required(tmp_path):
 def test_trainer_option_is_ignored_and_said(tmp_path):
     report = check(tmp_path, "gradient_checkpointing: true\n", trainer="grpo")
     assert report.facts.trainer_kind == "sft" and any("--trainer grpo is ignored" in n for n in report.notes)
+
+
+# --- the plugins: line ------------------------------------------------------------------------------------------
+
+
+def test_the_callback_on_the_plugins_line_is_refused_with_the_line_to_write(tmp_path):
+    report = check(tmp_path, "gradient_checkpointing: true\nplugins:\n  - trl_gc_plugin.SafeGCCallback\n")
+    assert "axolotl:plugin-is-a-callback" in errors(report)
+    assert report.change == "plugins: [trl_gc_plugin.integrations.axolotl.SafeGCPlugin]"
+
+
+@pytest.mark.parametrize("entry", ["trl_gc_plugin.integration.axolotl.SafeGCPlugin", "trl_gc_plugin.SafeGCPlugin"])
+def test_a_misspelled_plugin_line_is_a_warning(tmp_path, entry):
+    report = check(tmp_path, f"gradient_checkpointing: true\nplugins:\n  - {entry}\n")
+    (found,) = [d for d in report.decisions if d.rule_id == "axolotl:plugin-not-found"]
+    assert found.action == "warn" and not errors(report)
+
+
+def test_the_plugin_line_itself_is_fine(tmp_path):
+    from trl_gc_plugin.launchers.axolotl import PLUGIN
+
+    report = check(tmp_path, f"gradient_checkpointing: true\nplugins:\n  - {PLUGIN}\n  - axolotl.integrations.liger.LigerPlugin\n")
+    assert not {r for r in rules(report) if "plugin" in r}
+    assert PLUGIN == "trl_gc_plugin.integrations.axolotl.SafeGCPlugin"  # the module's PLUGIN_LINE (its own test)

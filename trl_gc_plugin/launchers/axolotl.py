@@ -47,6 +47,8 @@ from .model_config import local_model_config, read_model_facts
 LAUNCHER = "axolotl"
 COMMIT = "067b021c8b87a9e5e380b9173c704cf7340e30f5"
 VERSION_MODELLED = "Axolotl main@067b021c"
+PLUGIN = "trl_gc_plugin.integrations.axolotl.SafeGCPlugin"
+"""The `plugins:` entry of the plugin's Axolotl integration (`trl_gc_plugin/integrations/axolotl.py`)."""
 SRC = f"https://github.com/axolotl-ai-cloud/axolotl/blob/{COMMIT}/src/axolotl/"
 VALIDATION = SRC + "utils/schemas/validation.py"
 NORMALIZE = SRC + "utils/config/__init__.py"
@@ -206,6 +208,19 @@ class View:
     def raw_kwargs(self) -> dict[str, Any]:
         value = self.raw.get("gradient_checkpointing_kwargs")
         return value if isinstance(value, dict) else {}
+
+
+def _trl_gc_entries(raw: Any, callbacks: bool) -> list[str]:
+    """The `plugins:` entries under `trl_gc_plugin.` that are not the plugin: the callback's path (`callbacks`) or
+    anything else."""
+    entries = raw.get("plugins") if isinstance(raw.get("plugins"), list) else []
+    ours = [e.strip() for e in entries if isinstance(e, str) and e.strip().startswith("trl_gc_plugin.")]
+    wrong = [e for e in ours if e != PLUGIN]
+    return (
+        [e for e in wrong if e.rsplit(".", 1)[-1] == "SafeGCCallback"]
+        if callbacks
+        else [e for e in wrong if e.rsplit(".", 1)[-1] != "SafeGCCallback"]
+    )
 
 
 def _matmul_saves(v: View) -> list[str]:
@@ -495,6 +510,34 @@ RULES: tuple[LauncherRule, ...] = (
         evidence=(f"{VALIDATION}#L1085-L1104 (fsdp_config keys; no check of the pair)",),
         when=lambda v: False,  # added by `read` when the pair is on (it needs the parsed fsdp_config)
         disagreement="transformers' Trainer refuses the pair (5.23: 'both activation checkpointing options'); the plugin says so before launch (rule fsdp-activation-checkpointing).",
+    ),
+    LauncherRule(
+        id="axolotl:plugin-is-a-callback",
+        launcher=LAUNCHER,
+        action="error",
+        setting="plugins",
+        condition="`plugins:` lists `trl_gc_plugin.SafeGCCallback` (a Trainer callback, not an Axolotl plugin)",
+        message=(
+            "Axolotl stops with \"AttributeError: 'SafeGCCallback' object has no attribute 'register'\": it creates "
+            "every `plugins:` entry and calls its register(cfg)."
+        ),
+        change=f"plugins: [{PLUGIN}]",
+        evidence=(f"{SRC}cli/config.py (prepare_plugins); reproduced with Axolotl 0.19.0",),
+        when=lambda v: any(_trl_gc_entries(v.raw, callbacks=True)),
+    ),
+    LauncherRule(
+        id="axolotl:plugin-not-found",
+        launcher=LAUNCHER,
+        action="warn",
+        setting="plugins",
+        condition=f"`plugins:` lists a `trl_gc_plugin.` entry that is neither {PLUGIN} nor the callback",
+        message=(
+            "Axolotl cannot load it: a module that does not exist is logged as an ImportError and the run goes on "
+            "without the plugin; a class that does not exist stops it."
+        ),
+        change=f"plugins: [{PLUGIN}]",
+        evidence=(f"{SRC}integrations/base.py (load_plugin, PluginManager.register); read in Axolotl 0.19.0",),
+        when=lambda v: any(_trl_gc_entries(v.raw, callbacks=False)),
     ),
 )
 

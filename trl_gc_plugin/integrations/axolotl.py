@@ -1,0 +1,182 @@
+"""The Axolotl plugin: `plugins: [trl_gc_plugin.integrations.axolotl.SafeGCPlugin]` in an Axolotl config.
+
+What it does, hook by hook (Axolotl's `BasePlugin`, `axolotl.integrations.base`):
+
+- `register(cfg)` (the raw YAML, before validation): keeps what the file itself says about `use_reentrant`, so the
+  plugin can later tell the user's value from the one Axolotl wrote (`normalize_config` writes
+  `{use_reentrant: true}`, the builder `{use_reentrant: false}` when the kwargs are unset), and makes the plugin's
+  lines visible under Axolotl's logging (below).
+- `get_input_args()`: the config keys `trl_gc_mode`, `trl_gc_memory_budget`, `trl_gc_audit`, `trl_gc_parity_check`,
+  `trl_gc_write_json` (`SafeGCArgs`, a pydantic model Axolotl merges into its config schema), validated by the
+  plugin's one settings layer (`GCSettings.resolve(..., caller="axolotl")`: the same one-line messages as
+  `SafeGCCallback(...)`; a bad `trl_gc_mode`, or any bad value in strict mode, refuses the config).
+- `add_callbacks_pre_trainer(cfg, model)`: the `SafeGCCallback`. Pre-trainer callbacks are passed to the Trainer's
+  constructor, so the callback sees `on_init_end` (where it decides and fixes the arguments) and comes before
+  Axolotl's own callbacks (its reporters among them) in the list; a post-trainer callback is added after the
+  Trainer's `__init__` and would miss `on_init_end`.
+
+Axolotl's logging (`axolotl.logging_config`) makes every logger created after it started an `AxolotlLogger` that
+drops records of non-`axolotl*` loggers below `LOG_LEVEL` (WARNING by default): the plugin's INFO summary was
+hidden. The plugin's two loggers get Axolotl's own rule instead (shown from `AXOLOTL_LOG_LEVEL`, INFO by default).
+
+A plugin that fails to import is logged by Axolotl's `PluginManager` (ERROR and a traceback) and training goes on
+without it. This module therefore turns an `ImportError` of its own imports into a `RuntimeError`, which
+`PluginManager` does not catch: `axolotl train` stops. A misspelled module path cannot be caught here (this code
+never runs); `trl-gc-check cfg.yml` reads the `plugins:` list.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+try:
+    from axolotl.integrations.base import BasePlugin
+    from pydantic import BaseModel, model_validator
+
+    from .. import probe, report
+    from ..callback import SafeGCCallback
+    from ..settings import SETTINGS, GCSettings
+except ImportError as exc:  # PluginManager only logs an ImportError and trains on without the plugin
+    raise RuntimeError(
+        f"trl_gc_plugin's Axolotl plugin could not be loaded ({exc}); training without it would run unchecked. "
+        "Install trl-gc-plugin and axolotl in the same environment, or remove the line from `plugins:`."
+    ) from exc
+
+PLUGIN_LINE = f"{__name__}.SafeGCPlugin"
+KEY_PREFIX = "trl_gc_"
+SOURCE = "launcher (axolotl)"
+"""Who wrote a `use_reentrant` that is not in the YAML (the words `trl-gc-check` uses for the same value)."""
+OFFLOADING_OWNS = ("true", "legacy", "disk")
+"""`activation_offloading` values with which Axolotl turns the Trainer's checkpointing off and checkpoints itself."""
+
+
+def config_key(name: str) -> str:
+    return KEY_PREFIX + name
+
+
+class SafeGCArgs(BaseModel):
+    """The plugin's keys in an Axolotl config (one per setting of `trl_gc_plugin.settings`, prefixed `trl_gc_`).
+    Values are checked by the settings layer, not by pydantic's types, so the messages are the plugin's."""
+
+    trl_gc_mode: Any = None
+    trl_gc_audit: Any = None
+    trl_gc_parity_check: Any = None
+    trl_gc_write_json: Any = None
+    trl_gc_memory_budget: Any = None
+
+    @model_validator(mode="after")
+    def _resolve_trl_gc(self) -> SafeGCArgs:
+        resolved = resolve(self)
+        for line in resolved.problems:
+            report.note(f"{line}; using the default.", "warning")
+        for name, value in resolved.as_dict().items():  # the callback gets clean values, and says nothing twice
+            if getattr(self, config_key(name), None) is not None:
+                object.__setattr__(self, config_key(name), value)
+        return self
+
+
+assert {config_key(s.name) for s in SETTINGS} == set(SafeGCArgs.model_fields), "a setting without its Axolotl key"
+
+
+def resolve(cfg: Any) -> GCSettings:
+    """The plugin's settings from an Axolotl config (a mapping or the validated model); `GCConfigError` (a
+    `ValueError`, which pydantic reports as a validation error) for a bad value, as `SafeGCCallback` would."""
+    get = cfg.get if hasattr(cfg, "get") else lambda key: getattr(cfg, key, None)
+    return GCSettings.resolve({s.name: get(config_key(s.name)) for s in SETTINGS}, caller="axolotl")
+
+
+class _AsAxolotl(logging.Filter):
+    """Axolotl's filter for the plugin's loggers, with the plugin counted as Axolotl's own: a record shows from
+    `AXOLOTL_LOG_LEVEL`, or wherever Axolotl's filter lets it through."""
+
+    def __init__(self, axolotl_filter: Any) -> None:
+        super().__init__()
+        self.inner = axolotl_filter
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.inner.axolotl_level or bool(self.inner.filter(record))
+
+
+def show_under_axolotl() -> None:
+    """Replace the filter Axolotl's `AxolotlLogger` put on the plugin's loggers by `_AsAxolotl` (idempotent)."""
+    try:
+        from axolotl.logging_config import AxolotlOrWarnErrorFilter
+    except ImportError:  # an Axolotl without this logging: nothing hides the plugin
+        return
+    for log in (report.logger, report.details):
+        for found in list(log.filters):
+            if isinstance(found, AxolotlOrWarnErrorFilter):
+                log.removeFilter(found)
+                log.addFilter(_AsAxolotl(found))
+
+
+class AxolotlSafeGCCallback(SafeGCCallback):
+    """`SafeGCCallback` with what only the Axolotl config tells: who wrote `use_reentrant`, and whether Axolotl's
+    activation offloading owns checkpointing (then a model that checkpoints while the arguments say off is not
+    checkpointing "not asked for")."""
+
+    def __init__(self, yaml_reentrant: tuple[bool, Any], offloading: Any, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.yaml_reentrant = yaml_reentrant
+        self.offloading = offloading
+
+    def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        try:
+            self._label_axolotl_value(args)
+        except Exception as exc:  # never stop a run over a label
+            report.note(f"could not tell who wrote use_reentrant ({exc!r}); the summary may call it yours", "info")
+        super().on_init_end(args, state, control, model=model, **kwargs)
+
+    def _label_axolotl_value(self, args: Any) -> None:
+        kwargs = getattr(args, probe.kwargs_field(args), None)
+        value = kwargs.get("use_reentrant") if isinstance(kwargs, dict) else None
+        if value is None:
+            return
+        given, yaml_value = self.yaml_reentrant
+        if given and value == yaml_value:
+            return  # the user's own: the plugin's usual reading ("yours") is right
+        probe.remember(args, value, SOURCE)
+
+    def _asked_vs_running(self, args: Any, model: Any) -> None:
+        if str(self.offloading).lower() in OFFLOADING_OWNS:
+            blocks = sum(probe.block_pattern(model)) if probe.checkpointing_on(model) else 0
+            report.note(
+                f"Axolotl activation_offloading={self.offloading}: Axolotl turned the Trainer's checkpointing off and "
+                f"checkpoints with its offloader ({blocks} block(s) with transformers' checkpointing on the model).",
+                "info",
+                report.is_main_process(args),
+            )
+            return
+        super()._asked_vs_running(args, model)
+
+
+def _yaml_reentrant(raw: Any) -> tuple[bool, Any]:
+    """(whether the YAML itself sets `gradient_checkpointing_kwargs.use_reentrant`, its value)."""
+    kwargs = raw.get("gradient_checkpointing_kwargs") if hasattr(raw, "get") else None
+    if isinstance(kwargs, dict) and kwargs.get("use_reentrant") is not None:
+        return True, kwargs["use_reentrant"]
+    return False, None
+
+
+class SafeGCPlugin(BasePlugin):
+    """Safe gradient checkpointing for Axolotl: `plugins: [trl_gc_plugin.integrations.axolotl.SafeGCPlugin]`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.yaml_reentrant: tuple[bool, Any] = (False, None)
+
+    def register(self, cfg: Any) -> None:
+        self.yaml_reentrant = _yaml_reentrant(cfg)
+        show_under_axolotl()
+
+    def get_input_args(self) -> str:
+        return f"{__name__}.{SafeGCArgs.__name__}"
+
+    def add_callbacks_pre_trainer(self, cfg: Any, model: Any) -> list[Any]:
+        show_under_axolotl()
+        get = cfg.get if hasattr(cfg, "get") else lambda key: getattr(cfg, key, None)
+        resolve(cfg)  # validated already with the config; again here for a caller that skipped the schema
+        given = {s.name: get(config_key(s.name)) for s in SETTINGS if get(config_key(s.name)) is not None}
+        # only what the config sets: the rest comes from install() / TRL_GC_PLUGIN_* / the defaults, as usual
+        return [AxolotlSafeGCCallback(self.yaml_reentrant, get("activation_offloading"), **given)]
