@@ -345,3 +345,10 @@ def test_a_non_bool_use_reentrant_gets_one_behaviour_on_every_route(value, tmp_p
         seen[route] = (decision.action, decision.level, decision.after, probe.read_kwargs(trainer.args))
     assert seen["callback"] == seen["install"]
     assert seen["callback"][:2] == ("repair", "warning")
+
+
+def test_the_callback_named_as_an_axolotl_plugin_says_which_line_to_write():
+    """Axolotl's PluginManager calls `register(cfg)` on what `plugins:` names; without it the user got a bare
+    AttributeError."""
+    with pytest.raises(GCConfigError, match=r"plugins: \[trl_gc_plugin.integrations.axolotl.SafeGCPlugin\]"):
+        SafeGCCallback().register({})

@@ -172,6 +172,14 @@ class SafeGCCallback(TrainerCallback):
         for line in resolved.problems:
             report.note(f"{line}; using the default.", "warning")
 
+    def register(self, cfg: Any = None) -> None:
+        """Axolotl calls `register` on what its `plugins:` list names; this class is a Trainer callback, not an
+        Axolotl plugin: say which line to write instead of Axolotl's bare `AttributeError`."""
+        raise GCConfigError(
+            "trl_gc_plugin.SafeGCCallback is a Trainer callback, not an Axolotl plugin: write "
+            "`plugins: [trl_gc_plugin.integrations.axolotl.SafeGCPlugin]` in the Axolotl config."
+        )
+
     @property
     def decisions(self) -> list[Decision]:
         """The decisions for the last Trainer this callback saw (those of the acting callback when this one stood
