@@ -607,7 +607,7 @@ class SafeGCCallback(TrainerCallback):
         asked, running = self._asked(args), probe.checkpointing_on(model)
         if asked and not running:
             self._not_running(args, "no block has checkpointing switched on at train begin")
-        elif running and not asked:
+        elif running and not asked and not self._launcher_checkpoints(model):
             rule = get_rule("checkpointing-unasked")
             blocks = sum(probe.block_pattern(model))
             reason = (
@@ -615,6 +615,12 @@ class SafeGCCallback(TrainerCallback):
                 + rule.message
             )
             self._record(args, [self._verdict(rule, "warn", False, True, reason, level="info")])
+
+    @staticmethod
+    def _launcher_checkpoints(model: Any) -> bool:
+        """A launcher's own checkpoint function runs (`ckpt.wrapped`): it enabled checkpointing on purpose (LLaMA-Factory
+        does on the model, by default, with the Trainer's flag false), so it is asked for, by the launcher."""
+        return any(ckpt.wrapped(f) for _, f in ckpt.functions(probe.unwrap(model)))
 
     def _not_running(self, args: Any, why: str) -> None:
         rule = get_rule("checkpointing-not-running")

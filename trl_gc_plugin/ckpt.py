@@ -6,7 +6,14 @@ themselves), and next to it `_gradient_checkpointing_func`, a `functools.partial
 **keywords)`. The plugin's first-forward observer (`observe.py`) stands in for that function during one forward and
 keeps the real one as its `original`; `real()` is the only place that looks behind it.
 
-- Readers: `blocks`, `functions`, `function_of`, `real`, `keywords`, `use_reentrant`, `model_use_reentrant`.
+A launcher may store its own function instead, a wrapper around that partial made with `functools.wraps` (so its
+`__wrapped__` is the partial): LLaMA-Factory's `custom_gradient_checkpointing_func` makes the hidden states require
+grad and skips frozen layers. `inner()` looks behind such a wrapper: the keywords, and so `use_reentrant`, are read
+from the partial inside; `wrapped()` says a wrapper stands there, a checkpoint function someone chose on purpose, which
+every writer keeps (it rebuilds the wrapper around the new partial, never replaces it with a bare one).
+
+- Readers: `blocks`, `functions`, `function_of`, `real`, `inner`, `wrapped`, `keywords`, `use_reentrant`,
+  `model_use_reentrant`.
 - Writers: `set_flag` and `set_function` (the two primitives every write goes through), `with_keywords` (a function
   with other keywords), `set_keyword` (one keyword on every checkpointing module), `apply` (a frozen `Spec`: the
   per-block pattern, `use_reentrant`, keywords, selective checkpointing, offloading) and `snapshot` / `restore`.
@@ -72,9 +79,29 @@ def real(func: Any) -> Any:
     return getattr(func, "original", func)
 
 
+def inner(func: Any) -> Any:
+    """The `functools.partial` a checkpoint function runs: behind the plugin's observer, and behind wrappers that name
+    what they wrap in `__wrapped__` (`functools.wraps`, as LLaMA-Factory's `custom_gradient_checkpointing_func`);
+    `real(func)` when no partial stands behind it (torch's `checkpoint` itself, an autograd Function's `apply`)."""
+    base = real(func)
+    found, seen = base, 0
+    while not isinstance(found, functools.partial) and seen < 8:
+        found, seen = getattr(found, "__wrapped__", None), seen + 1
+        if found is None:
+            return base
+    return found if isinstance(found, functools.partial) else base
+
+
+def wrapped(func: Any) -> bool:
+    """Whether a wrapper of someone's own stands around the checkpoint partial (see `inner()`): a checkpoint function
+    chosen on purpose, with its own behaviour around torch's call, to keep."""
+    return inner(func) is not real(func)
+
+
 def keywords(func: Any) -> dict[str, Any]:
-    """The keywords a checkpoint function passes to torch's `checkpoint` (a copy; empty when it is no partial)."""
-    return dict(getattr(real(func), "keywords", None) or {})
+    """The keywords a checkpoint function passes to torch's `checkpoint` (a copy; empty when it is no partial), read
+    behind the observer and behind a wrapper (`inner()`)."""
+    return dict(getattr(inner(func), "keywords", None) or {})
 
 
 def use_reentrant(func: Any) -> bool:
@@ -99,10 +126,48 @@ _functions = functions
 
 
 def same(a: Any, b: Any) -> bool:
-    """Two checkpoint functions are the same: equal partials (function, arguments, keywords), or the same object."""
+    """Two checkpoint functions are the same: equal partials (function, arguments, keywords), the same wrapper code
+    around equal partials, or the same object."""
+    if a is b:
+        return True
+    if wrapped(a) and wrapped(b):
+        code_a, code_b = getattr(real(a), "__code__", None), getattr(real(b), "__code__", None)
+        return code_a is not None and code_a is code_b and same(inner(a), inner(b))
     if not (isinstance(a, functools.partial) and isinstance(b, functools.partial)):
-        return a is b
+        return False
     return a.func is b.func and a.args == b.args and a.keywords == b.keywords
+
+
+def _rewrapped(func: Any, new_inner: Any) -> Any:
+    """`func` (a wrapper, see `inner()`) rebuilt around `new_inner` instead of the partial it wraps: a copy of the
+    wrapper function whose closure cell holding that partial holds `new_inner` (its `__wrapped__` too). `None` when
+    the wrapper does not keep the partial in its closure (it cannot be rebuilt)."""
+    wrapper, old = real(func), inner(func)
+    cells = getattr(wrapper, "__closure__", None)
+    if not isinstance(wrapper, types.FunctionType) or not cells:
+        return None
+    new_cells, found = [], False
+    for cell in cells:
+        try:
+            content = cell.cell_contents
+        except ValueError:  # an empty cell
+            new_cells.append(cell)
+            continue
+        if content is old:
+            new_cells.append(types.CellType(new_inner))
+            found = True
+        else:
+            new_cells.append(cell)
+    if not found:
+        return None
+    copy = types.FunctionType(
+        wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__, tuple(new_cells)
+    )
+    copy.__kwdefaults__ = wrapper.__kwdefaults__
+    copy.__dict__.update(wrapper.__dict__)
+    copy.__qualname__ = wrapper.__qualname__
+    copy.__wrapped__ = new_inner  # type: ignore[attr-defined]
+    return copy
 
 
 # --- checkpoint functions ----------------------------------------------------------------------------------------
@@ -123,16 +188,22 @@ def _torch_checkpoint() -> Any:
     return checkpoint
 
 
-def with_keywords(func: Any, **changes: Any) -> functools.partial[Any]:
+def with_keywords(func: Any, **changes: Any) -> Any:
     """`func` (a checkpoint function, observer unwrapped) rebuilt with other keywords, keeping the rest.
 
     Args:
-        func: a `functools.partial` of a checkpoint function, or a plain callable.
+        func: a `functools.partial` of a checkpoint function, a wrapper around one (`inner()`), or a plain callable.
         **changes: the keywords to set; a value of `None` removes the key.
 
     Returns:
-        A new `functools.partial` of the same function and positional arguments.
+        A new `functools.partial` of the same function and positional arguments; for a wrapper, the wrapper rebuilt
+        around that new partial (`_rewrapped`), or, when it cannot be rebuilt, a partial of the wrapper itself with
+        the keywords (it passes them on to the function it wraps).
     """
+    if wrapped(func):
+        rebuilt = _rewrapped(func, with_keywords(inner(func), **changes))
+        if rebuilt is not None:
+            return rebuilt
     base = real(func)
     if isinstance(base, functools.partial):
         target, args, kw = base.func, base.args, dict(base.keywords)
@@ -187,8 +258,9 @@ def set_keyword(model: Any, key: str, value: Any) -> int:
     changed = 0
     for module, func in functions(unwrap(model)):
         func = real(func)
-        if isinstance(func, functools.partial):
-            if func.keywords.get(key, None) is value and (value is not None or key not in func.keywords):
+        inside = inner(func)
+        if isinstance(inside, functools.partial):
+            if inside.keywords.get(key, None) is value and (value is not None or key not in inside.keywords):
                 continue
         elif value is None:
             continue
@@ -231,10 +303,14 @@ class Spec:
         )
 
 
-def _function_for(current: Any, spec: Spec) -> functools.partial[Any]:
+def _function_for(current: Any, spec: Spec) -> Any:
     """The checkpoint function a block holding `current` runs under `spec`."""
     from .memory import selective_context
 
+    if wrapped(current):  # the wrapper is kept, around the partial the spec makes of the one inside it
+        new = _function_for(inner(current), spec)
+        rebuilt = _rewrapped(current, new)
+        return new if rebuilt is None else rebuilt
     base = real(current)
     if isinstance(base, functools.partial):
         func, args, kw = base.func, base.args, dict(base.keywords)
@@ -349,8 +425,8 @@ def restore(snap: Snapshot, keep_use_reentrant: bool = False) -> None:
         snap: from `snapshot()`.
         keep_use_reentrant (`bool`): rebuild each recorded function (its wrapper and keywords, behind any observer)
             with the `use_reentrant` the module runs now, only where the module holds a function now and the recorded
-            one is a partial (the enable guard after a re-enable); otherwise every recorded object is put back as it
-            was.
+            one is a partial or a wrapper around one (the enable guard after a re-enable); otherwise every recorded
+            object is put back as it was.
     """
     for module, on in snap.flags:
         set_flag(module, on)
@@ -361,13 +437,10 @@ def restore(snap: Snapshot, keep_use_reentrant: bool = False) -> None:
                 set_function(module, recorded)
             continue
         want = real(recorded)
-        if now is None or not isinstance(want, functools.partial):
+        if now is None or not isinstance(inner(want), functools.partial):
             continue
         mode = keywords(now).get("use_reentrant")
-        kw = dict(want.keywords)
-        if mode is not None:
-            kw["use_reentrant"] = mode
-        restored = functools.partial(want.func, *want.args, **kw)
+        restored = want if mode is None else with_keywords(want, use_reentrant=mode)
         if not same(restored, real(now)):
             set_function(module, restored)
 
@@ -381,6 +454,7 @@ __all__ = [
     "blocks",
     "function_of",
     "functions",
+    "inner",
     "keywords",
     "model_use_reentrant",
     "offload_checkpoint",
@@ -393,4 +467,5 @@ __all__ = [
     "snapshot",
     "use_reentrant",
     "with_keywords",
+    "wrapped",
 ]

@@ -44,6 +44,10 @@ class Facts:
             records a snapshot); `None` when unknown.
         model_gc_enabled: checkpointing already enabled on the model's layers.
         model_use_reentrant: the effective `use_reentrant` in the model's checkpoint function (`None` if off).
+        launcher_checkpointing: the model checkpoints through a launcher's own function, a wrapper around
+            transformers' partial (`ckpt.wrapped`: LLaMA-Factory's `custom_gradient_checkpointing_func`), put there on
+            purpose before the Trainer; when the arguments leave `use_reentrant` unset, its value is the one set
+            (`use_reentrant_source` `unknown`).
         is_peft: the model is a PEFT model.
         quantization: the quantization method (`bitsandbytes_4bit`, `gptq`, ...), `None` if not quantized.
         trainable_in_blocks: some trainable parameter lives inside a checkpointed block.
@@ -107,6 +111,7 @@ class Facts:
     changed_field: Literal["legacy", "new"] | None = None
     model_gc_enabled: bool | None = None
     model_use_reentrant: bool | None = None
+    launcher_checkpointing: bool = False
     is_peft: bool | None = None
     quantization: str | None = None
     trainable_in_blocks: bool | None = None

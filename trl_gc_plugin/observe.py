@@ -106,14 +106,28 @@ class _Observer:
 
     @property
     def keywords(self) -> dict[str, Any]:  # read by probe.effective_use_reentrant
-        return getattr(self.original, "keywords", None) or {}
+        return ckpt.keywords(self.original)
 
     def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        if ckpt.wrapped(self.original):
+            return self._call_wrapper(function, args, kwargs)
         args, exact = self.observation.see(self, function, args)
         original = self.original
         if exact and isinstance(original, functools.partial):
             original = ckpt.with_keywords(original, use_reentrant=False)
         return original(function, *args, **kwargs)
+
+    def _call_wrapper(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A launcher's wrapper around the checkpoint call (`ckpt.wrapped`) may change the inputs before torch sees
+        them (LLaMA-Factory's makes the hidden states require grad in place): the call is judged on the inputs as
+        they are after it ran. A finding that asks for a repair runs the call once more, its input made to
+        require grad (and non-reentrant when asked), before anything backpropagates through the first result."""
+        result = self.original(function, *args, **kwargs)
+        repaired, exact = self.observation.see(self, function, args)
+        if exact or self.observation.last_repaired:
+            original = ckpt.with_keywords(self.original, use_reentrant=False) if exact else self.original
+            result = original(function, *repaired, **kwargs)
+        return result
 
 
 class Observation:
@@ -143,6 +157,7 @@ class Observation:
         self._captured: dict[int, str] = {}
         self.observed_stacks: list[str] = []
         self.failures = 0
+        self.last_repaired = False  # the last `see` made an input require grad
         self._names = {id(m): n for n, m in self.base.named_modules()}
         self._handles: dict[int, list[Any]] = {}
         self._active: dict[int, list[tuple[Any, _Observer]]] = {}
@@ -235,6 +250,7 @@ class Observation:
         repaired) arguments and whether to run this one call non-reentrant."""
         import torch
 
+        self.last_repaired = False
         try:
             if not torch.is_grad_enabled():
                 return args, False
@@ -263,6 +279,7 @@ class Observation:
         exact = False
         if call.loses_gradients and self._ask(self.on_frozen, call) == "repair":
             args = _require_grad(args)
+            self.last_repaired = True
         if call.reentrant and call.keyword_inputs and self.on_keyword_inputs is not None:
             exact = self._ask(self.on_keyword_inputs, call, shared) in ("repair", "exact")
         return args, exact

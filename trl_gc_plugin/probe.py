@@ -522,19 +522,31 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
     emb = _input_embeddings(model)
     emb_trainable = bool(emb is not None and any(p.requires_grad for p in emb.parameters()))
     hooked = input_grad_hooks(model) > 0
-    gc_on_model = bool(checkpoint_functions(base))
+    funcs = checkpoint_functions(base)
+    gc_on_model = bool(funcs)
     gc_enabled = facts.gc_enabled or gc_on_model
+    # a launcher's own checkpoint function (a wrapper around transformers' partial: LLaMA-Factory's) was put there on
+    # purpose, with its use_reentrant, and may change the inputs inside the call (LLaMA-Factory's makes them require
+    # grad): see ckpt.wrapped
+    launcher_function = any(ckpt.wrapped(f) for _, f in funcs)
     # True: the embeddings require grad or carry the input hook (the Trainer's own, added in train(), counts too);
-    # False: certainly not (nothing trainable or hooked upstream of the blocks); None: settled at the first forward.
+    # False: certainly not (nothing trainable or hooked upstream of the blocks, no wrapper around the checkpoint
+    # call); None: settled at the first forward.
     inputs_grad: bool | None = True
     if not (emb_trainable or hooked or (facts.gc_enabled and _will_add_input_hook(base, facts))):
-        inputs_grad = False if _nothing_upstream(model, base, blocks) else None
+        inputs_grad = False if _nothing_upstream(model, base, blocks) and not launcher_function else None
     peft = is_peft_model(model)
     source = facts.use_reentrant_source
     if source == "unknown" and get_record(args) is None:
         source = _source_without_record(facts, peft)
+    use_reentrant = facts.use_reentrant
+    if launcher_function and source == "unset":
+        # the arguments say nothing and the Trainer will not re-enable: the launcher's value is the one set
+        use_reentrant, source = model_use_reentrant(base), "unknown"
     return facts.replace(
+        use_reentrant=use_reentrant,
         use_reentrant_source=source,
+        launcher_checkpointing=launcher_function,
         gc_enabled=gc_enabled,
         model_gc_enabled=gc_on_model,
         model_use_reentrant=model_use_reentrant(base) if gc_on_model else None,

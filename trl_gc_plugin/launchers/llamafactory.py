@@ -413,6 +413,12 @@ def read(config: Config, ctx: Context) -> Reading:
     gc_on = bool(reading.value("gc_enabled"))
     reading.set("use_reentrant", reentrant if gc_on else None, origin, detail)
     reading.set("use_reentrant_source", source if gc_on else "unset", origin, detail)
+    reading.set(
+        "launcher_checkpointing",
+        gc_on and not bool(raw.get("use_unsloth_gc")),
+        "launcher rewrite",
+        f"LLaMA-Factory checkpoints through its own wrapper around transformers' partial ({SOURCES['wrapper']})",
+    )
     reading.set("kwargs_given", gc_on, origin, detail)
     reading.set("unsloth", bool(raw.get("use_unsloth")), "file", "key 'use_unsloth' (Unsloth is loaded)")
     reading.set(
