@@ -66,8 +66,29 @@ $(AXO_STAMP):
 	rm -f $(AXO_VENV)/.installed-*
 	touch $@
 
-test-launchers: $(AXO_STAMP)
+# LLaMA-Factory 0.9.5 (transformers 5.6.0, TRL 0.24.0, PEFT 0.18.1), the plugin installed editable (its `.pth` is what
+# `TRL_GC_PLUGIN=1 llamafactory-cli train` needs). The registry's torchvision/torchaudio wheels do not load against
+# torch 2.13.0+cpu (`torchvision::nms does not exist`); LLaMA-Factory needs neither for text SFT, but its
+# `data/mm_plugin.py` imports torchaudio at the top: torchvision is removed and torchaudio replaced by an empty module.
+LLAMAFACTORY ?= 0.9.5
+LF_VENV ?= .venv-llamafactory
+LF_STAMP := $(LF_VENV)/.installed-llamafactory$(LLAMAFACTORY)-torch$(TORCH)
+
+$(LF_STAMP):
+	$(PYTHON) -m venv $(LF_VENV)
+	$(LF_VENV)/bin/python -m pip install -q "torch==$(TORCH)"
+	$(LF_VENV)/bin/python -m pip install -q "torch==$(TORCH)" "llamafactory==$(LLAMAFACTORY)" pytest hypothesis
+	$(LF_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio
+	$(LF_VENV)/bin/python -c "import pathlib, sysconfig; p = pathlib.Path(sysconfig.get_paths()['purelib'], 'torchaudio'); \
+		p.mkdir(exist_ok=True); (p / '__init__.py').write_text('# empty: text SFT never calls torchaudio\n')"
+	$(LF_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(LF_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(llamafactory|torch|transformers|trl|peft|accelerate) '
+	rm -f $(LF_VENV)/.installed-*
+	touch $@
+
+test-launchers: $(AXO_STAMP) $(LF_STAMP)
 	PYTHONPATH=$(CURDIR) $(AXO_VENV)/bin/python -m pytest tests/test_launchers_axolotl.py $(PYTEST_ARGS)
+	$(LF_VENV)/bin/python -m pytest -p no:xdist -m launchers tests/test_launchers_llamafactory.py $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check trl_gc_plugin tests examples benchmarks
