@@ -1,0 +1,150 @@
+"""The runtime checks of the first optimizer step, before any parameter update: the gradient audit (every
+checkpointed block with trainable parameters got a gradient, and why not) and the parity probe (gradients with and
+without checkpointing on the first step's own inputs)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import parity, probe, verify
+from .decisions import Action, Decision
+from .policy import refused
+from .rules import get_rule
+from .session import Session, runtime_decision
+
+
+def audit(session: Session, model: Any, observation: Any) -> None:
+    """Judge the first step's gradients per checkpointed block (`verify.audit_gradients`): a block the first
+    forward saw run reentrant with inputs that do not require grad is refused / switched / reported; one the loss
+    does not use is said at INFO; one not observed is a warning."""
+    args = session.args
+    rule = get_rule("gradient-audit")
+    sharded = verify.gradients_are_sharded(args, model)
+    if sharded:
+        session.record([runtime_decision(rule, "none", None, None, f"Skipped: {sharded}.")])
+        return
+    result = verify.audit_gradients(model, observation)
+    value = session.watch.value if session.watch is not None else None
+    verdicts: list[Decision] = []
+    if result.ok and result.checked == 0:
+        reason = (
+            "No checkpointed block with trainable parameters was found to audit: the model checkpoints outside "
+            "transformers' convention (`GradientCheckpointingLayer`, `_gradient_checkpointing_func`), e.g. by "
+            "calling torch.utils.checkpoint itself; not covered by the audit."
+        )
+        verdicts.append(runtime_decision(rule, "none", 0, 0, reason, level="info"))
+    elif result.ok:
+        reason = f"{result.checked} checkpointed block(s) with trainable parameters all received gradients."
+        verdicts.append(runtime_decision(rule, "none", result.checked, result.checked, reason))
+    if result.broken:
+        reason = (
+            f"{len(result.broken)} of {result.checked} checkpointed block(s) with trainable parameters got no "
+            f"gradient at the first optimizer step ({names(result.broken)}): the first forward saw them run reentrant "
+            f"(use_reentrant={value!r}) with inputs that do not require grad. "
+            + rule.message
+            + " Switch the audit off with SafeGCCallback(audit=False) or TRL_GC_PLUGIN_AUDIT=0."
+        )
+        action: Action = refused(session.mode)
+        if action == "override" and value is not True:
+            action = "warn"  # nothing the plugin can switch: report it
+        verdicts.append(runtime_decision(rule, action, value, False if action == "override" else value, reason))
+    if result.unused:
+        reason = (
+            f"{len(result.unused)} trainable checkpointed block(s) got no gradient because the loss does not use them "
+            f"({names(result.unused)}); checkpointing is not the cause (they ran with inputs that require grad, or "
+            "non-reentrant, or not at all). They will not train, with or without checkpointing."
+        )
+        verdicts.append(runtime_decision(rule, "none", len(result.unused), len(result.unused), reason, level="info"))
+    if result.unverified:
+        reason = (
+            f"{len(result.unverified)} checkpointed block(s) with trainable parameters got no gradient and the first "
+            f"forward was not observed for them ({names(result.unverified)}), so the cause is unknown; not refused. "
+            "Run once with SafeGCCallback(parity_check=True) to compare with no checkpointing."
+        )
+        verdicts.append(runtime_decision(rule, "warn", None, None, reason))
+    if result.nonfinite_params:
+        reason = (
+            f"Non-finite gradients in {len(result.nonfinite_params)} parameter(s), e.g. {result.nonfinite_params[0]}."
+        )
+        verdicts.append(runtime_decision(rule, "warn", None, None, reason))
+    session.record(verdicts)
+    if any(v.action == "override" for v in verdicts):
+        session.switch(False)
+    session.raise_for_errors(verdicts, session.mode)
+
+
+class Parity:
+    """The parity probe: keeps the first training forward's inputs (`parity.FirstInputs`) until the first optimizer
+    step, then compares gradients with and without checkpointing on them (`parity.parity_probe`, bounded memory)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.first: parity.FirstInputs | None = None
+
+    @staticmethod
+    def wanted(setting: bool | None, args: Any, model: Any) -> bool:
+        """`parity_check=None`: on for reentrant runs in one process without sharding, for any model."""
+        if setting is not None:
+            return setting
+        running = probe.model_use_reentrant(model)
+        return bool(running and report_world_size(args) == 1 and not verify.gradients_are_sharded(args, model))
+
+    def install(self, model: Any) -> None:
+        self.first = parity.FirstInputs(model)
+        self.first.install()
+
+    def remove(self) -> None:
+        if self.first is not None:  # the probe ran at the step's optimizer step, or never will
+            self.first.remove()
+            self.first = None
+
+    def run(self, model: Any) -> None:
+        session, args = self.session, self.session.args
+        rule = get_rule("parity-check")
+        first = self.first
+        self.remove()
+        if verify.gradients_are_sharded(args, model):
+            session.record([runtime_decision(rule, "none", None, None, "Skipped: sharded parameters.")])
+            return
+        inputs, batch = (first.inputs, first.batch) if first is not None else (None, None)
+        target = probe.unwrap(model) if first is not None and first.for_base else model
+        result = parity.parity_probe(target, inputs, batch)
+        if result.skipped:
+            session.record([runtime_decision(rule, "none", None, None, f"Skipped: {result.skipped}.", level="info")])
+            return
+        summary = (
+            f"{result.compared} trainable parameters compared on the {result.batch}: max difference "
+            f"{result.max_abs:.3g}, max relative {result.max_rel:.3g} (tolerance {result.rtol:g} of each gradient)"
+        )
+        if result.missing_with_checkpointing:
+            summary += (
+                f"; {len(result.missing_with_checkpointing)} get a gradient only without checkpointing, e.g. "
+                f"{result.missing_with_checkpointing[0]}"
+            )
+        if result.outside:
+            summary += f"; {len(result.outside)} differ beyond it, most {result.outside[0]}"
+        action: Action = (
+            "none"
+            if result.ok
+            else ("error" if result.missing_with_checkpointing and session.mode == "strict" else "warn")
+        )
+        after = {"max_abs": result.max_abs, "max_rel": result.max_rel, "compared": result.compared}
+        verdict = runtime_decision(rule, action, None, after, summary + ".")
+        session.record([verdict])
+        session.raise_for_errors([verdict], session.mode)
+
+
+def report_world_size(args: Any) -> int:
+    """Processes of the launch (the launcher's WORLD_SIZE, else the arguments')."""
+    value = os.environ.get("WORLD_SIZE", "")
+    if value.isdigit():
+        return int(value)
+    try:
+        return int(getattr(args, "world_size", 1) or 1)
+    except Exception:
+        return 1
+
+
+def names(found: list[str], limit: int = 6) -> str:
+    return ", ".join(found[:limit]) + (" ..." if len(found) > limit else "")

@@ -1,0 +1,309 @@
+"""The memory plan at run time: planned at the first training forward from the batch it really runs, applied to the
+live model (`planner.apply_plan`), and checked against what that forward saved (`plan_check.compare`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from . import _hooks, probe, report, verify
+from .decisions import Decision, first_sentence
+from .errors import GCConfigError
+from .rules import get_rule
+from .session import Session, runtime_decision
+
+
+class MemoryPlan:
+    """Plans how much to checkpoint under an activation-memory budget, once the first training forward shows the
+    batch shape.
+
+    Args:
+        session (`Session`): the run.
+        budget (`str` or `int`): bytes, or `"auto"` (`budget_bytes`).
+
+    Attributes:
+        comparison (`plan_check.Comparison`, *optional*): the plan's predicted saved bytes against those the first
+            training forward saved (None until then, or when not compared).
+    """
+
+    def __init__(self, session: Session, budget: str | int) -> None:
+        self.session = session
+        self.budget = budget
+        self.comparison: Any = None
+        self._hook: Any = None
+
+    def install(self, model: Any) -> None:
+        """Plan at the first training forward (a one-shot pre-hook, gone after it ran), from the batch it really runs
+        (DPO's chosen and rejected rows, GRPO's completions, packed rows) and the non-tensor keywords it is called
+        with (TRL's fused LM head); the sequence length is the longest the arguments allow (`max_length`), so a later,
+        longer batch fits too. That forward is then measured and checked against the prediction (`_check`).
+        Without a readable input shape, the arguments' `per_device_train_batch_size` x `max_length` is planned."""
+        base, args = probe.unwrap(model), self.session.args
+
+        def first_forward(module: Any, f_args: tuple[Any, ...], f_kwargs: dict[str, Any]) -> None:
+            import torch
+
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            self.remove()
+            shape = _input_shape(f_args, f_kwargs)
+            try:
+                if shape is None:
+                    seq = planned_sequence_length(args)
+                    batch = int(getattr(args, "per_device_train_batch_size", 0) or 0)
+                    if not (seq and batch):
+                        self.session.record([self._skipped("the first forward's input shape could not be read")])
+                        return
+                    self._plan(model, batch, seq)
+                    return
+                keywords = _call_keywords(f_kwargs)
+                planned = self._plan(model, *planned_shape(args, shape), forward_kwargs=keywords)
+                if planned is not None:
+                    self._start_check(model, base, planned, shape, keywords)
+            except GCConfigError:
+                raise
+            except Exception as exc:  # a plugin bug never stops training
+                self.session.record([self._skipped(f"{type(exc).__name__}: {exc}")])
+
+        # outside the module where torch allows it (a copy of the model made before the first forward carries
+        # nothing of the plugin); else a module hook, gone after the first training forward
+        handle = _hooks.on_forward_pre_with_kwargs(base, first_forward)
+        if handle is None:
+            handle = base.register_forward_pre_hook(first_forward, with_kwargs=True, prepend=True)
+        self._hook = handle
+
+    def remove(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _plan(self, model: Any, batch: int, seq: int, forward_kwargs: dict[str, Any] | None = None) -> Any:
+        """Estimate, plan and apply; returns the `(estimate, plan)` the plan was made from, None when skipped."""
+        from . import memory, planner
+
+        sharded = verify.gradients_are_sharded(self.session.args, model)
+        if sharded:
+            self.session.record([self._skipped(f"not planned under sharding ({sharded})")])
+            return None
+        use_reentrant = probe.model_use_reentrant(model)
+        try:
+            budget = budget_bytes(self.budget, model)
+            estimate = memory.estimate(model, batch, seq, forward_kwargs=forward_kwargs)
+            plan = planner.plan(
+                estimate, budget, allow_selective=use_reentrant is False, allow_offload=probe.accelerator_available()
+            )
+            decisions = planner.plan_decisions(plan, self.session.mode)
+        except GCConfigError:
+            raise
+        except Exception as exc:  # a model the estimate cannot run: checkpointing stays as asked
+            self.session.record([self._skipped(f"the estimate failed ({type(exc).__name__}: {exc})")])
+            return None
+        if not self._apply_plan(model, plan, decisions, use_reentrant):
+            return None
+        return estimate, plan
+
+    def _apply_plan(self, model: Any, plan: Any, decisions: list[Decision], use_reentrant: Any) -> bool:
+        """Record the plan's decisions and apply the chosen candidate (not in warn mode); False when it could not
+        be applied."""
+        from . import planner
+
+        if self.session.mode == "warn":  # warn mode changes nothing: say what would run
+            decisions = [dataclasses.replace(d, action="warn", applied=False) for d in decisions]
+        self.session.record(decisions)
+        self.session.raise_for_errors(decisions, self.session.mode)
+        chosen = plan.chosen or plan.lowest
+        if self.session.mode != "warn" and chosen is not None:
+            try:
+                planner.apply_plan(model, chosen, bool(use_reentrant))
+            except ValueError as exc:  # e.g. blocks the estimate did not count: checkpointing stays as asked
+                self.session.record([self._skipped(f"it could not be applied ({exc})")])
+                return False
+            self.session.ensure_guard(probe.reads_layer_kwargs(probe.capabilities.installed())).record()
+        report.note(
+            f"memory plan: {first_sentence(decisions[0].reason)}",
+            decisions[0].level,
+            report.is_main_process(self.session.args),
+        )
+        return True
+
+    def _start_check(
+        self,
+        model: Any,
+        base: Any,
+        planned: tuple[Any, Any],
+        shape: tuple[int, int],
+        keywords: dict[str, Any],
+    ) -> None:
+        """Measure the forward that is starting (`memory.meter`: bytes autograd saves, per block) and, when it ends,
+        compare them with the prediction for its own batch shape (a one-shot post-hook, gone after it ran)."""
+        from . import memory
+
+        metering = memory.meter(model)
+        measured = metering.__enter__()
+
+        def finish() -> None:
+            hook.remove()
+            self._hook = None
+            metering.__exit__(None, None, None)
+
+        def after(module: Any, f_args: Any, output: Any) -> None:
+            finish()
+            if output is None:  # the forward raised: nothing to compare
+                return
+            try:
+                self._check(model, planned, measured, shape, keywords)
+            except GCConfigError:
+                raise
+            except Exception as exc:  # a plugin bug never stops training
+                self.session.record([self._skipped(f"the check failed ({type(exc).__name__}: {exc})")])
+
+        hook = _hooks.on_forward(base, after)
+        self._hook = _Once(finish)
+
+    def _check(
+        self,
+        model: Any,
+        planned: tuple[Any, Any],
+        measured: Any,
+        shape: tuple[int, int],
+        keywords: dict[str, Any],
+    ) -> None:
+        """Report a plan whose prediction misses the first step's measurement by more than 15%; fix mode re-plans
+        from the measurement. An accurate plan says nothing. The prediction for the forward's own shape is the
+        plan's estimate scaled to its tokens when the plan was made for a longer batch, and a miss is confirmed
+        with an estimate at that shape (paid only then)."""
+        from . import memory, plan_check, planner
+
+        estimate, plan = planned
+        same = (estimate.batch_size, estimate.seq_len) == shape
+        comparison = plan_check.compare(estimate if same else plan_check.scaled(estimate, *shape), measured, model)
+        if comparison is not None and comparison.off and not same:
+            comparison = plan_check.compare(memory.estimate(model, *shape, forward_kwargs=keywords), measured, model)
+        self.comparison = comparison
+        if comparison is None or not comparison.off:
+            return
+        rows, tokens = comparison.batch_shape
+        replan = None
+        if self.session.mode == "fix":
+            fixed = plan_check.corrected(estimate, comparison)
+            replan = planner.plan(
+                fixed,
+                plan.budget,
+                allow_selective=probe.model_use_reentrant(model) is False,
+                allow_offload=probe.accelerator_available(),
+            )
+        after = {
+            **comparison.to_dict(),
+            "planned_shape": [estimate.batch_size, estimate.seq_len],
+            "plan": (plan.chosen or plan.lowest).name,
+            "replanned": (replan.chosen or replan.lowest).name if replan is not None else None,
+        }
+        reason = (
+            f"The memory plan's prediction misses the first training step: it saved "
+            f"{planner.format_bytes(comparison.measured)} for the backward ({comparison.measured} bytes) where "
+            f"{planner.format_bytes(comparison.predicted)} ({comparison.predicted} bytes) were predicted for its "
+            f"{rows} x {tokens} batch (x{comparison.ratio:.2f}; blocks {comparison.blocks_measured} vs "
+            f"{comparison.blocks_predicted} bytes, outside them {comparison.outside_measured} vs "
+            f"{comparison.outside_predicted}). Something the estimate does not run changes what is saved (a forward "
+            "wrapper, a hook, another batch shape); "
+            + (
+                "re-planned from the measurement (fix mode)."
+                if replan is not None
+                else "the plan stands; fix mode re-plans from the measurement."
+            )
+        )
+        rule = get_rule("memory-plan")
+        decision = runtime_decision(rule, "warn", "prediction", "measurement", reason, setting="memory_plan_check")
+        self.session.record([dataclasses.replace(decision, before=comparison.predicted, after=after)])
+        if replan is not None:
+            decisions = planner.plan_decisions(replan, self.session.mode)
+            self._apply_plan(model, replan, decisions, probe.model_use_reentrant(model))
+
+    def _skipped(self, why: str) -> Decision:
+        rule = get_rule("memory-plan")
+        return runtime_decision(
+            rule, "warn", None, None, f"No memory plan: {why}; checkpointing runs as asked.", level="warning"
+        )
+
+
+SEQUENCE_FIELDS = ("max_length", "max_seq_length")
+
+
+def budget_bytes(budget: str | int, model: Any) -> int:
+    """The budget in bytes; `auto`: free CUDA memory now, less an Adam optimizer state (8 bytes per trainable
+    parameter), less 10% for the allocator."""
+    if budget != "auto":
+        return int(budget)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise GCConfigError('memory_budget="auto" reads the free CUDA memory; give a size ("40GiB") on this machine.')
+    free, _ = torch.cuda.mem_get_info()
+    optimizer = 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return max(int((free - optimizer) * 0.9), 1)
+
+
+def planned_sequence_length(args: Any) -> int | None:
+    """The longest sequence the arguments allow (TRL's `max_length`, GRPO's prompt + completion), None if unknown."""
+    for name in SEQUENCE_FIELDS:
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    prompt, completion = getattr(args, "max_prompt_length", None), getattr(args, "max_completion_length", None)
+    if isinstance(prompt, int) and isinstance(completion, int) and prompt > 0 and completion > 0:
+        return prompt + completion
+    return None
+
+
+def planned_shape(args: Any, shape: tuple[int, int]) -> tuple[int, int]:
+    """The batch shape to plan for, from the first training forward's `shape` (rows x tokens): its rows (DPO's
+    chosen and rejected, GRPO's completions), and the longest sequence the arguments allow (`max_length`) when it is
+    longer; a padding-free or packed batch (one row, TRL's `padding_free`, `packing` with `bfd`) up to
+    `per_device_train_batch_size` x `max_length` tokens."""
+    rows, tokens = shape
+    length = planned_sequence_length(args)
+    if length is None:
+        return shape
+    packed = bool(getattr(args, "padding_free", False)) or (
+        bool(getattr(args, "packing", False)) and str(getattr(args, "packing_strategy", "bfd")).startswith("bfd")
+    )
+    if rows == 1 and packed:
+        per_device = int(getattr(args, "per_device_train_batch_size", 1) or 1)
+        return 1, max(tokens, per_device * length)
+    return rows, max(tokens, length)
+
+
+def _call_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The non-tensor keyword arguments of a model call (`fused_lm_head=True`, `use_cache=False`, ...): what makes
+    the estimate's fake forward take the same path."""
+    import torch
+
+    return {
+        k: v
+        for k, v in kwargs.items()
+        if k not in ("input_ids", "labels", "inputs_embeds")
+        and not isinstance(v, torch.Tensor)
+        and (v is None or isinstance(v, bool | int | float | str))
+    }
+
+
+class _Once:
+    """A handle whose `remove()` runs a cleanup once (the plan check's meter and hook)."""
+
+    def __init__(self, cleanup: Callable[[], None]) -> None:
+        self._cleanup: Callable[[], None] | None = cleanup
+
+    def remove(self) -> None:
+        cleanup, self._cleanup = self._cleanup, None
+        if cleanup is not None:
+            cleanup()
+
+
+def _input_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:
+    import torch
+
+    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *(args[:1] or ())):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0]), int(value.shape[1])
+    return None
