@@ -21,6 +21,7 @@ from .first_step import Parity, audit
 from .keep import every_n_pattern
 from .modes import Mode
 from .observe import Call
+from .replay import Replay
 from .rules import get_rule
 from .runtime_plan import MemoryPlan
 from .session import Session, runtime_decision
@@ -277,6 +278,7 @@ class SafeGCCallback(TrainerCallback):
             self._install(TwoForwards(session), model)
         if on:  # the runtime checks run even when the plugin stands back from deciding
             self._first_forward = self._install(FirstForward(session), model)
+            self._install(Replay(session), model)
             self._audit_pending = self.audit
             if Parity.wanted(self.parity_check, args, model):
                 self._parity = self._install(Parity(session), model)
@@ -303,7 +305,7 @@ class SafeGCCallback(TrainerCallback):
         session = self._session
         if session.cache is not None:
             session.cache.restore()  # a checkpoint saved after this step keeps the user's config
-        for check in [c for c in session.checks if isinstance(c, (TwoForwards, Parity))]:
+        for check in [c for c in session.checks if isinstance(c, (TwoForwards, Parity, Replay))]:
             check.remove()  # the first step is over (a parity probe still pending runs on a synthetic batch)
         if self._first_forward is not None:  # nothing of the observation stays
             self._first_forward.finish(self._asked(args))

@@ -16,8 +16,9 @@ What it costs does not grow with the parameters:
   before any was seen or where they do not run, a synthetic `length`-token sequence of token ids. On an
   accelerator, the probe first checks that its forward fits in the free memory and otherwise skips, saying why.
 - **The run sees nothing of it.** The random number generators are forked, every buffer (running statistics,
-  counters) is put back as it was, the run's gradients (accumulated over micro-batches) are put back as the same
-  tensors, train/eval mode too; the optimizer is never touched. Forward hooks that others put on the model do run.
+  counters) and every public number attribute of a module is put back as it was, the run's gradients (accumulated
+  over micro-batches) are put back as the same tensors, train/eval mode too; the optimizer is never touched. Forward
+  hooks that others put on the model do run.
 
 A parameter whose gradient is missing or all zero with checkpointing while it has one without is the silent
 failure; otherwise the gradients must agree within `rtol * |g|` per parameter (`PARITY_RTOL` in float32,
@@ -28,6 +29,7 @@ parameters whose gradient is tiny next to the largest.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -380,6 +382,7 @@ def _passes(
     saved_grads = [p.grad for _, p in params]
     base = probe.unwrap(model)
     buffers = [(b, b.detach().clone()) for b in base.buffers()]
+    counters = _number_attributes(base)
     was_training = model.training
     device = params[0][1].device
     devices = [device] if device.type == "cuda" else []
@@ -410,8 +413,21 @@ def _passes(
         with torch.no_grad():
             for buffer, copy in buffers:
                 buffer.copy_(copy)
+        for module, name, value in counters:
+            setattr(module, name, value)
         model.train(was_training)
     return with_gc, without
+
+
+def _number_attributes(base: Any) -> list[tuple[Any, str, Any]]:
+    """The public number attributes of every module (a step counter a forward advances), to put back after the
+    probe's passes."""
+    return [
+        (module, name, value)
+        for module in base.modules()
+        for name, value in vars(module).items()
+        if not name.startswith("_") and isinstance(value, numbers.Number) and not isinstance(value, bool)
+    ]
 
 
 def _compare(

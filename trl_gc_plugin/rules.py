@@ -841,6 +841,35 @@ RULES += (
         stages=("runtime",),
     ),
     Rule(
+        id="forward-state-replayed",
+        title="state written in a checkpointed forward is written again by its recompute",
+        kind="verify",
+        setting="activation_checkpointing",
+        value=None,
+        when=_at_runtime,
+        condition=(
+            "first training step: between the end of the first training forward and the end of its backward, a "
+            "checkpointed block's buffer changed (its version and its values) or a public number attribute of one of "
+            "its modules changed: the recompute replayed a side effect of the forward"
+        ),
+        message=(
+            "Checkpointing runs the block's forward again in the backward, so counters, MoE tokens-per-expert and "
+            "running statistics count every batch twice, silently (and a loss or output that reads them differs from "
+            "the forward's). Update them outside the checkpointed block (in the loss, or once per optimizer step), "
+            "or skip the update while recomputing, or leave that block out of checkpointing."
+        ),
+        evidence=(
+            "https://github.com/pytorch/torchtitan/pull/1593 (tokens per expert counted twice during full recompute)",
+            "https://github.com/pytorch/torchtitan/pull/4772 (recomputation would advance rolling expert counts)",
+            "reproduced: transformers 5.23.0 and 4.57.6, torch 2.13.0, tiny Llama whose decoder layers count tokens "
+            "in a buffer or an int attribute: with checkpointing (use_reentrant True or False) the count after one "
+            "step is twice the count without",
+        ),
+        versions={"torch": ">=2.1"},
+        remove_when="when torch.utils.checkpoint tells a forward it is recomputing (no public flag in torch 2.13)",
+        stages=("runtime",),
+    ),
+    Rule(
         id="checkpointing-not-running",
         title="checkpointing asked for, not running",
         kind="verify",
