@@ -44,6 +44,8 @@ class Facts:
             records a snapshot); `None` when unknown.
         model_gc_enabled: checkpointing already enabled on the model's layers.
         model_use_reentrant: the effective `use_reentrant` in the model's checkpoint function (`None` if off).
+        enable_refused: the arguments ask for checkpointing and the model's class says
+            `supports_gradient_checkpointing = False`, so the Trainer's `gradient_checkpointing_enable` will raise.
         launcher_checkpointing: the model checkpoints through a launcher's own function, a wrapper around
             transformers' partial (`ckpt.wrapped`: LLaMA-Factory's `custom_gradient_checkpointing_func`), put there on
             purpose before the Trainer; when the arguments leave `use_reentrant` unset, its value is the one set
@@ -111,6 +113,7 @@ class Facts:
     changed_field: Literal["legacy", "new"] | None = None
     model_gc_enabled: bool | None = None
     model_use_reentrant: bool | None = None
+    enable_refused: bool | None = None
     launcher_checkpointing: bool = False
     is_peft: bool | None = None
     quantization: str | None = None

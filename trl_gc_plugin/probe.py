@@ -550,6 +550,7 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
         gc_enabled=gc_enabled,
         model_gc_enabled=gc_on_model,
         model_use_reentrant=model_use_reentrant(base) if gc_on_model else None,
+        enable_refused=bool(facts.gc_enabled) and getattr(base, "supports_gradient_checkpointing", None) is False,
         is_peft=peft,
         quantization=quantization_of(model),
         trainable_in_blocks=trainable_in_blocks,

@@ -314,6 +314,35 @@ RULES: tuple[Rule, ...] = (
         remove_when="transformers merges the two options",
     ),
     Rule(
+        id="model-cannot-checkpoint",
+        title="the model's class refuses checkpointing",
+        kind="require",
+        setting="activation_checkpointing",
+        value=False,
+        when=lambda f: f.enable_refused is True,
+        condition=(
+            "the arguments ask for checkpointing and the model's class has `supports_gradient_checkpointing = False` "
+            "(read on the unwrapped model)"
+        ),
+        message=(
+            "transformers raises `ValueError: ... does not support gradient checkpointing` ('activation "
+            "checkpointing' on 5.23) when `Trainer.train()` enables it, before the first step. Set gradient_checkpointing=False "
+            "(activation_checkpointing=False on transformers >= 5.23), or use a model class that supports it "
+            "(a class that says False while its blocks checkpoint needs the model's own fix: NemotronH until "
+            "transformers PR 45625)."
+        ),
+        evidence=(
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/modeling_utils.py "
+            "(gradient_checkpointing_enable: `if not self.supports_gradient_checkpointing: raise ValueError`)",
+            "https://github.com/verl-project/verl/issues/7146",
+            "https://github.com/huggingface/transformers/pull/45625 (NemotronH's flag, its blocks already checkpoint)",
+            "reproduced: transformers 5.23.0 and 4.57.6, a tiny Llama class with supports_gradient_checkpointing = "
+            "False: Trainer.train() raises the ValueError before any update",
+        ),
+        remove_when="never: it restates transformers' own refusal before the run starts, with the setting to change",
+        stages=("init_end", "train"),
+    ),
+    Rule(
         id="zero3-frozen-needs-reentrant",
         title="ZeRO-3 + frozen params on old DeepSpeed: reentrant",
         kind="require",
