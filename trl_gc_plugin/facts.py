@@ -44,6 +44,8 @@ class Facts:
             records a snapshot); `None` when unknown.
         model_gc_enabled: checkpointing already enabled on the model's layers.
         model_use_reentrant: the effective `use_reentrant` in the model's checkpoint function (`None` if off).
+        router_logits_recorded: the loss adds a load-balancing term on router logits that a hook records inside the
+            checkpointed blocks (`probe.records_router_logits_in_blocks`).
         enable_refused: the arguments ask for checkpointing and the model's class says
             `supports_gradient_checkpointing = False`, so the Trainer's `gradient_checkpointing_enable` will raise.
         launcher_checkpointing: the model checkpoints through a launcher's own function, a wrapper around
@@ -114,6 +116,7 @@ class Facts:
     model_gc_enabled: bool | None = None
     model_use_reentrant: bool | None = None
     enable_refused: bool | None = None
+    router_logits_recorded: bool | None = None
     launcher_checkpointing: bool = False
     is_peft: bool | None = None
     quantization: str | None = None

@@ -563,6 +563,7 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
         accelerator=accelerator_available(),
         dropout=has_dropout(base),
         shared_state_layers=shares_layer_state(base),
+        router_logits_recorded=records_router_logits_in_blocks(base, blocks),
         shared_block_params=shares_block_params(blocks + layer_list_entries(base)),
     )
 
@@ -626,6 +627,22 @@ def has_dropout(model: Any) -> bool:
             if "dropout" in key and isinstance(value, float) and value > 0:
                 return True
     return False
+
+
+def records_router_logits_in_blocks(base: Any, blocks: list[Any]) -> bool:
+    """The model's load-balancing loss reads router logits that a hook records inside its checkpointed blocks:
+    `output_router_logits` on with a nonzero `router_aux_loss_coef`, and the class declares
+    `_can_record_outputs["router_logits"]` (transformers' `OutputRecorder`) for a module class found in a block."""
+    config = getattr(base, "config", None)
+    if not getattr(config, "output_router_logits", False) or not getattr(config, "router_aux_loss_coef", 1.0):
+        return False
+    recorder = (getattr(type(base), "_can_record_outputs", None) or {}).get("router_logits")
+    if recorder is None:
+        return False
+    target = getattr(recorder, "target_class", recorder)
+    if not isinstance(target, type):
+        return False
+    return any(isinstance(m, target) for block in blocks for m in block.modules())
 
 
 def shares_layer_state(model: Any) -> bool:

@@ -314,6 +314,36 @@ RULES: tuple[Rule, ...] = (
         remove_when="transformers merges the two options",
     ),
     Rule(
+        id="router-logits-need-non-reentrant",
+        title="MoE load-balancing loss: reentrant gives the router no gradient from it",
+        kind="require",
+        setting=USE_REENTRANT,
+        value=False,
+        when=lambda f: bool(f.gc_enabled) and f.router_logits_recorded is True,
+        condition=(
+            "checkpointing on, `output_router_logits=True` with a nonzero `router_aux_loss_coef`, and the model "
+            "records its router logits with a hook on a module inside the checkpointed blocks "
+            "(`_can_record_outputs['router_logits']`)"
+        ),
+        message=(
+            "Reentrant checkpointing runs the block's forward without autograd, so the router logits the hook "
+            "records there carry no graph: the load-balancing loss adds nothing to the routers' gradients, silently "
+            "(relative error 1.0 against no checkpointing). Non-reentrant is exact: use_reentrant=False (or "
+            "output_router_logits=False if the auxiliary loss is not wanted)."
+        ),
+        evidence=(
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/utils/output_capturing.py "
+            "(OutputRecorder: forward hooks collect the outputs)",
+            "reproduced: transformers 5.23.0 (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE) and 4.57.6 (Mixtral, Qwen3-MoE), "
+            "torch 2.13.0: router gradients with reentrant checkpointing differ from no checkpointing by a relative "
+            "1.0, non-reentrant by 0.0; on 4.57.6 Qwen2-MoE and OLMoE return router logits as layer outputs (no "
+            "recorder) and reentrant is exact there",
+        ),
+        versions={"transformers": ">=4.57.6"},
+        remove_when="transformers records router logits outside the checkpointed call, or reentrant checkpointing "
+        "returns what a hook records inside it",
+    ),
+    Rule(
         id="model-cannot-checkpoint",
         title="the model's class refuses checkpointing",
         kind="require",
