@@ -86,9 +86,13 @@ def test_with_the_plugin_the_routers_train_as_without_checkpointing(name, how):
     assert run(arch(name), "full", gc=False, model=reference_model).error is None
     model = arch(name).build()
     outcome = run(arch(name), "full", use_reentrant, plugin=mode, model=model)
-    assert outcome.error is None and outcome.running is False
+    assert outcome.error is None
     expected, got = routers(reference_model), routers(model)
     assert all(torch.allclose(got[n], expected[n], atol=1e-5) for n in expected), transformers.__version__
+    decisions = [d for d in outcome.decisions if d.rule_id == "router-logits-need-non-reentrant"]
+    if not recorded(name):  # router logits returned as layer outputs (older transformers): reentrant is exact too
+        assert not decisions
+        return
+    assert outcome.running is False
     if use_reentrant is True:
-        (decision,) = [d for d in outcome.decisions if d.rule_id == "router-logits-need-non-reentrant"]
-        assert decision.action == "override" and decision.after is False
+        assert [(d.action, d.after) for d in decisions] == [("override", False)]

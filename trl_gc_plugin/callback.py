@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from transformers import TrainerCallback
 
-from . import ckpt, drift, probe, report, settings, tracker, verify
+from . import ckpt, drift, first_step, probe, report, settings, tracker, verify
 from ._weak import WeakIdMap
 from .apply import CacheSwitch
 from .decisions import Decision
@@ -17,7 +17,7 @@ from .engine import decide
 from .errors import GCConfigError
 from .facts import Facts
 from .first_forward import FirstForward, TwoForwards, not_running
-from .first_step import Parity, audit
+from .first_step import Parity
 from .keep import every_n_pattern
 from .modes import Mode
 from .observe import Call
@@ -280,8 +280,9 @@ class SafeGCCallback(TrainerCallback):
             self._first_forward = self._install(FirstForward(session), model)
             self._install(Replay(session), model)
             self._audit_pending = self.audit
-            if Parity.wanted(self.parity_check, args, model):
-                self._parity = self._install(Parity(session), model)
+            if Parity.possible(self.parity_check, args, model):
+                forced = Parity.forced(self.parity_check, args, model)
+                self._parity = self._install(Parity(session, forced), model)
 
     @_guarded
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -292,13 +293,19 @@ class SafeGCCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if model is None:
             return
+        result = None
         if self._audit_pending:
             self._audit_pending = False
             observation = self._first_forward.observation if self._first_forward is not None else None
-            audit(self._session, model, observation)
+            result = first_step.gradients(self._session, model, observation)
         parity, self._parity = self._parity, None
-        if parity is not None:
+        probe_follows = parity is not None and (parity.forced or (result is not None and result.suspicious))
+        if result is not None:
+            first_step.audit(self._session, result, probe_follows)
+        if parity is not None and probe_follows:
             parity.run(model)
+        elif parity is not None:
+            parity.remove()
 
     @_guarded
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:

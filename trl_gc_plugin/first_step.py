@@ -14,17 +14,22 @@ from .rules import get_rule
 from .session import Session, runtime_decision
 
 
-def audit(session: Session, model: Any, observation: Any) -> None:
-    """Judge the first step's gradients per checkpointed block (`verify.audit_gradients`): a block the first
-    forward saw run reentrant with inputs that do not require grad is refused / switched / reported; one the loss
-    does not use is said at INFO; one not observed is a warning."""
-    args = session.args
-    rule = get_rule("gradient-audit")
-    sharded = verify.gradients_are_sharded(args, model)
+def gradients(session: Session, model: Any, observation: Any) -> verify.AuditResult | None:
+    """Read the first step's gradients per checkpointed block (`verify.audit_gradients`); None, recorded as
+    skipped, where they cannot be read per rank (sharded)."""
+    sharded = verify.gradients_are_sharded(session.args, model)
     if sharded:
-        session.record([runtime_decision(rule, "none", None, None, f"Skipped: {sharded}.")])
-        return
-    result = verify.audit_gradients(model, observation)
+        session.record([runtime_decision(get_rule("gradient-audit"), "none", None, None, f"Skipped: {sharded}.")])
+        return None
+    return verify.audit_gradients(model, observation)
+
+
+def audit(session: Session, result: verify.AuditResult, probe_follows: bool) -> None:
+    """Judge the first step's gradients per checkpointed block: a block the first forward saw run reentrant with
+    inputs that do not require grad is refused / switched / reported; one without a gradient that ran with inputs
+    requiring grad, or with only zeros, is said, and compared with no checkpointing by the parity probe when
+    `probe_follows`; one not observed is a warning."""
+    rule = get_rule("gradient-audit")
     value = session.watch.value if session.watch is not None else None
     verdicts: list[Decision] = []
     if result.ok and result.checked == 0:
@@ -45,17 +50,30 @@ def audit(session: Session, model: Any, observation: Any) -> None:
             + rule.message
             + " Switch the audit off with SafeGCCallback(audit=False) or TRL_GC_PLUGIN_AUDIT=0."
         )
-        action: Action = refused(session.mode)
-        if action == "override" and value is not True:
-            action = "warn"  # nothing the plugin can switch: report it
-        verdicts.append(runtime_decision(rule, action, value, False if action == "override" else value, reason))
+        refusal: Action = refused(session.mode)
+        if refusal == "override" and value is not True:
+            refusal = "warn"  # nothing the plugin can switch: report it
+        verdicts.append(runtime_decision(rule, refusal, value, False if refusal == "override" else value, reason))
+    compare = (
+        " The parity probe below compares them with no checkpointing."
+        if probe_follows
+        else " Run once with SafeGCCallback(parity_check=True) to compare with no checkpointing."
+    )
     if result.unused:
         reason = (
-            f"{len(result.unused)} trainable checkpointed block(s) got no gradient because the loss does not use them "
-            f"({names(result.unused)}); checkpointing is not the cause (they ran with inputs that require grad, or "
-            "non-reentrant, or not at all). They will not train, with or without checkpointing."
+            f"{len(result.unused)} trainable checkpointed block(s) got no gradient ({names(result.unused)}) although "
+            "they ran with inputs that require grad, or non-reentrant, or not at all: not the frozen-inputs failure; "
+            "the loss does not use them, or their recompute differs from their forward." + compare
         )
         verdicts.append(runtime_decision(rule, "none", len(result.unused), len(result.unused), reason, level="info"))
+    if result.zero:
+        reason = (
+            f"{len(result.zero)} trainable checkpointed block(s) got a gradient of zeros only ({names(result.zero)}): "
+            "the loss does not depend on them in this batch, or their recompute differs from their forward (a side "
+            "input that a hook set for the forward and cleared before the backward)." + compare
+        )
+        action: Action = "none" if probe_follows else "warn"
+        verdicts.append(runtime_decision(rule, action, None, None, reason, level="info" if probe_follows else None))
     if result.unverified:
         reason = (
             f"{len(result.unverified)} checkpointed block(s) with trainable parameters got no gradient and the first "
@@ -78,17 +96,27 @@ class Parity:
     """The parity probe: keeps the first training forward's inputs (`parity.FirstInputs`) until the first optimizer
     step, then compares gradients with and without checkpointing on them (`parity.parity_probe`, bounded memory)."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, forced: bool = True) -> None:
         self.session = session
+        self.forced = forced
         self.first: parity.FirstInputs | None = None
 
     @staticmethod
-    def wanted(setting: bool | None, args: Any, model: Any) -> bool:
-        """`parity_check=None`: on for reentrant runs in one process without sharding, for any model."""
+    def forced(setting: bool | None, args: Any, model: Any) -> bool:
+        """Run whatever the audit finds: `parity_check=True`, or `None` for a reentrant run in one process without
+        sharding, for any model."""
         if setting is not None:
             return setting
         running = probe.model_use_reentrant(model)
-        return bool(running and report_world_size(args) == 1 and not verify.gradients_are_sharded(args, model))
+        return bool(running and Parity.possible(setting, args, model))
+
+    @staticmethod
+    def possible(setting: bool | None, args: Any, model: Any) -> bool:
+        """Worth keeping the first inputs for: `parity_check=True`, or `None` in one process without sharding (the
+        audit may start it)."""
+        if setting is not None:
+            return setting
+        return report_world_size(args) == 1 and not verify.gradients_are_sharded(args, model)
 
     def install(self, model: Any) -> None:
         self.first = parity.FirstInputs(model)

@@ -991,8 +991,9 @@ RULES += (
             "first optimizer step (before `optimizer.step()` and `zero_grad`): a checkpointed block with trainable "
             "parameters none of which received a gradient; judged per block, so one unused expert or branch is fine. "
             "It is blamed on checkpointing only with evidence (the first forward saw it run reentrant with inputs "
-            "that did not require grad); otherwise it is reported once, at INFO, as a trainable block the loss does "
-            "not use (e.g. the last vision layer of a LLaVA model with `vision_feature_layer=-2`). Covers blocks "
+            "that did not require grad); otherwise it is reported once, at INFO (e.g. the last vision layer of a "
+            "LLaVA model with `vision_feature_layer=-2`, which the loss does not use); a block whose trainable "
+            "parameters all got zeros is reported too. Both start the parity probe. Covers blocks "
             "checkpointed through transformers (`GradientCheckpointingLayer`, `_gradient_checkpointing_func`); a "
             "custom module calling `torch.utils.checkpoint` itself is not seen. Skipped under DeepSpeed/FSDP "
             "(sharded gradients). Off with `SafeGCCallback(audit=False)` or `TRL_GC_PLUGIN_AUDIT=0`"
@@ -1001,7 +1002,8 @@ RULES += (
             "Checkpointed blocks with trainable parameters got no gradient. When the first forward saw them run "
             "reentrant with inputs that do not require grad, checkpointing is the cause: strict mode raises before "
             "the first optimizer step, fix mode switches to non-reentrant for the following steps, warn mode logs. "
-            "Otherwise the loss does not use them, with or without checkpointing: reported, never refused."
+            "Otherwise they are reported, never refused, and compared with no checkpointing by the parity probe "
+            "(rule parity-check), which tells a loss that does not use them from a recompute that differs."
         ),
         evidence=(
             "https://github.com/huggingface/transformers/issues/21381",
@@ -1067,14 +1069,16 @@ RULES += (
             "on one sample of the first training batch (text cut to 16 tokens; else the whole first batch up to 8192 "
             "tokens, else a synthetic 16-token sequence); each gradient reduced to 8 random projections (float64) "
             "and freed as autograd produces it; per parameter |diff| <= rtol * |g| (rtol 1e-4, 1e-2 with 16-bit "
-            "parameters). On by default for reentrant runs of any model in one process without sharding "
-            "(`parity_check=None`); `SafeGCCallback(parity_check=True|False)` forces it"
+            "parameters). With `parity_check=None` (default), in one process without sharding: run for reentrant "
+            "runs of any model, and for any run whose gradient audit found a trainable checkpointed block with no "
+            "gradient or only zeros; `SafeGCCallback(parity_check=True|False)` forces it"
         ),
         message=(
             "Reports the largest gradient difference; a parameter whose gradient is missing or all zero only under "
             "checkpointing is the silent failure (refused in strict mode). Reentrant is the less verified path "
             "(wrong gradients from shared layer state or keyword inputs pass the audit), so it is checked by "
-            "default. Its memory grows with the number of parameter tensors, not their size (no gradient is "
+            "default; so is a run whose audit found a block without a gradient or with zeros only, the failure a "
+            "recompute that differs from the forward leaves (a side input a hook set and cleared). Its memory grows with the number of parameter tensors, not their size (no gradient is "
             "copied); the run's gradients, buffers and random number generators are put back as they were."
         ),
         evidence=(

@@ -12,6 +12,7 @@ Nothing here decides or logs: the callback turns the findings into `Decision` re
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,8 @@ class AuditResult:
         unused: blocks without a gradient that ran with inputs requiring grad, or non-reentrant, or did not run:
             the loss does not use them; not checkpointing's doing.
         unverified: blocks without a gradient whose stack's first forward was not observed.
+        zero: blocks whose trainable parameters all got a gradient of zeros (a recompute that differs from the
+            forward, e.g. a side input a hook set and cleared, gives exactly that; so can a loss that ignores them).
         nonfinite_params: parameters with a non-finite gradient.
     """
 
@@ -36,11 +39,17 @@ class AuditResult:
     broken: list[str] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
     unverified: list[str] = field(default_factory=list)
+    zero: list[str] = field(default_factory=list)
     nonfinite_params: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not (self.broken or self.unused or self.unverified)
+
+    @property
+    def suspicious(self) -> bool:
+        """Some trainable block got no gradient or only zeros: worth comparing with no checkpointing."""
+        return bool(self.broken or self.unused or self.unverified or self.zero)
 
 
 def gradients_are_sharded(args: Any, model: Any = None) -> str | None:
@@ -81,6 +90,7 @@ def audit_gradients(model: Any, observation: Any = None) -> AuditResult:
     blocks.update({name: modules[name] for name in calls if name in modules})
     result = AuditResult()
     finite_check: list[tuple[str, Any]] = []
+    owners: list[str] = []
     for prefix, block in blocks.items():
         trainable = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
         if not trainable:
@@ -95,11 +105,17 @@ def audit_gradients(model: Any, observation: Any = None) -> AuditResult:
                 result.unused.append(prefix)
             else:
                 result.unverified.append(prefix)
-        finite_check.extend((f"{prefix}.{n}", _local(g)) for n, g in with_grad if g.device.type != "meta")
+        readable = [(f"{prefix}.{n}", _local(g)) for n, g in with_grad if g.device.type != "meta"]
+        finite_check.extend(readable)
+        owners.extend([prefix] * len(readable))
     if finite_check:
         norms = torch._foreach_norm([g for _, g in finite_check])
-        finite = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
-        result.nonfinite_params = [name for (name, _), ok in zip(finite_check, finite, strict=True) if not ok]
+        values = torch.stack([n.float() for n in norms]).tolist()
+        result.nonfinite_params = [
+            name for (name, _), v in zip(finite_check, values, strict=True) if not math.isfinite(v)
+        ]
+        nonzero = {owner for owner, v in zip(owners, values, strict=True) if v != 0}
+        result.zero = [prefix for prefix in dict.fromkeys(owners) if prefix not in nonzero]
     return result
 
 
