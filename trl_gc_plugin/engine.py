@@ -130,113 +130,124 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
         return [off] + [_decision(r, "warn", None, None, "unset", r.message, facts, level=r.level) for r in checks]
 
     rules_here = applicable(facts, rules)
-    for rule in rules_here:
-        if rule.stand_back:  # another library owns checkpointing: say so and decide nothing
-            return [
-                _decision(
-                    rule,
-                    "warn",
-                    facts.use_reentrant,
-                    facts.use_reentrant,
-                    facts.use_reentrant_source,
-                    rule.message,
-                    facts,
-                    level=rule.level,
-                )
-            ]
+    standing_back = next((r for r in rules_here if r.stand_back), None)
+    if standing_back is not None:  # another library owns checkpointing: say so and decide nothing
+        return [_stand_back(standing_back, facts)]
     by_kind = {kind: [r for r in rules_here if r.kind == kind] for kind in ("require", "prefer", "repair", "check")}
     repairs = {r.id: r for r in by_kind["repair"]}
     out: list[Decision] = []
+    value, source = facts.use_reentrant, facts.use_reentrant_source
+    if "field-disagreement" in repairs:  # 1a. the two field names disagree: the one written last wins
+        value, source = _field_disagreement(repairs["field-disagreement"], facts, value, source, out)
+    if value is not None and not isinstance(value, bool):  # 1b. a non-bool use_reentrant
+        value, source = _non_bool(repairs.get("invalid-use-reentrant"), facts, mode, value, source, out)
+    final = _choose_use_reentrant(by_kind, facts, mode, value, source, out)  # 2./3. the value
+    _stale_model(repairs.get("model-kwargs-stale"), facts, final, out)  # 4. the live model
+    _other_settings(by_kind, facts, mode, value, source, out)  # 5. other settings, then checks
+    return [_in_warn_mode(d) for d in out] if mode == "warn" else out
 
-    value: Any = facts.use_reentrant
-    source: str = facts.use_reentrant_source
 
-    # 1a. the two field names disagree: the one written last wins
-    if "field-disagreement" in repairs:
-        rule = repairs["field-disagreement"]
-        winner = facts.changed_field or "legacy"
-        if winner == "legacy":
-            if facts.legacy_gc is not None:
-                out.append(
-                    _decision(
-                        rule,
-                        "repair",
-                        not facts.legacy_gc,
-                        facts.legacy_gc,
-                        "unknown",
-                        "`gradient_checkpointing` was written after `__post_init__`; copied to "
-                        "`activation_checkpointing`.",
-                        facts,
-                        setting="activation_checkpointing",
-                    )
-                )
-            legacy = facts.legacy_kwargs
-            legacy_value = legacy.get(USE_REENTRANT) if isinstance(legacy, dict) else None
-            if legacy_value != value or legacy is None:
-                out.append(
-                    _decision(
-                        rule,
-                        "repair",
-                        facts.use_reentrant,
-                        legacy_value,
-                        "unknown",
-                        "`gradient_checkpointing_kwargs` was written after `__post_init__` and the Trainer would ignore it "
-                        f"(it reads `activation_checkpointing_kwargs`, use_reentrant={facts.use_reentrant!r}); "
-                        "the last write wins and both names now hold one dict.",
-                        facts,
-                        setting="activation_checkpointing_kwargs",
-                    )
-                )
-                value, source = legacy_value, "unknown"
-        else:
+def _stand_back(rule: Rule, facts: Facts) -> Decision:
+    value, source = facts.use_reentrant, facts.use_reentrant_source
+    return _decision(rule, "warn", value, value, source, rule.message, facts, level=rule.level)
+
+
+def _field_disagreement(rule: Rule, facts: Facts, value: Any, source: str, out: list[Decision]) -> tuple[Any, str]:
+    """The two field names hold different values: the one written after `__post_init__` wins (the deprecated one when
+    unknown); returns the `use_reentrant` that then stands and its source."""
+    winner = facts.changed_field or "legacy"
+    if winner == "legacy":
+        if facts.legacy_gc is not None:
             out.append(
                 _decision(
                     rule,
                     "repair",
-                    None,
-                    None,
-                    source,
-                    "`activation_checkpointing*` was written after `__post_init__`; the deprecated "
-                    "`gradient_checkpointing*` names are made to mirror it.",
+                    not facts.legacy_gc,
+                    facts.legacy_gc,
+                    "unknown",
+                    "`gradient_checkpointing` was written after `__post_init__`; copied to `activation_checkpointing`.",
                     facts,
-                    setting="gradient_checkpointing_kwargs",
+                    setting="activation_checkpointing",
                 )
             )
-
-    # 1b. a non-bool use_reentrant
-    if value is not None and not isinstance(value, bool):
-        rule = repairs.get("invalid-use-reentrant") or get_rule("invalid-use-reentrant")
-        coerced = coerce_bool(value)
-        if coerced is not None:
+        legacy = facts.legacy_kwargs
+        legacy_value = legacy.get(USE_REENTRANT) if isinstance(legacy, dict) else None
+        if legacy_value != value or legacy is None:
             out.append(
                 _decision(
                     rule,
                     "repair",
-                    value,
-                    coerced,
-                    source,
-                    f"use_reentrant={value!r} is not a bool (torch would read it as "
-                    f"{bool(value)!r}); converted to {coerced!r}.",
+                    facts.use_reentrant,
+                    legacy_value,
+                    "unknown",
+                    "`gradient_checkpointing_kwargs` was written after `__post_init__` and the Trainer would ignore it "
+                    f"(it reads `activation_checkpointing_kwargs`, use_reentrant={facts.use_reentrant!r}); "
+                    "the last write wins and both names now hold one dict.",
                     facts,
+                    setting="activation_checkpointing_kwargs",
                 )
             )
-            value = coerced
-        else:
-            action: Action = refused(mode)
-            out.append(
-                _decision(
-                    rule,
-                    action,
-                    value,
-                    None,
-                    source,
-                    f"use_reentrant={value!r} is not a bool and spells none; " + rule.message,
-                    facts,
-                )
+            value, source = legacy_value, "unknown"
+    else:
+        out.append(
+            _decision(
+                rule,
+                "repair",
+                None,
+                None,
+                source,
+                "`activation_checkpointing*` was written after `__post_init__`; the deprecated "
+                "`gradient_checkpointing*` names are made to mirror it.",
+                facts,
+                setting="gradient_checkpointing_kwargs",
             )
-            value, source = None, "unset"
+        )
+    return value, source
 
-    # 2./3. the value for use_reentrant
+
+def _non_bool(
+    rule: Rule | None, facts: Facts, mode: Mode, value: Any, source: str, out: list[Decision]
+) -> tuple[Any, str]:
+    """A `use_reentrant` that is not a bool: converted when it spells one, refused (or dropped) when not."""
+    rule = rule or get_rule("invalid-use-reentrant")
+    coerced = coerce_bool(value)
+    if coerced is not None:
+        out.append(
+            _decision(
+                rule,
+                "repair",
+                value,
+                coerced,
+                source,
+                f"use_reentrant={value!r} is not a bool (torch would read it as "
+                f"{bool(value)!r}); converted to {coerced!r}.",
+                facts,
+            )
+        )
+        value = coerced
+    else:
+        action: Action = refused(mode)
+        out.append(
+            _decision(
+                rule,
+                action,
+                value,
+                None,
+                source,
+                f"use_reentrant={value!r} is not a bool and spells none; " + rule.message,
+                facts,
+            )
+        )
+        value, source = None, "unset"
+    return value, source
+
+
+def _choose_use_reentrant(
+    by_kind: dict[str, list[Rule]], facts: Facts, mode: Mode, value: Any, source: str, out: list[Decision]
+) -> Any:
+    """The value for `use_reentrant` from the `require` and `prefer` rules on it: a default for an unset value, an
+    override of the plugin's or the Trainer's, a refusal of an explicit one a `require` rule knows breaks training;
+    returns the value in force after them."""
     requires = [r for r in by_kind["require"] if r.setting == USE_REENTRANT]
     prefers = [r for r in by_kind["prefer"] if r.setting == USE_REENTRANT]
     demanded = {r.value for r in requires}
@@ -268,7 +279,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
                 _decision(rule, "none", value, value, source, f"use_reentrant={value!r} kept ({rule.title}).", facts)
             )
         elif source == "plugin" or (strong and source == "trainer"):
-            action = "default" if source == "plugin" else "override"
+            action: Action = "default" if source == "plugin" else "override"
             out.append(
                 _decision(
                     rule,
@@ -300,9 +311,12 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
                     level="info",
                 )
             )
+    return final
 
-    # 4. the live model
-    stale = repairs.get("model-kwargs-stale")
+
+def _stale_model(rule: Rule | None, facts: Facts, final: Any, out: list[Decision]) -> None:
+    """The model already checkpoints with another `use_reentrant` than the one in force: rewrite it."""
+    stale = rule
     effective = final if isinstance(final, bool) else None
     if stale is not None and effective is not None and facts.model_use_reentrant != effective:
         out.append(
@@ -318,7 +332,12 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
             )
         )
 
-    # 5. other settings, then checks
+
+def _other_settings(
+    by_kind: dict[str, list[Rule]], facts: Facts, mode: Mode, value: Any, source: str, out: list[Decision]
+) -> None:
+    """The `require` / `prefer` rules on settings other than `use_reentrant`, the repairs not folded into its choice,
+    then the `check` rules."""
     for rule in by_kind["require"] + by_kind["prefer"]:
         if rule.setting == USE_REENTRANT:
             continue
@@ -352,7 +371,6 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
         )
         reason = _detail(rule, facts) + rule.message
         out.append(_decision(rule, "warn", current, current, who, reason, facts, level=rule.level))
-    return [_in_warn_mode(d) for d in out] if mode == "warn" else out
 
 
 _REPAIRED_ABOVE = frozenset({USE_REENTRANT, "activation_checkpointing_kwargs", "model.use_reentrant"})
