@@ -265,24 +265,45 @@ class SafeGCCallback(TrainerCallback):
         if self._cache_off:  # the configs as the Trainer leaves them (transformers 5 writes args.use_cache itself)
             session.cache = CacheSwitch(model)
         self._keep_what_was_enabled(facts, model)
-        on = probe.checkpointing_on(model)
-        if self.memory_budget is not None and on and not session.stands_back():
-            self._memory_plan = self._install(MemoryPlan(session, self.memory_budget), model)
         value = session.final[0]
         if not isinstance(value, bool):  # warn mode or a stand-back left it unset: watch what actually runs
             value = probe.model_use_reentrant(model)
         if isinstance(value, bool):
             session.watch = verify.Watch(args, model, value)
         self._asked_vs_running(args, model)
+        if probe.checkpointing_on(model):  # the runtime checks run even when the plugin stands back from deciding
+            self._install_first_step_checks(args, model, facts)
+
+    def _install_first_step_checks(self, args: Any, model: Any, facts: Facts) -> None:
+        """The memory plan and the first step's checks. Under `torch.compile` nothing is hooked into the forward
+        (a hook there breaks the compiled graph: rule `torch-compile-first-step`): the audit reads the gradients after
+        the backward; the memory plan and the automatic parity probe are off."""
+        session = self._session
+        compiled = probe.compiled(args, model)
+        if compiled:
+            rule = get_rule("torch-compile-first-step")
+            reason = f"{compiled}: " + rule.message
+            session.record([runtime_decision(rule, "none", None, None, reason, level="info")])
+        if self.memory_budget is not None and not session.stands_back():
+            if compiled:
+                why = (
+                    f"No memory plan: {compiled}, and the estimate runs the eager forward; checkpointing runs as asked."
+                )
+                session.record([runtime_decision(get_rule("memory-plan"), "warn", None, None, why, level="warning")])
+            else:
+                self._memory_plan = self._install(MemoryPlan(session, self.memory_budget), model)
+        self._audit_pending = self.audit
+        if compiled:
+            if self.parity_check:  # asked for: on a synthetic batch (the first inputs are read by a forward hook)
+                self._parity = Parity(session, forced=True)
+            return
         if facts.reduces_per_parameter and probe.model_use_reentrant(model):
             self._install(TwoForwards(session), model)
-        if on:  # the runtime checks run even when the plugin stands back from deciding
-            self._first_forward = self._install(FirstForward(session), model)
-            self._install(Replay(session), model)
-            self._audit_pending = self.audit
-            if Parity.possible(self.parity_check, args, model):
-                forced = Parity.forced(self.parity_check, args, model)
-                self._parity = self._install(Parity(session, forced), model)
+        self._first_forward = self._install(FirstForward(session), model)
+        self._install(Replay(session), model)
+        if Parity.possible(self.parity_check, args, model):
+            forced = Parity.forced(self.parity_check, args, model)
+            self._parity = self._install(Parity(session, forced), model)
 
     @_guarded
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

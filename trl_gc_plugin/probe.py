@@ -362,6 +362,23 @@ def _source_without_record(facts: Facts, peft: bool) -> Source:
 # --- model facts -----------------------------------------------------------------------------------------------
 
 
+def compiled(args: Any, model: Any) -> str | None:
+    """Why the model's forward runs under `torch.compile`, or None: the arguments' `torch_compile` (the Trainer
+    compiles it through accelerate), accelerate's `ACCELERATE_DYNAMO_BACKEND`, a model compiled in place
+    (`nn.Module.compile`) or wrapped by `torch.compile` before the Trainer saw it."""
+    if getattr(args, "torch_compile", False):
+        return "torch_compile=True"
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "")
+    if backend and backend.lower() != "no":
+        return f"ACCELERATE_DYNAMO_BACKEND={backend}"
+    for candidate in (model, unwrap(model)):
+        if hasattr(candidate, "_orig_mod"):
+            return "the model is wrapped by torch.compile"
+        if getattr(candidate, "_compiled_call_impl", None) is not None:
+            return "the model was compiled in place (Module.compile)"
+    return None
+
+
 def unwrap(model: Any) -> Any:
     """The underlying transformers model of a PEFT / DDP / accelerate wrapper."""
     seen = 0

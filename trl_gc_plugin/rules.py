@@ -929,6 +929,34 @@ RULES += (
         stages=("runtime",),
     ),
     Rule(
+        id="torch-compile-first-step",
+        title="torch.compile: the first step's forward hooks stand aside",
+        kind="verify",
+        setting="first_step_checks",
+        value=None,
+        when=_at_runtime,
+        condition=(
+            "train begin, checkpointing on, and the forward runs under torch.compile (`torch_compile=True`, "
+            "`ACCELERATE_DYNAMO_BACKEND`, a model compiled in place or wrapped by `torch.compile`)"
+        ),
+        message=(
+            "The first-step checks that hook the forward (the first-forward observation, the replayed-state check, "
+            "two forwards before one backward, the parity probe's first inputs, the memory plan) are not installed, "
+            "so the compiled graph is the one without the plugin (measured: with them, 5 graph breaks and 5 graphs for 1). "
+            "The gradient audit still reads the gradients after the first backward; the parity probe runs only with "
+            "parity_check=True, on a synthetic batch; the memory plan is off (the estimate runs the eager forward)."
+        ),
+        evidence=(
+            "https://github.com/pytorch/pytorch/issues/166926 (checkpointing under torch.compile)",
+            "measured: transformers 5.23.0, torch 2.13.0, Trainer(torch_compile=True, torch_compile_backend="
+            "'aot_eager'), tiny Llama, both use_reentrant values: 0 graph breaks and 1 graph without the plugin, 5 "
+            "and 5 with its forward hooks, 0 and 1 with this rule",
+        ),
+        remove_when="the plugin's first-step hooks are traceable by dynamo without a graph break",
+        stages=("runtime",),
+        level="info",
+    ),
+    Rule(
         id="checkpointing-not-running",
         title="checkpointing asked for, not running",
         kind="verify",
