@@ -120,6 +120,8 @@ def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[D
             set_args_kwarg(args, d.setting, value)
             if model is not None:
                 set_model_kwarg(model, d.setting, value)
+        elif d.setting == "activation_offloading":  # TRL's: on a machine without an accelerator
+            args.activation_offloading = False
         elif d.setting == "fsdp_activation_checkpointing":  # FSDP's own off, the Trainer's (non-reentrant) on
             switch_fsdp_checkpointing_off(args)
         elif d.setting == "checkpointing_kwargs.container":  # not a dict: a dict (with use_reentrant once decided)

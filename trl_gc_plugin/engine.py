@@ -390,6 +390,8 @@ def _current(facts: Facts, setting: str, *fallback: Any) -> tuple[Any, str]:
         return facts.offload, "user"
     if setting == "fsdp_activation_checkpointing":
         return facts.fsdp_activation_checkpointing, "user"
+    if setting == "activation_offloading":
+        return facts.trl_activation_offloading, "user"
     if setting == "checkpointing_kwargs":  # the kwargs torch must not get
         return unread_layer_kwargs(facts), "user"
     if setting == "checkpointing_kwargs.container":  # what is wrong with them as a container (None: a dict)

@@ -84,6 +84,8 @@ class Facts:
         selective: per-op (selective) checkpointing is asked for (a `context_fn` in the kwargs, or a launcher's
             selective mode); only the non-reentrant implementation has it.
         accelerator: an accelerator (CUDA, XPU, MPS, ...) is available for offloading to copy from; None unknown.
+        trl_activation_offloading: a TRL config's `activation_offloading=True` (TRL wraps the model in its own
+            offloading context in the trainer's `__init__`).
         dropout: some dropout probability of the model is > 0 (None: unknown).
         shared_state_layers: some layers read tensors another layer computed outside their inputs (cross-layer KV
             sharing, `num_kv_shared_layers`); None unknown.
@@ -145,6 +147,7 @@ class Facts:
     preserve_rng_state: bool | None = None
     selective: bool = False
     accelerator: bool | None = None
+    trl_activation_offloading: bool = False
     dropout: bool | None = None
     shared_state_layers: bool | None = None
     deepspeed_activation_checkpointing: bool = False

@@ -296,6 +296,7 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
     given = kwargs if isinstance(kwargs, dict) else {}
     every = given.get("every_n_layers")
     ds = deepspeed_facts(args)
+    offloading = parse_flag(getattr(args, "activation_offloading", None)) is True  # TRL's configs
     return Facts(
         stage=stage,  # type: ignore[arg-type]
         versions=dict(installed_versions()),
@@ -330,6 +331,8 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
         preserve_rng_state=parse_flag(given["preserve_rng_state"]) if "preserve_rng_state" in given else None,
         selective="context_fn" in given or bool(parse_flag(given.get("selective", False))),
         deepspeed_activation_checkpointing=ds is not None and ds.activation_checkpointing,
+        trl_activation_offloading=offloading,
+        accelerator=accelerator_available() if offloading else None,
     )
 
 

@@ -373,6 +373,29 @@ RULES: tuple[Rule, ...] = (
         stages=("init_end", "train"),
     ),
     Rule(
+        id="activation-offloading-needs-accelerator",
+        title="TRL's activation offloading without an accelerator",
+        kind="require",
+        setting="activation_offloading",
+        value=False,
+        when=lambda f: f.trl_activation_offloading and f.accelerator is False,
+        condition="a TRL config with `activation_offloading=True`, checkpointing on, and no accelerator on this machine",
+        message=(
+            "TRL's offloading context reads `torch.accelerator.current_accelerator().type` when the trainer is built, "
+            "so SFTTrainer stops with `AttributeError: 'NoneType' object has no attribute 'type'` before any step "
+            "(and there is nothing to offload to). Set activation_offloading=False on this machine. Only the "
+            "install() / TRL_GC_PLUGIN=1 route can say it first: the trainer fails before any callback runs."
+        ),
+        evidence=(
+            "https://github.com/huggingface/trl/blob/v1.16.0/trl/models/activation_offloading.py "
+            "(OffloadActivations.__init__)",
+            "reproduced: TRL 1.16.0, torch 2.13.0+cpu, SFTConfig(activation_offloading=True): AttributeError in "
+            "SFTTrainer.__init__, with and without gradient checkpointing",
+        ),
+        versions={"trl": ">=1.16.0"},
+        remove_when="TRL checks for an accelerator itself before it builds the offloading context",
+    ),
+    Rule(
         id="zero3-frozen-needs-reentrant",
         title="ZeRO-3 + frozen params on old DeepSpeed: reentrant",
         kind="require",
