@@ -50,6 +50,7 @@ def build():
 
     model.register_forward_pre_hook(set_mask, with_kwargs=True)
     model.register_forward_hook(clear_mask)
+    model.enable_input_require_grads()  # as PEFT does: the frozen-inputs failure is not the one shown here
     return model
 
 
