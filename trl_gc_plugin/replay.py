@@ -7,8 +7,8 @@ at the end of the first training forward it reads the state of every checkpointe
 counter and sum, the public number attributes of its modules), and at the end of that forward's backward (an
 autograd engine callback) it reads them again. Anything that changed in between was changed by the recompute.
 
-Its cost is one pass over the blocks' modules and one sum per buffer at each of the two points, once per run; it
-holds no tensor (a number per buffer) and nothing of it is attached to the model.
+Its cost is one pass over the blocks' modules and one float64 sum per buffer (no copy) at each of the two points,
+once per run; it holds no tensor (a number per buffer) and nothing of it is attached to the model.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def read_state(base: Any) -> State:
                     state[f"{where}.{key}"] = value
             for key, buffer in module._buffers.items():
                 if isinstance(buffer, torch.Tensor):
-                    sums.append((f"{where}.{key}", buffer._version, buffer.detach().double().sum()))
+                    sums.append((f"{where}.{key}", buffer._version, buffer.detach().sum(dtype=torch.float64)))
     for name, version, total in sums:
         state[name] = (version, float(total.item()))
     return state
