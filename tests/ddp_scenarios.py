@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node 2 tests/ddp_scenarios.py OUTDIR SCENARIO [SCENARIO ...]
 
-A scenario is `<model>-<use_reentrant>-<find_unused>-<plugin>`: model `full`, `lora`, or `lorahook` (LoRA with
-`enable_input_require_grads()`, as TRL prepares it); use_reentrant `unset`,
+A scenario is `<model>-<use_reentrant>-<find_unused>-<plugin>`: model `full`, `lora`, `lorahook` (LoRA with
+`enable_input_require_grads()`, as TRL prepares it), or `unused` (the full model with a trainable module the loss never
+reaches, as an unfrozen vision tower a text batch does not use); use_reentrant `unset`,
 `true` or `false`; find_unused `unset`, `true` or `false`; plugin `none`, `strict`, `fix`, `warn`, or `installed`
 (`trl_gc_plugin.installed()` around building the arguments and the trainer, strict mode). Each rank
 appends one JSON line per scenario to `OUTDIR/results-rank<R>.jsonl` (not stdout, where the ranks interleave): the outcome (`trained`, or the exception type and first
@@ -37,11 +38,14 @@ def run(out: str, scenario: str) -> dict:
         model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     if model_kind == "lorahook":
         model.enable_input_require_grads()
+    if model_kind == "unused":
+        model.model.unused_tower = torch.nn.Linear(8, 8)
     kwargs = None if FLAG[reentrant] is None else {"use_reentrant": FLAG[reentrant]}
     callbacks = [] if plugin in ("none", "installed") else [SafeGCCallback(mode=plugin)]
     result: dict = {"scenario": scenario, "rank": int(os.environ.get("RANK", "0"))}
     scope = installed("strict") if plugin == "installed" else contextlib.nullcontext()
     trainer = None
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
     try:
         with scope:
             result["where"] = "TrainingArguments"
@@ -60,6 +64,8 @@ def run(out: str, scenario: str) -> dict:
     except Exception as exc:  # reported, not raised: the test reads the outcome
         result["outcome"] = f"{type(exc).__name__}: {' '.join(str(exc).splitlines()[:2])[:300]}"
         trainer = None
+    result["unchanged"] = all(torch.equal(a, p.detach()) for a, p in zip(before, (p for p in model.parameters()
+                                                                                if p.requires_grad), strict=True))
     result["running"] = model_use_reentrant(model)
     if callbacks:
         result["decisions"] = [[d.rule_id, d.action] for d in callbacks[0].decisions]

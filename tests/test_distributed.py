@@ -21,6 +21,13 @@ SCENARIOS = {
     "lorahook-unset-unset-strict": None,
     # install(): refused while the arguments are built, before Trainer.__init__ fixes the DDP kwargs (>= 5.12)
     "full-true-true-installed": "GCConfigError",
+    # a trainable module the loss never reaches, find_unused off (the Trainer's default with checkpointing on): DDP
+    # stops the second step; the plugin refuses at the first optimizer step, before the update (fix mode too: DDP's
+    # arguments are fixed by then); find_unused on with non-reentrant trains
+    "unused-false-unset-none": "RuntimeError: Expected to have finished reduction",
+    "unused-false-unset-strict": "GCConfigError",
+    "unused-false-unset-fix": "GCConfigError",
+    "unused-false-true-strict": None,
 }
 
 
@@ -48,6 +55,9 @@ def test_scenario(results, scenario):
                    for rank in ranks.values())
         return
     rules = {rule: action for rank in ranks.values() for rule, action in rank["decisions"]}
+    if scenario.startswith("unused-false-unset"):
+        assert rules["ddp-unused-parameters"] == "error"
+        assert all(rank["unchanged"] for rank in ranks.values()), "refused after an update"
     if scenario.startswith(("full-true-true", "lorahook-true")):
         assert rules["ddp-reentrant-find-unused"] == {"strict": "error", "fix": "override"}[plugin]
     if expected is None:

@@ -203,6 +203,7 @@ class SafeGCCallback(TrainerCallback):
         self._parity: Parity | None = None
         self._memory_plan: MemoryPlan | None = None
         self._audit_pending = False
+        self._ddp_needs_every_gradient = False
         self._tracked = False
 
     # --- events ------------------------------------------------------------------------------------------------
@@ -271,6 +272,7 @@ class SafeGCCallback(TrainerCallback):
         if isinstance(value, bool):
             session.watch = verify.Watch(args, model, value)
         self._asked_vs_running(args, model)
+        self._ddp_needs_every_gradient = bool(facts.ddp and not facts.ddp_find_unused and not facts.ddp_static_graph)
         if probe.checkpointing_on(model):  # the runtime checks run even when the plugin stands back from deciding
             self._install_first_step_checks(args, model, facts)
 
@@ -323,6 +325,8 @@ class SafeGCCallback(TrainerCallback):
         probe_follows = parity is not None and (parity.forced or (result is not None and result.suspicious))
         if result is not None:
             first_step.audit(self._session, result, probe_follows)
+        if self._ddp_needs_every_gradient:
+            first_step.ddp_unused(self._session, model)
         if parity is not None and probe_follows:
             parity.run(model)
         elif parity is not None:

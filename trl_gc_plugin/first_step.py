@@ -9,7 +9,7 @@ from typing import Any
 
 from . import parity, probe, verify
 from .decisions import Action, Decision
-from .policy import refused
+from .policy import action_for, refused
 from .rules import get_rule
 from .session import Session, runtime_decision
 
@@ -45,7 +45,7 @@ def audit(session: Session, result: verify.AuditResult, probe_follows: bool) -> 
     if result.broken:
         reason = (
             f"{len(result.broken)} of {result.checked} checkpointed block(s) with trainable parameters got no "
-            f"gradient at the first optimizer step ({names(result.broken)}): the first forward saw them run reentrant "
+            f"gradient at the first optimizer step ({names_of(result.broken)}): the first forward saw them run reentrant "
             f"(use_reentrant={value!r}) with inputs that do not require grad. "
             + rule.message
             + " Switch the audit off with SafeGCCallback(audit=False) or TRL_GC_PLUGIN_AUDIT=0."
@@ -61,14 +61,14 @@ def audit(session: Session, result: verify.AuditResult, probe_follows: bool) -> 
     )
     if result.unused:
         reason = (
-            f"{len(result.unused)} trainable checkpointed block(s) got no gradient ({names(result.unused)}) although "
+            f"{len(result.unused)} trainable checkpointed block(s) got no gradient ({names_of(result.unused)}) although "
             "they ran with inputs that require grad, or non-reentrant, or not at all: not the frozen-inputs failure; "
             "the loss does not use them, or their recompute differs from their forward." + compare
         )
         verdicts.append(runtime_decision(rule, "none", len(result.unused), len(result.unused), reason, level="info"))
     if result.zero:
         reason = (
-            f"{len(result.zero)} trainable checkpointed block(s) got a gradient of zeros only ({names(result.zero)}): "
+            f"{len(result.zero)} trainable checkpointed block(s) got a gradient of zeros only ({names_of(result.zero)}): "
             "the loss does not depend on them in this batch, or their recompute differs from their forward (a side "
             "input that a hook set for the forward and cleared before the backward)." + compare
         )
@@ -77,7 +77,7 @@ def audit(session: Session, result: verify.AuditResult, probe_follows: bool) -> 
     if result.unverified:
         reason = (
             f"{len(result.unverified)} checkpointed block(s) with trainable parameters got no gradient and the first "
-            f"forward was not observed for them ({names(result.unverified)}), so the cause is unknown; not refused. "
+            f"forward was not observed for them ({names_of(result.unverified)}), so the cause is unknown; not refused. "
             "Run once with SafeGCCallback(parity_check=True) to compare with no checkpointing."
         )
         verdicts.append(runtime_decision(rule, "warn", None, None, reason))
@@ -90,6 +90,24 @@ def audit(session: Session, result: verify.AuditResult, probe_follows: bool) -> 
     if any(v.action == "override" for v in verdicts):
         session.switch(False)
     session.raise_for_errors(verdicts, session.mode)
+
+
+def ddp_unused(session: Session, model: Any) -> None:
+    """Under DDP without `find_unused_parameters` or a static graph: trainable parameters that got no gradient at the
+    first optimizer step leave their buckets unreduced (this step's update differs across ranks) and DDP stops the
+    next forward. Refused (strict and fix: DDP's arguments are fixed once the model is wrapped), said in warn mode."""
+    names = [n for n, p in probe.unwrap(model).named_parameters() if p.requires_grad and p.grad is None]
+    if not names:
+        return
+    rule = get_rule("ddp-unused-parameters")
+    action = action_for(session.mode, explicit=True, stands_back=False, can_fix=False)
+    reason = (
+        f"{len(names)} trainable parameter(s) got no gradient at the first optimizer step ({names_of(names)}) under "
+        "DDP without find_unused_parameters: " + rule.message
+    )
+    decision = runtime_decision(rule, action, False, True, reason)
+    session.record([decision])
+    session.raise_for_errors([decision], "strict")
 
 
 class Parity:
@@ -174,5 +192,5 @@ def report_world_size(args: Any) -> int:
         return 1
 
 
-def names(found: list[str], limit: int = 6) -> str:
+def names_of(found: list[str], limit: int = 6) -> str:
     return ", ".join(found[:limit]) + (" ..." if len(found) > limit else "")

@@ -980,6 +980,38 @@ RULES += (
         level="info",
     ),
     Rule(
+        id="ddp-unused-parameters",
+        title="DDP without find_unused_parameters: every trainable parameter needs a gradient",
+        kind="verify",
+        setting="ddp_find_unused_parameters",
+        value=True,
+        when=_at_runtime,
+        condition=(
+            "first optimizer step, before the update: torch DDP (several processes, no DeepSpeed or FSDP) without "
+            "`find_unused_parameters` and without `ddp_static_graph` (the Trainer's default with checkpointing on), "
+            "and a trainable parameter got no gradient (an unfrozen vision tower a text batch does not reach, an "
+            "unused head or expert)"
+        ),
+        message=(
+            "their buckets are never reduced, so this step's update differs across ranks, and DDP stops the next "
+            "forward with 'Expected to have finished reduction in the prior iteration'. The Trainer turns "
+            "find_unused_parameters off when checkpointing is on (reentrant checkpointing crashes with it). Use "
+            "ddp_find_unused_parameters=True with use_reentrant=False, or ddp_static_graph=True, or freeze the "
+            "parameters the loss does not use."
+        ),
+        evidence=(
+            "https://github.com/hiyouga/LLaMA-Factory/issues/5680 (an unfrozen vision tower under DDP)",
+            "https://github.com/unslothai/unsloth/issues/3713",
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/trainer.py "
+            "(find_unused = not activation checkpointing, for a PreTrainedModel)",
+            "reproduced: torchrun 2 processes (gloo, CPU), transformers 5.23.0, a trainable module the loss never "
+            "reaches: without the plugin the second step raises 'Expected to have finished reduction'; with "
+            "ddp_find_unused_parameters=True and use_reentrant=False it trains",
+        ),
+        remove_when="never while DDP needs every parameter's gradient without find_unused_parameters",
+        stages=("runtime",),
+    ),
+    Rule(
         id="checkpointing-not-running",
         title="checkpointing asked for, not running",
         kind="verify",
