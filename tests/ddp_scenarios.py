@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 2 tests/ddp_scenarios.py OUTDIR SCENARIO [SCENARIO ...]
 
 A scenario is `<model>-<use_reentrant>-<find_unused>-<plugin>`: model `full`, `lora`, `lorahook` (LoRA with
-`enable_input_require_grads()`, as TRL prepares it), or `unused` (the full model with a trainable module the loss never
-reaches, as an unfrozen vision tower a text batch does not use); use_reentrant `unset`,
+`enable_input_require_grads()`, as TRL prepares it), `unused` (the full model with a trainable module the loss never
+reaches, as an unfrozen vision tower a text batch does not use), or `unusedoff` (the same, checkpointing off); use_reentrant `unset`,
 `true` or `false`; find_unused `unset`, `true` or `false`; plugin `none`, `strict`, `fix`, `warn`, or `installed`
 (`trl_gc_plugin.installed()` around building the arguments and the trainer, strict mode). Each rank
 appends one JSON line per scenario to `OUTDIR/results-rank<R>.jsonl` (not stdout, where the ranks interleave): the outcome (`trained`, or the exception type and first
@@ -38,7 +38,7 @@ def run(out: str, scenario: str) -> dict:
         model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     if model_kind == "lorahook":
         model.enable_input_require_grads()
-    if model_kind == "unused":
+    if model_kind in ("unused", "unusedoff"):
         model.model.unused_tower = torch.nn.Linear(8, 8)
     kwargs = None if FLAG[reentrant] is None else {"use_reentrant": FLAG[reentrant]}
     callbacks = [] if plugin in ("none", "installed") else [SafeGCCallback(mode=plugin)]
@@ -52,7 +52,7 @@ def run(out: str, scenario: str) -> dict:
             args = TrainingArguments(
                 output_dir=os.path.join(out, scenario), max_steps=2, per_device_train_batch_size=2,
                 learning_rate=1e-2, use_cpu=True, ddp_backend="gloo", report_to="none", save_strategy="no",
-                disable_tqdm=True, gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs,
+                disable_tqdm=True, gradient_checkpointing=model_kind != "unusedoff", gradient_checkpointing_kwargs=kwargs,
                 ddp_find_unused_parameters=FLAG[unused],
             )
             result["where"] = "Trainer"

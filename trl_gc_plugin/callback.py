@@ -272,7 +272,10 @@ class SafeGCCallback(TrainerCallback):
         if isinstance(value, bool):
             session.watch = verify.Watch(args, model, value)
         self._asked_vs_running(args, model)
-        self._ddp_needs_every_gradient = bool(facts.ddp and not facts.ddp_find_unused and not facts.ddp_static_graph)
+        # DDP as the Trainer wraps it with checkpointing on: no find_unused_parameters, no static graph
+        self._ddp_needs_every_gradient = bool(
+            facts.gc_enabled and facts.ddp and not facts.ddp_find_unused and not facts.ddp_static_graph
+        )
         if probe.checkpointing_on(model):  # the runtime checks run even when the plugin stands back from deciding
             self._install_first_step_checks(args, model, facts)
 
@@ -325,7 +328,8 @@ class SafeGCCallback(TrainerCallback):
         probe_follows = parity is not None and (parity.forced or (result is not None and result.suspicious))
         if result is not None:
             first_step.audit(self._session, result, probe_follows)
-        if self._ddp_needs_every_gradient:
+        if self._ddp_needs_every_gradient:  # the first optimizer step only
+            self._ddp_needs_every_gradient = False
             first_step.ddp_unused(self._session, model)
         if parity is not None and probe_follows:
             parity.run(model)
