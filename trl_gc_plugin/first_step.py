@@ -77,8 +77,8 @@ def audit(session: Session, result: verify.AuditResult, probe_follows: bool) -> 
     if result.unverified:
         reason = (
             f"{len(result.unverified)} checkpointed block(s) with trainable parameters got no gradient and the first "
-            f"forward was not observed for them ({names_of(result.unverified)}), so the cause is unknown; not refused. "
-            "Run once with SafeGCCallback(parity_check=True) to compare with no checkpointing."
+            f"forward was not observed for them ({names_of(result.unverified)}), so the cause is unknown; not refused."
+            + compare
         )
         verdicts.append(runtime_decision(rule, "warn", None, None, reason))
     if result.nonfinite_params:
