@@ -273,3 +273,25 @@ def test_a_local_model_directory_gives_the_model_facts(tmp_path):
     (hub,) = write_all(tmp_path, {"h.yaml": text.replace(str(model), "Qwen/Qwen2-0.5B")})
     (report,) = check_files([hub], Launch(parser="model"))
     assert report.facts.dropout is None and report.status == "ok"
+
+
+@pytest.mark.parametrize("parser", ["model", "auto"])
+def test_an_explicit_false_is_the_users_choice_not_unset(tmp_path, parser):
+    """TRL's configs default checkpointing on: `gradient_checkpointing: false` in the file is the user's (the run says
+    the same: `_flag_source` reads the config class's default)."""
+    (path,) = write_all(tmp_path, {"off.yaml": "model_name_or_path: m\ndataset_name: d\ngradient_checkpointing: false\n"})
+    (report,) = check_files([path], Launch(parser=parser))
+    (off,) = [d for d in report.decisions if d.rule_id == "checkpointing-off"]
+    assert off.source == "user" and "set by user" in off.line()
+
+
+def test_the_run_says_the_same_of_an_explicit_false(tmp_path):
+    from trainers import make_trainer
+
+    from trl_gc_plugin import SafeGCCallback
+    from trl_gc_plugin.testing import make_model
+
+    callback = SafeGCCallback()
+    make_trainer("sft", make_model(), str(tmp_path), gc=False, callbacks=[callback])
+    (off,) = [d for d in callback.decisions if d.rule_id == "checkpointing-off"]
+    assert off.source == "user"

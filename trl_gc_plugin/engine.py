@@ -125,7 +125,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if not facts.gc_enabled and not facts.fsdp_activation_checkpointing:
-        off = _decision(get_rule("checkpointing-off"), "none", False, False, "unset", _OFF_REASON, facts)
+        off = _decision(get_rule("checkpointing-off"), "none", False, False, facts.gc_flag_source, _OFF_REASON, facts)
         checks = [r for r in applicable(facts, rules) if r.kind == "check"]  # said whether checkpointing is on or off
         return [off] + [_decision(r, "warn", None, None, "unset", r.message, facts, level=r.level) for r in checks]
 

@@ -252,12 +252,13 @@ def fsdp_applied(args: Any) -> bool | None:
 
 
 def _flag_source(args: Any) -> Source:
-    """`trainer` when checkpointing is on because the config class defaults it on (TRL's configs), else `user`."""
+    """Who set the checkpointing flag: on, `trainer` when the config class defaults it on (TRL's configs), else
+    `user`; off, `user` when the class defaults it on (someone turned it off), else `unset` (the default)."""
     field_ = getattr(type(args), "__dataclass_fields__", {}).get(OLD_FLAG)
     default = getattr(field_, "default", None)
     on = bool(getattr(args, flag_field(args), False))
     if not on:
-        return "unset"
+        return "user" if default is True else "unset"
     return "trainer" if default is True else "user"
 
 
