@@ -308,7 +308,8 @@ class SafeGCCallback(TrainerCallback):
         self._install(Replay(session), model)
         if Parity.possible(self.parity_check, args, model):
             forced = Parity.forced(self.parity_check, args, model)
-            self._parity = self._install(Parity(session, forced), model)
+            if forced or self.audit:  # without the audit only a forced probe runs: keep no inputs for nothing
+                self._parity = self._install(Parity(session, forced), model)
 
     @_guarded
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
