@@ -563,54 +563,96 @@ def _optional_bool(raw: dict[str, Any], key: str, config: Config) -> bool | None
     return None if raw.get(key) is None else _bool_field(raw, key, config)
 
 
-def read(config: Config, ctx: Context) -> Reading:
-    """The plugin's model of what Axolotl does with `config` (see the module docstring)."""
-    path, lines = config.path, config.lines
-    raw = dict(config.values)
-    reading = Reading(
-        format="axolotl",
-        parser=f"the plugin's model of {VERSION_MODELLED} (Axolotl is not imported)",
-        changes={
-            "use_reentrant": "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}",
-            "activation_checkpointing": "gradient_checkpointing: {value}",
-        },
-    )
+@dataclass(frozen=True)
+class _Schema:
+    """The values Axolotl's schema gives the keys the plugin reads (before the validators' rewrites)."""
 
-    # --- the schema ---------------------------------------------------------------------------------------------
-    base_model = raw.get("base_model")
+    base_model: str
+    gc: Any  # True / False / None / "offload" / "offload_disk"
+    kwargs: dict[str, Any] | None
+    offloading: Any  # True / False / None / "legacy" / "disk" / "hidden_states"
+    selective: dict[str, Any] | None
+    unfrozen: list[str] | None
+    rl: str | None
+    adapter: str | None
+    four: bool
+    eight: bool
+    gptq: bool
+    ddp_flag: bool | None
+    find_unused: bool | None
+    sample_packing: bool
+    attn: Any
+    ebft: dict[str, Any] | None
+    fsdp: list[str] | None
+    fsdp_config: dict[str, Any]
+    fsdp_ac: bool
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return bool(self.fsdp) or bool(self.fsdp_config)
+
+
+@dataclass
+class _Reentrant:
+    """The kwargs and `use_reentrant` as each phase leaves them, with the fact's detail and origin."""
+
+    kwargs: dict[str, Any] | None
+    value: Any = None  # what the Trainer gets (set by the builders)
+    detail: str = "key 'gradient_checkpointing_kwargs.use_reentrant'"
+    origin: Origin = "file"
+
+    def rewrite(self, detail: str, origin: Origin = "launcher rewrite") -> None:
+        self.detail, self.origin = detail, origin
+
+
+@dataclass(frozen=True)
+class _Validated:
+    """`gradient_checkpointing` and `activation_offloading` as the validators leave them."""
+
+    gc: Any
+    gc_detail: str
+    offloading: Any
+    ebft_strided_flex: bool
+
+
+def _base_model(config: Config) -> str:
+    """`base_model`: required, a model id or path."""
+    base_model = config.values.get("base_model")
     if not isinstance(base_model, str) or not base_model:
         raise ConfigError(
-            f"{where(path, 'base_model', lines)}: Axolotl requires base_model (a model id or path), got {type_name(base_model)} {short(base_model)}"
+            f"{where(config.path, 'base_model', config.lines)}: Axolotl requires base_model (a model id or path), got {type_name(base_model)} {short(base_model)}"
         )
-    gc_raw = raw.get("gradient_checkpointing", False)
-    gc: Any
-    if gc_raw in ("offload", "offload_disk") or gc_raw is None:
-        gc = gc_raw
-    else:
-        gc = pydantic_bool(gc_raw)
-        if gc is None:
-            raise ConfigError(
-                f"{where(path, 'gradient_checkpointing', lines)}: Axolotl's schema takes true, false, offload or offload_disk, "
-                f"not {short(gc_raw)}; Axolotl refuses to start"
-            )
-    kwargs_raw = raw.get("gradient_checkpointing_kwargs")
-    kwargs = (
-        None
-        if kwargs_raw is None
-        else dict(expect_mapping(kwargs_raw, path, "gradient_checkpointing_kwargs", lines, "{use_reentrant: false}"))
+    return base_model
+
+
+def _enum_or_bool(config: Config, key: str, choices: tuple[str, ...], suffix: str = "") -> Any:
+    """A key the schema types as one of `choices` or a boolean (unset: False)."""
+    value = config.values.get(key, False)
+    if value in choices or value is None:
+        return value
+    parsed = pydantic_bool(value)
+    if parsed is None:
+        takes = f"true, false, {', '.join(choices[:-1])} or {choices[-1]}"
+        raise ConfigError(
+            f"{where(config.path, key, config.lines)}: Axolotl's schema takes {takes}, not {short(value)}{suffix}"
+        )
+    return parsed
+
+
+def _kwargs(config: Config) -> dict[str, Any] | None:
+    """`gradient_checkpointing_kwargs`: a mapping, kept as written."""
+    value = config.values.get("gradient_checkpointing_kwargs")
+    if value is None:
+        return None
+    return dict(
+        expect_mapping(value, config.path, "gradient_checkpointing_kwargs", config.lines, "{use_reentrant: false}")
     )
-    offloading_raw = raw.get("activation_offloading", False)
-    offloading: Any
-    if offloading_raw in ("legacy", "disk", "hidden_states") or offloading_raw is None:
-        offloading = offloading_raw
-    else:
-        offloading = pydantic_bool(offloading_raw)
-        if offloading is None:
-            raise ConfigError(
-                f"{where(path, 'activation_offloading', lines)}: Axolotl's schema takes true, false, legacy, disk or hidden_states, not {short(offloading_raw)}"
-            )
-    selective_raw = raw.get("selective_checkpointing")
-    selective: dict[str, Any] | None = None
+
+
+def _selective(config: Config) -> dict[str, Any] | None:
+    """`selective_checkpointing`: a mapping (its `save` a list of op names) or a boolean."""
+    path, lines = config.path, config.lines
+    selective_raw = config.values.get("selective_checkpointing")
     if isinstance(selective_raw, dict):
         selective = dict(selective_raw)
         save = selective.get("save", ["attention"])
@@ -618,13 +660,20 @@ def read(config: Config, ctx: Context) -> Reading:
             raise ConfigError(
                 f"{where(path, 'selective_checkpointing.save', lines)}: expected a list of op names, got {short(save)}"
             )
-    elif selective_raw is not None:
+        return selective
+    if selective_raw is not None:
         flag = pydantic_bool(selective_raw)
         if flag is None:
             raise ConfigError(
                 f"{where(path, 'selective_checkpointing', lines)}: Axolotl's schema takes a mapping or true/false, not {short(selective_raw)}"
             )
-        selective = {"save": ["attention"]} if flag else None
+        return {"save": ["attention"]} if flag else None
+    return None
+
+
+def _training(config: Config) -> tuple[list[str] | None, str | None, str | None]:
+    """`unfrozen_parameters`, `rl` and `adapter`, type-checked."""
+    path, lines, raw = config.path, config.lines, config.values
     unfrozen = raw.get("unfrozen_parameters")
     if unfrozen is not None and (not isinstance(unfrozen, list) or not all(isinstance(p, str) for p in unfrozen)):
         raise ConfigError(
@@ -640,16 +689,12 @@ def read(config: Config, ctx: Context) -> Reading:
         raise ConfigError(
             f"{where(path, 'adapter', lines)}: expected a string such as lora or qlora, got {type_name(adapter)} {short(adapter)}"
         )
-    four = _bool_field(raw, "load_in_4bit", config)
-    eight = _bool_field(raw, "load_in_8bit", config)
-    gptq = _bool_field(raw, "gptq", config)
-    ddp_flag = _optional_bool(raw, "ddp", config)
-    find_unused = _optional_bool(raw, "ddp_find_unused_parameters", config)
-    sample_packing = _bool_field(raw, "sample_packing", config)
-    attn = raw.get("attn_implementation")
-    ebft = raw.get("ebft")
-    if ebft is not None:
-        ebft = expect_mapping(ebft, path, "ebft", lines, "{mode: strided}")
+    return unfrozen, rl, adapter
+
+
+def _fsdp(config: Config) -> tuple[list[str] | None, dict[str, Any], bool]:
+    """`fsdp_version`, `fsdp`, and `fsdp_config` without its `fsdp_` prefixes, with its `activation_checkpointing`."""
+    path, lines, raw = config.path, config.lines, config.values
     for key in ("fsdp_version",):
         value = raw.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -676,8 +721,54 @@ def read(config: Config, ctx: Context) -> Reading:
                 f"{where(path, 'fsdp_config.activation_checkpointing', lines)}: expected true or false, got {short(fsdp_config['activation_checkpointing'])}"
             )
         fsdp_ac = fsdp_ac_value
+    return fsdp, fsdp_config, fsdp_ac
 
-    world = ctx.nproc if ctx.nproc is not None else 1
+
+def _schema(config: Config) -> _Schema:
+    """Phase 1: the schema's typed parsing (ConfigError where Axolotl's pydantic model fails), in its order."""
+    raw = config.values
+    base_model = _base_model(config)
+    gc = _enum_or_bool(config, "gradient_checkpointing", ("offload", "offload_disk"), "; Axolotl refuses to start")
+    kwargs = _kwargs(config)
+    offloading = _enum_or_bool(config, "activation_offloading", ("legacy", "disk", "hidden_states"))
+    selective = _selective(config)
+    unfrozen, rl, adapter = _training(config)
+    four = _bool_field(raw, "load_in_4bit", config)
+    eight = _bool_field(raw, "load_in_8bit", config)
+    gptq = _bool_field(raw, "gptq", config)
+    ddp_flag = _optional_bool(raw, "ddp", config)
+    find_unused = _optional_bool(raw, "ddp_find_unused_parameters", config)
+    sample_packing = _bool_field(raw, "sample_packing", config)
+    attn = raw.get("attn_implementation")
+    ebft = raw.get("ebft")
+    if ebft is not None:
+        ebft = expect_mapping(ebft, config.path, "ebft", config.lines, "{mode: strided}")
+    fsdp, fsdp_config, fsdp_ac = _fsdp(config)
+    return _Schema(
+        base_model=base_model,
+        gc=gc,
+        kwargs=kwargs,
+        offloading=offloading,
+        selective=selective,
+        unfrozen=unfrozen,
+        rl=rl,
+        adapter=adapter,
+        four=four,
+        eight=eight,
+        gptq=gptq,
+        ddp_flag=ddp_flag,
+        find_unused=find_unused,
+        sample_packing=sample_packing,
+        attn=attn,
+        ebft=ebft,
+        fsdp=fsdp,
+        fsdp_config=fsdp_config,
+        fsdp_ac=fsdp_ac,
+    )
+
+
+def _world_size(ctx: Context, reading: Reading) -> int:
+    """The number of processes (`--nproc`, else 1), and a note when `--trainer` is given."""
     if ctx.nproc is not None:
         reading.set("world_size", ctx.nproc, "option", "--nproc (Axolotl reads WORLD_SIZE)")
     else:
@@ -691,8 +782,12 @@ def read(config: Config, ctx: Context) -> Reading:
         reading.notes.append(
             f"--trainer {ctx.trainer} is ignored: an Axolotl config says its trainer itself (`rl:`, else SFT)"
         )
+    return ctx.nproc if ctx.nproc is not None else 1
 
-    # --- validators: rewrites (mode="after") ----------------------------------------------------------------------
+
+def _validators(s: _Schema, raw: dict[str, Any], kw: _Reentrant, reading: Reading) -> _Validated:
+    """Phase 2: the validators' rewrites (mode="after") of checkpointing, offloading and use_reentrant."""
+    gc, offloading = s.gc, s.offloading
     gc_detail = "key 'gradient_checkpointing'" if "gradient_checkpointing" in raw else "Axolotl's default: false"
     if gc == "offload":
         gc, offloading = True, True
@@ -700,155 +795,161 @@ def read(config: Config, ctx: Context) -> Reading:
     elif gc == "offload_disk":
         gc, offloading = True, "disk"
         gc_detail = "gradient_checkpointing: offload_disk -> true + activation_offloading: disk (Axolotl validator)"
-    ebft_strided_flex = bool(rl == "ebft" and (ebft or {}).get("mode") == "strided" and attn == "flex_attention")
-    kw_detail = "key 'gradient_checkpointing_kwargs.use_reentrant'"
-    kw_origin: Origin = "file"
+    ebft_strided_flex = bool(s.rl == "ebft" and (s.ebft or {}).get("mode") == "strided" and s.attn == "flex_attention")
     if offloading == "hidden_states":
-        kwargs = dict(kwargs or {})
-        if "use_reentrant" not in kwargs:
-            kwargs["use_reentrant"] = False
-            kw_detail, kw_origin = (
-                f"activation_offloading: hidden_states defaults use_reentrant to false ({SOURCES['hidden_states']})",
-                "launcher rewrite",
+        kw.kwargs = dict(kw.kwargs or {})
+        if "use_reentrant" not in kw.kwargs:
+            kw.kwargs["use_reentrant"] = False
+            kw.rewrite(
+                f"activation_offloading: hidden_states defaults use_reentrant to false ({SOURCES['hidden_states']})"
             )
-    if ebft_strided_flex and gc and not (kwargs or {}).get("use_reentrant"):
-        kwargs = dict(kwargs or {})
-        kwargs["use_reentrant"] = True
-        kw_detail, kw_origin = (
-            f"EBFT strided + flex_attention forces use_reentrant: true ({SOURCES['ebft_reentrant']})",
-            "launcher rewrite",
-        )
+    if ebft_strided_flex and gc and not (kw.kwargs or {}).get("use_reentrant"):
+        kw.kwargs = dict(kw.kwargs or {})
+        kw.kwargs["use_reentrant"] = True
+        kw.rewrite(f"EBFT strided + flex_attention forces use_reentrant: true ({SOURCES['ebft_reentrant']})")
         reading.extra["forced"] = {"use_reentrant": FORCED_REENTRANT_CHANGE}
     elif ebft_strided_flex and gc:
         reading.extra["forced"] = {"use_reentrant": FORCED_REENTRANT_CHANGE}
+    return _Validated(gc=gc, gc_detail=gc_detail, offloading=offloading, ebft_strided_flex=ebft_strided_flex)
 
-    model_type = _model_type(base_model, reading)
-    view = View(
+
+def _view(
+    config: Config, raw: dict[str, Any], s: _Schema, v: _Validated, kwargs: dict[str, Any] | None, world: int
+) -> View:
+    """The config as the validators that refuse or warn (`RULES`) see it."""
+    return View(
         raw=raw,
-        gc=gc,
+        gc=v.gc,
         kwargs=kwargs,
-        activation_offloading=offloading,
-        selective=selective,
-        unfrozen=unfrozen,
-        rl=rl,
-        adapter=adapter,
-        load_in_4bit=four,
-        load_in_8bit=eight,
-        gptq=gptq,
+        activation_offloading=v.offloading,
+        selective=s.selective,
+        unfrozen=s.unfrozen,
+        rl=s.rl,
+        adapter=s.adapter,
+        load_in_4bit=s.four,
+        load_in_8bit=s.eight,
+        gptq=s.gptq,
         n_gpu=world,
-        base_model=base_model,
-        ebft_strided_flex=ebft_strided_flex,
-        sample_packing=sample_packing,
+        base_model=s.base_model,
+        ebft_strided_flex=v.ebft_strided_flex,
+        sample_packing=s.sample_packing,
         inference=_bool_field(raw, "inference", config),
         merge_lora=_bool_field(raw, "merge_lora", config),
         plugins=bool(raw.get("plugins")),
     )
 
-    # --- normalize_config ---------------------------------------------------------------------------------------
-    ddp = ddp_flag if ddp_flag is not None else world != 1
-    if gc and unfrozen is None and kwargs is None and rl is None:
-        kwargs = {"use_reentrant": True}
-        kw_detail, kw_origin = (
-            f"Axolotl normalize_config writes {{use_reentrant: true}} ({SOURCES['normalize']})",
-            "launcher rewrite",
-        )
-    if model_type in ("gemma4", "gemma4_unified") and gc:
-        kwargs = dict(kwargs or {})
-        if kwargs.get("use_reentrant") is not False:
-            kwargs["use_reentrant"] = False
-            kw_detail, kw_origin = (
-                f"Gemma 4: Axolotl forces use_reentrant false ({SOURCES['gemma4']})",
-                "launcher rewrite",
-            )
-    if model_type in ("gemma4", "gemma4_unified") and ddp and find_unused is None and offloading is not True:
+
+def _normalize(
+    s: _Schema, v: _Validated, kw: _Reentrant, model_type: str | None, world: int, reading: Reading
+) -> tuple[bool, bool | None]:
+    """Phase 3: normalize_config's rewrites; returns `cfg.ddp` and `ddp_find_unused_parameters`."""
+    ddp = s.ddp_flag if s.ddp_flag is not None else world != 1
+    find_unused = s.find_unused
+    if v.gc and s.unfrozen is None and kw.kwargs is None and s.rl is None:
+        kw.kwargs = {"use_reentrant": True}
+        kw.rewrite(f"Axolotl normalize_config writes {{use_reentrant: true}} ({SOURCES['normalize']})")
+    if model_type in ("gemma4", "gemma4_unified") and v.gc:
+        kw.kwargs = dict(kw.kwargs or {})
+        if kw.kwargs.get("use_reentrant") is not False:
+            kw.kwargs["use_reentrant"] = False
+            kw.rewrite(f"Gemma 4: Axolotl forces use_reentrant false ({SOURCES['gemma4']})")
+    if model_type in ("gemma4", "gemma4_unified") and ddp and find_unused is None and v.offloading is not True:
         find_unused = True
         reading.notes.append(f"Gemma 4 under DDP: Axolotl sets ddp_find_unused_parameters: true ({SOURCES['gemma4']})")
+    return ddp, find_unused
 
-    # --- the builders -------------------------------------------------------------------------------------------
-    reentrant: Any = (kwargs or {}).get("use_reentrant")
+
+def _builders(s: _Schema, v: _Validated, kw: _Reentrant, ctx: Context, reading: Reading) -> bool:
+    """Phase 4: the use_reentrant the trainer builders pass; returns whether activations are offloaded."""
+    offloading = v.offloading
+    kw.value = (kw.kwargs or {}).get("use_reentrant")
     offload = False
     if offloading == "hidden_states":
         offload = True
     elif offloading:
         offload = True
-        if not adapter:
-            reentrant = False
-            kw_detail, kw_origin = (
-                f"activation_offloading {offloading!r} on a full fine-tune: torch checkpoint_wrapper, non-reentrant ({SOURCES['ac_wrap']})",
-                "launcher rewrite",
+        if not s.adapter:
+            kw.value = False
+            kw.rewrite(
+                f"activation_offloading {offloading!r} on a full fine-tune: torch checkpoint_wrapper, non-reentrant ({SOURCES['ac_wrap']})"
             )
         elif offloading == "legacy":
-            reentrant = True
-            kw_detail, kw_origin = (
-                f"activation_offloading: legacy runs Axolotl's CPU-offloading checkpoint, reentrant-style ({SOURCES['offload_cpu']})",
-                "launcher rewrite",
+            kw.value = True
+            kw.rewrite(
+                f"activation_offloading: legacy runs Axolotl's CPU-offloading checkpoint, reentrant-style ({SOURCES['offload_cpu']})"
             )
-        elif reentrant is None:
+        elif kw.value is None:
             tf = ctx.versions.get("transformers") or "5"
-            reentrant = tf.split(".")[0].isdigit() and int(tf.split(".")[0]) < 5
-            kw_detail, kw_origin = (
+            kw.value = tf.split(".")[0].isdigit() and int(tf.split(".")[0]) < 5
+            kw.rewrite(
                 "adapter + activation_offloading: the load-time checkpointing without use_reentrant takes transformers' default",
                 "launcher default",
             )
-    elif gc and kwargs is None:
-        reentrant = False
-        kw_detail, kw_origin = (
-            f"Axolotl's builder passes {{use_reentrant: false}} when no kwargs are set ({SOURCES['builder_gc']})",
-            "launcher rewrite",
+    elif v.gc and kw.kwargs is None:
+        kw.value = False
+        kw.rewrite(
+            f"Axolotl's builder passes {{use_reentrant: false}} when no kwargs are set ({SOURCES['builder_gc']})"
         )
-    if selective is not None and gc:
-        reentrant = False
-        kw_detail, kw_origin = (
-            f"selective_checkpointing patches the model to non-reentrant ({SOURCES['sac']})",
-            "launcher rewrite",
-        )
+    if s.selective is not None and v.gc:
+        kw.value = False
+        kw.rewrite(f"selective_checkpointing patches the model to non-reentrant ({SOURCES['sac']})")
         reading.set("selective", True, "file", "key 'selective_checkpointing'")
+    return offload
 
-    reading.set("gc_enabled", bool(gc), "file" if "gradient_checkpointing" in raw else "launcher default", gc_detail)
-    reading.set("gc_flag_source", "user" if "gradient_checkpointing" in raw else "unset", "file", gc_detail)
-    from_file = kw_origin == "file" and reentrant is not None
+
+def _gc_facts(raw: dict[str, Any], v: _Validated, kw: _Reentrant, offload: bool, reading: Reading) -> None:
+    """The checkpointing facts: enabled, use_reentrant and its source, kwargs, offloading."""
+    reentrant = kw.value
+    reading.set(
+        "gc_enabled", bool(v.gc), "file" if "gradient_checkpointing" in raw else "launcher default", v.gc_detail
+    )
+    reading.set("gc_flag_source", "user" if "gradient_checkpointing" in raw else "unset", "file", v.gc_detail)
+    from_file = kw.origin == "file" and reentrant is not None
     reading.set(
         "use_reentrant",
         reentrant,
-        kw_origin if reentrant is not None else "file",
-        kw_detail if reentrant is not None else "no use_reentrant",
+        kw.origin if reentrant is not None else "file",
+        kw.detail if reentrant is not None else "no use_reentrant",
     )
     reading.set(
         "use_reentrant_source",
         "user" if from_file else ("unset" if reentrant is None else "unknown"),
-        kw_origin,
+        kw.origin,
         "written by Axolotl into the trainer's arguments: the plugin treats it as a value set explicitly"
         if not from_file and reentrant is not None
-        else kw_detail,
+        else kw.detail,
     )
-    reading.set("kwargs_given", kwargs is not None or reentrant is not None, kw_origin, kw_detail)
+    reading.set("kwargs_given", kw.kwargs is not None or reentrant is not None, kw.origin, kw.detail)
     if offload:
         reading.set(
             "activation_offloading",
-            offloading,
+            v.offloading,
             "file",
             "Axolotl's activation offloading (not transformers' `offload` kwarg)",
         )
-    if kwargs:
-        extra = tuple(sorted(k for k in kwargs if k != "use_reentrant"))
+    if kw.kwargs:
+        extra = tuple(sorted(k for k in kw.kwargs if k != "use_reentrant"))
         if extra:
             reading.set("kwargs_keys", extra, "file", "keys of gradient_checkpointing_kwargs")
-        unknown = unknown_checkpoint_keys(kwargs)
+        unknown = unknown_checkpoint_keys(kw.kwargs)
         if unknown:
             reading.set("kwargs_unknown", unknown, "file", "keys of gradient_checkpointing_kwargs nothing reads")
 
-    peft = bool(adapter)
-    quant = "bitsandbytes_4bit" if four else "bitsandbytes_8bit" if eight else "gptq" if gptq else None
+
+def _model_facts(raw: dict[str, Any], s: _Schema, ctx: Context, reading: Reading) -> None:
+    """The model and adapter facts: PEFT, quantization, frozen parameters, inputs that require grad."""
+    peft = bool(s.adapter)
+    quant = "bitsandbytes_4bit" if s.four else "bitsandbytes_8bit" if s.eight else "gptq" if s.gptq else None
     reading.set(
         "is_peft",
         peft,
         "file" if "adapter" in raw else "launcher default",
-        f"adapter: {adapter}" if adapter else "no adapter (full fine-tune)",
+        f"adapter: {s.adapter}" if s.adapter else "no adapter (full fine-tune)",
     )
     reading.set("quantization", quant, "file", "load_in_4bit / load_in_8bit / gptq")
     reading.set(
         "frozen_params",
-        peft or unfrozen is not None or quant is not None,
+        peft or s.unfrozen is not None or quant is not None,
         "file",
         "adapter / unfrozen_parameters / quantization",
     )
@@ -869,7 +970,7 @@ def read(config: Config, ctx: Context) -> Reading:
             "launcher rewrite",
             f"Axolotl calls enable_input_require_grads() for every adapter ({SOURCES['input_grads']})",
         )
-    elif unfrozen is not None:
+    elif s.unfrozen is not None:
         if tf_major >= 5:
             reading.set(
                 "inputs_require_grad",
@@ -887,6 +988,9 @@ def read(config: Config, ctx: Context) -> Reading:
     else:
         reading.set("inputs_require_grad", True, "file", "full fine-tune: the embeddings train")
 
+
+def _trainer_facts(rl: str | None, reading: Reading) -> None:
+    """The trainer kind: `rl:` names a TRL trainer, else Axolotl's SFT trainer."""
     kind = RL_TYPES.get(rl, "sft") if rl else "sft"
     reading.set(
         "trainer_kind",
@@ -897,7 +1001,10 @@ def read(config: Config, ctx: Context) -> Reading:
     reading.set("rl_trainer", rl is not None, "file" if rl else "launcher default", f"rl: {rl}" if rl else "no rl")
     reading.set("generates", rl in GENERATING, "file" if rl else "launcher default", f"rl: {rl}" if rl else "no rl")
 
-    # DeepSpeed / FSDP / DDP
+
+def _parallel_facts(config: Config, s: _Schema, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
+    """The DeepSpeed, FSDP and DDP facts."""
+    path, lines, raw = config.path, config.lines, config.values
     ds_value = raw.get("deepspeed")
     if ds_value is not None and not isinstance(ds_value, (str, dict)):
         raise ConfigError(
@@ -910,10 +1017,9 @@ def read(config: Config, ctx: Context) -> Reading:
         ds.set_facts(reading)
     else:
         reading.set("zero_stage", None, "file", "no deepspeed key")
-    uses_fsdp = bool(fsdp) or bool(fsdp_config)
-    reading.set("fsdp", uses_fsdp, "file", "fsdp / fsdp_config")
-    if uses_fsdp:  # check_fsdp_version_in_fsdp_config: fsdp_version, else fsdp_config's, else 1
-        version = raw.get("fsdp_version") or fsdp_config.get("fsdp_version") or fsdp_config.get("version") or 1
+    reading.set("fsdp", s.uses_fsdp, "file", "fsdp / fsdp_config")
+    if s.uses_fsdp:  # check_fsdp_version_in_fsdp_config: fsdp_version, else fsdp_config's, else 1
+        version = raw.get("fsdp_version") or s.fsdp_config.get("fsdp_version") or s.fsdp_config.get("version") or 1
         reading.set(
             "fsdp_version",
             version,
@@ -922,10 +1028,15 @@ def read(config: Config, ctx: Context) -> Reading:
         )
     reading.set(
         "fsdp_activation_checkpointing",
-        uses_fsdp and fsdp_ac,
+        s.uses_fsdp and s.fsdp_ac,
         "file",
         f"fsdp_config.activation_checkpointing ({SOURCES['fsdp_prefix']})",
     )
+    _ddp_facts(raw, s.rl, ddp, find_unused, reading)
+
+
+def _ddp_facts(raw: dict[str, Any], rl: str | None, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
+    """`ddp_find_unused_parameters` as the SFT builder passes it (the RL builder passes nothing), `ddp_static_graph`."""
     if rl is None:
         if ddp:
             value = bool(find_unused)
@@ -952,6 +1063,9 @@ def read(config: Config, ctx: Context) -> Reading:
         )
     reading.set("ddp_static_graph", None, "launcher default", "Axolotl does not pass ddp_static_graph")
 
+
+def _launcher_rules(raw: dict[str, Any], s: _Schema, v: _Validated, view: View, reading: Reading) -> None:
+    """The launcher rules (`RULES`) that apply, and the FSDP-checkpointing pair `RULES` cannot see."""
     reading.apply(
         RULES,
         view,
@@ -959,9 +1073,35 @@ def read(config: Config, ctx: Context) -> Reading:
         lambda rule: reading.value("use_reentrant") if rule.setting == "use_reentrant" else raw.get(rule.setting),
         lambda rule: reading.reentrant_source() if rule.setting == "use_reentrant" else "user",
     )
-    if uses_fsdp and fsdp_ac and gc:
+    if s.uses_fsdp and s.fsdp_ac and v.gc:
         rule = next(r for r in RULES if r.id == "axolotl:fsdp-checkpointing-and-gc")
         reading.decisions.append(rule.decision(VERSION_MODELLED, before=True))
+
+
+def read(config: Config, ctx: Context) -> Reading:
+    """The plugin's model of what Axolotl does with `config` (see the module docstring)."""
+    raw = dict(config.values)
+    reading = Reading(
+        format="axolotl",
+        parser=f"the plugin's model of {VERSION_MODELLED} (Axolotl is not imported)",
+        changes={
+            "use_reentrant": "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}",
+            "activation_checkpointing": "gradient_checkpointing: {value}",
+        },
+    )
+    s = _schema(config)
+    world = _world_size(ctx, reading)
+    kw = _Reentrant(s.kwargs)
+    v = _validators(s, raw, kw, reading)
+    model_type = _model_type(s.base_model, reading)
+    view = _view(config, raw, s, v, kw.kwargs, world)
+    ddp, find_unused = _normalize(s, v, kw, model_type, world, reading)
+    offload = _builders(s, v, kw, ctx, reading)
+    _gc_facts(raw, v, kw, offload, reading)
+    _model_facts(raw, s, ctx, reading)
+    _trainer_facts(s.rl, reading)
+    _parallel_facts(config, s, ddp, find_unused, reading)
+    _launcher_rules(raw, s, v, view, reading)
     return reading
 
 

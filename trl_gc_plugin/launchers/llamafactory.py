@@ -25,7 +25,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from .accelerate import read_accelerate
-from .common import ConfigError, Context, LauncherRule, Origin, Reading, short, type_name, where
+from .common import (
+    ConfigError,
+    Context,
+    LauncherRule,
+    Origin,
+    Reading,
+    json_object_or_mapping,
+    short,
+    type_name,
+    where,
+)
 from .deepspeed import read_deepspeed
 from .load import Config
 from .model_config import read_model_facts
@@ -270,11 +280,60 @@ def is_training_config(config: Config) -> bool:
     return any(k in config for k in ("stage", "do_train", "output_dir", "dataset"))
 
 
+@dataclass(frozen=True)
+class Parsed:
+    """The config's values as LLaMA-Factory's arguments hold them (parse_dict converts nothing; its defaults)."""
+
+    raw: dict[str, Any]
+    stage: str
+    finetuning: str
+    bits: Any
+    method: Any
+    string_bools: tuple[str, ...]
+    do_train: bool
+    disabled: bool
+    hf_gc: bool
+
+
+@dataclass
+class Reentrant:
+    """The current use_reentrant value, with the origin and detail of its facts and who set it."""
+
+    value: Any
+    origin: Origin
+    detail: str
+    source: str
+
+    def rewrite(self, value: Any, origin: Origin, detail: str, source: str) -> None:
+        """Replace the value, its origin, detail and source at once."""
+        self.value, self.origin, self.detail, self.source = value, origin, detail, source
+
+
 def read(config: Config, ctx: Context) -> Reading:
     """The plugin's model of how LLaMA-Factory reads `config` (see the module docstring)."""
-    path, lines = config.path, config.lines
-    raw = dict(config.values)
-    reading = Reading(
+    reading = _new_reading()
+    if ctx.trainer is not None:
+        reading.notes.append(f"--trainer {ctx.trainer} is ignored: a LLaMA-Factory config says its stage itself")
+    parsed = _parse(config)
+    if not is_training_config(config):
+        _read_non_training(config, reading)
+        return reading
+    _read_gc_enabled(parsed, reading)
+    accel = read_accelerate(ctx.accelerate_config) if ctx.accelerate_config else None
+    fsdp2 = bool(accel and accel.fsdp and accel.fsdp_version == 2)
+    reentrant = _reentrant_from_file(parsed, fsdp2)
+    hf_override = _read_trainer_reenable(config, parsed, reading, reentrant)
+    _read_offloading(parsed, reading, reentrant)
+    _set_reentrant_facts(parsed, reading, reentrant)
+    _read_model(parsed, reading)
+    world = _read_launch(config, ctx, parsed, reading, accel)
+    _apply_rules(ctx, parsed, reading, reentrant, hf_override=hf_override, fsdp2=fsdp2, world=world)
+    return reading
+
+
+def _new_reading() -> Reading:
+    """An empty reading, with LLaMA-Factory's spellings of the settings."""
+    return Reading(
         format="llamafactory",
         parser=f"the plugin's model of {VERSION_MODELLED}",
         changes={
@@ -282,8 +341,12 @@ def read(config: Config, ctx: Context) -> Reading:
             "activation_checkpointing": "disable_gradient_checkpointing: {not_value}",
         },
     )
-    if ctx.trainer is not None:
-        reading.notes.append(f"--trainer {ctx.trainer} is ignored: a LLaMA-Factory config says its stage itself")
+
+
+def _parse(config: Config) -> Parsed:
+    """Type the keys LLaMA-Factory's argument dataclasses check, with their defaults (a `ConfigError` where it refuses)."""
+    path, lines = config.path, config.lines
+    raw = dict(config.values)
     for key in ("stage", "finetuning_type", "quantization_method"):
         if key in raw and not isinstance(raw[key], str):
             raise ConfigError(
@@ -304,31 +367,41 @@ def read(config: Config, ctx: Context) -> Reading:
         raise ConfigError(
             f"{where(path, 'quantization_bit', lines)}: expected a whole number such as 4 or 8, got {type_name(bits)} {short(bits)}"
         )
-    method = raw.get("quantization_method", "bnb")
-    string_bools = tuple(k for k in BOOL_KEYS if isinstance(raw.get(k), str))
+    return Parsed(
+        raw=raw,
+        stage=stage,
+        finetuning=finetuning,
+        bits=bits,
+        method=raw.get("quantization_method", "bnb"),
+        string_bools=tuple(k for k in BOOL_KEYS if isinstance(raw.get(k), str)),
+        do_train=bool(raw.get("do_train", False)),
+        disabled=bool(raw.get("disable_gradient_checkpointing", False)),
+        hf_gc=bool(raw.get("gradient_checkpointing", False)),
+    )
 
-    if not is_training_config(config):
-        reading.training = False
-        what = "an export (merge) config" if "export_dir" in config else "a chat / API / inference config"
-        reading.set("gc_enabled", False, "file", f"{what}: no stage, do_train, output_dir or dataset; nothing trains")
-        reading.notes.append(f"{path} is {what}: nothing trains, so checkpointing does not apply")
-        return reading
 
-    # checkpointing: LLaMA-Factory's own, on the model
-    do_train = bool(raw.get("do_train", False))
-    disabled = bool(raw.get("disable_gradient_checkpointing", False))
-    hf_gc = bool(raw.get("gradient_checkpointing", False))
-    if not do_train:
+def _read_non_training(config: Config, reading: Reading) -> None:
+    """A chat / API / export config: nothing trains, so checkpointing does not apply."""
+    reading.training = False
+    what = "an export (merge) config" if "export_dir" in config else "a chat / API / inference config"
+    reading.set("gc_enabled", False, "file", f"{what}: no stage, do_train, output_dir or dataset; nothing trains")
+    reading.notes.append(f"{config.path} is {what}: nothing trains, so checkpointing does not apply")
+
+
+def _read_gc_enabled(parsed: Parsed, reading: Reading) -> None:
+    """Checkpointing on/off: LLaMA-Factory's own, on the model, only for a trainable model."""
+    raw = parsed.raw
+    if not parsed.do_train:
         reading.set(
             "gc_enabled",
             False,
             "file",
             f"do_train is not true: nothing trains and LLaMA-Factory does not enable checkpointing ({SOURCES['trainable']})",
         )
-    elif disabled:
+    elif parsed.disabled:
         reading.set(
             "gc_enabled",
-            hf_gc,
+            parsed.hf_gc,
             "file",
             f"key 'disable_gradient_checkpointing': {raw['disable_gradient_checkpointing']!r}",
         )
@@ -346,73 +419,83 @@ def read(config: Config, ctx: Context) -> Reading:
         "disable_gradient_checkpointing",
     )
 
-    # use_reentrant: use_reentrant_gc, FSDP2, the Trainer's re-enable, Unsloth-style offloading
-    accel = read_accelerate(ctx.accelerate_config) if ctx.accelerate_config else None
-    fsdp2 = bool(accel and accel.fsdp and accel.fsdp_version == 2)
-    kwargs_raw = raw.get("gradient_checkpointing_kwargs")
-    origin: Origin
-    if "use_reentrant_gc" in raw:
-        reentrant: Any = raw["use_reentrant_gc"]
-        origin, detail, source = "file", "key 'use_reentrant_gc'", "user"
+
+def _reentrant_from_file(parsed: Parsed, fsdp2: bool) -> Reentrant:
+    """use_reentrant from `use_reentrant_gc` (default true), which FSDP2 rewrites to false."""
+    if "use_reentrant_gc" in parsed.raw:
+        reentrant = Reentrant(parsed.raw["use_reentrant_gc"], "file", "key 'use_reentrant_gc'", "user")
     else:
-        reentrant, origin, detail, source = (
-            True,
-            "launcher default",
-            f"use_reentrant_gc defaults to true ({SOURCES['keys']})",
-            "unknown",
+        reentrant = Reentrant(
+            True, "launcher default", f"use_reentrant_gc defaults to true ({SOURCES['keys']})", "unknown"
         )
     if fsdp2:
-        reentrant, origin, detail, source = (
+        reentrant.rewrite(
             False,
             "launcher rewrite",
             f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})",
             "unknown",
         )
-    hf_override = False
-    if hf_gc and do_train:
-        if kwargs_raw is not None:
-            probe = Reading(format="", parser="")
-            from .common import json_object_or_mapping
+    return reentrant
 
-            kwargs = json_object_or_mapping(
-                kwargs_raw, path, "gradient_checkpointing_kwargs", lines, "{use_reentrant: false}"
+
+def _read_trainer_reenable(config: Config, parsed: Parsed, reading: Reading, reentrant: Reentrant) -> bool:
+    """The Trainer's `gradient_checkpointing: true` re-enables through LLaMA-Factory's patched method, with the file's
+    kwargs or `{use_reentrant: true}`; True when that overrides a use_reentrant that was not true."""
+    if not (parsed.hf_gc and parsed.do_train):
+        return False
+    kwargs_raw = parsed.raw.get("gradient_checkpointing_kwargs")
+    hf_override = False
+    if kwargs_raw is not None:
+        probe = Reading(format="", parser="")
+        kwargs = json_object_or_mapping(
+            kwargs_raw, config.path, "gradient_checkpointing_kwargs", config.lines, "{use_reentrant: false}"
+        )
+        read_kwargs(probe, kwargs, "gradient_checkpointing_kwargs")
+        if probe.value("use_reentrant") is not None:
+            reentrant.rewrite(
+                probe.value("use_reentrant"),
+                "file",
+                "key 'gradient_checkpointing_kwargs.use_reentrant' (the Trainer re-enables with it)",
+                "user",
             )
-            read_kwargs(probe, kwargs, "gradient_checkpointing_kwargs")
-            if probe.value("use_reentrant") is not None:
-                reentrant, origin, detail, source = (
-                    probe.value("use_reentrant"),
-                    "file",
-                    "key 'gradient_checkpointing_kwargs.use_reentrant' (the Trainer re-enables with it)",
-                    "user",
-                )
-            reading.changes["use_reentrant"] = "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}"
-        else:
-            hf_override = reentrant is not True
-            reentrant, origin, detail, source = (
-                True,
-                "launcher rewrite",
-                f"gradient_checkpointing: true without kwargs: the Trainer re-enables through LLaMA-Factory's method with {{use_reentrant: true}} ({SOURCES['wrapper']})",
-                "unknown",
-            )
-            reading.changes["use_reentrant"] = "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}"
-    if bool(raw.get("use_unsloth_gc")):
+    else:
+        hf_override = reentrant.value is not True
+        reentrant.rewrite(
+            True,
+            "launcher rewrite",
+            f"gradient_checkpointing: true without kwargs: the Trainer re-enables through LLaMA-Factory's method with {{use_reentrant: true}} ({SOURCES['wrapper']})",
+            "unknown",
+        )
+    reading.changes["use_reentrant"] = "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}"
+    return hf_override
+
+
+def _read_offloading(parsed: Parsed, reading: Reading, reentrant: Reentrant) -> None:
+    """`use_unsloth_gc`'s offloading checkpoint (reentrant whatever use_reentrant says); `use_kt` is not modelled."""
+    if bool(parsed.raw.get("use_unsloth_gc")):
         reading.set(
             "activation_offloading",
             "use_unsloth_gc",
             "file",
             "key 'use_unsloth_gc': LLaMA-Factory's offloading checkpoint (ignores use_reentrant)",
         )
-        reentrant, origin, detail, source = (
+        reentrant.rewrite(
             True,
             "launcher rewrite",
             "use_unsloth_gc: an autograd Function that recomputes reentrant-style whatever use_reentrant says",
             "unknown",
         )
-    if bool(raw.get("use_kt")):
+    if bool(parsed.raw.get("use_kt")):
         reading.notes.append("use_kt: KTransformers checkpointing is not modelled (it chooses its own kwargs)")
+
+
+def _set_reentrant_facts(parsed: Parsed, reading: Reading, reentrant: Reentrant) -> None:
+    """Record the final use_reentrant (when checkpointing is on), LLaMA-Factory's wrapper, Unsloth and use_cache."""
+    raw = parsed.raw
     gc_on = bool(reading.value("gc_enabled"))
-    reading.set("use_reentrant", reentrant if gc_on else None, origin, detail)
-    reading.set("use_reentrant_source", source if gc_on else "unset", origin, detail)
+    origin, detail = reentrant.origin, reentrant.detail
+    reading.set("use_reentrant", reentrant.value if gc_on else None, origin, detail)
+    reading.set("use_reentrant_source", reentrant.source if gc_on else "unset", origin, detail)
     reading.set(
         "launcher_checkpointing",
         gc_on and not bool(raw.get("use_unsloth_gc")),
@@ -428,7 +511,10 @@ def read(config: Config, ctx: Context) -> Reading:
         f"LLaMA-Factory sets model.config.use_cache False with checkpointing ({SOURCES['enable']})",
     )
 
-    # the model
+
+def _read_model(parsed: Parsed, reading: Reading) -> None:
+    """The model (finetuning_type, quantization, the checkpoint wrapper's grads) and the trainer `stage` runs."""
+    raw, finetuning, bits, stage = parsed.raw, parsed.finetuning, parsed.bits, parsed.stage
     peft = finetuning in ("lora", "oft")
     reading.set(
         "is_peft",
@@ -438,7 +524,7 @@ def read(config: Config, ctx: Context) -> Reading:
     )
     quant = None
     if bits is not None:
-        quant = f"bitsandbytes_{bits}bit" if method == "bnb" else str(method)
+        quant = f"bitsandbytes_{bits}bit" if parsed.method == "bnb" else str(parsed.method)
     reading.set(
         "quantization",
         quant,
@@ -470,7 +556,9 @@ def read(config: Config, ctx: Context) -> Reading:
     reading.set("rl_trainer", stage in ("rm", "ppo", "dpo", "kto"), "file", f"stage: {stage}")
     reading.set("generates", stage == "ppo", "file", f"stage: {stage}")
 
-    # launch
+
+def _read_launch(config: Config, ctx: Context, parsed: Parsed, reading: Reading, accel: Any) -> int:
+    """The launch: process count, DeepSpeed, FSDP; returns the process count."""
     if ctx.nproc is not None:
         reading.set("world_size", ctx.nproc, "option", "--nproc")
     elif accel is not None and accel.num_processes is not None:
@@ -483,14 +571,14 @@ def read(config: Config, ctx: Context) -> Reading:
             "no --nproc: 1 process (llamafactory-cli starts torchrun with one process per visible GPU; pass --nproc N)",
         )
     world = int(reading.value("world_size", 1))
-    ds_value = raw.get("deepspeed")
+    ds_value = parsed.raw.get("deepspeed")
     if ds_value not in (None, "", False):
         if not isinstance(ds_value, (str, dict)):
             raise ConfigError(
-                f"{where(path, 'deepspeed', lines)}: expected a path to a DeepSpeed JSON file, got {type_name(ds_value)} {short(ds_value)}"
+                f"{where(config.path, 'deepspeed', config.lines)}: expected a path to a DeepSpeed JSON file, got {type_name(ds_value)} {short(ds_value)}"
             )
         ds = read_deepspeed(
-            ds_value, path, "deepspeed", config.base_dir, BUNDLED_DEEPSPEED, "examples/deepspeed/", lines
+            ds_value, config.path, "deepspeed", config.base_dir, BUNDLED_DEEPSPEED, "examples/deepspeed/", config.lines
         )
         ds.set_facts(reading)
     elif accel is not None and accel.zero_stage is not None:
@@ -499,10 +587,17 @@ def read(config: Config, ctx: Context) -> Reading:
         reading.set("zero_stage", None, "file", "no deepspeed key")
     fsdp_config = read_fsdp_config(config)
     where_accel = str(accel.path) if accel is not None else ""
-    set_fsdp_facts(reading, bool(raw.get("fsdp")), fsdp_config, accel, where_accel, ctx.versions.get("transformers"))
-    find_unused = raw.get("ddp_find_unused_parameters")
-    distributed = world > 1
-    if find_unused is None and distributed and finetuning == "lora":
+    set_fsdp_facts(
+        reading, bool(parsed.raw.get("fsdp")), fsdp_config, accel, where_accel, ctx.versions.get("transformers")
+    )
+    _read_ddp(parsed, reading, distributed=world > 1)
+    return world
+
+
+def _read_ddp(parsed: Parsed, reading: Reading, distributed: bool) -> None:
+    """DDP's `ddp_find_unused_parameters` (False under DDP + LoRA when unset) and `ddp_static_graph`."""
+    find_unused = parsed.raw.get("ddp_find_unused_parameters")
+    if find_unused is None and distributed and parsed.finetuning == "lora":
         reading.set(
             "ddp_find_unused_parameters",
             False,
@@ -516,7 +611,7 @@ def read(config: Config, ctx: Context) -> Reading:
             "file" if find_unused is not None else "launcher default",
             "key 'ddp_find_unused_parameters'" if find_unused is not None else "unset: transformers decides",
         )
-    static = raw.get("ddp_static_graph")
+    static = parsed.raw.get("ddp_static_graph")
     reading.set(
         "ddp_static_graph",
         None if static is None else bool(static),
@@ -524,24 +619,31 @@ def read(config: Config, ctx: Context) -> Reading:
         "key 'ddp_static_graph'",
     )
 
+
+def _apply_rules(
+    ctx: Context, parsed: Parsed, reading: Reading, reentrant: Reentrant, *, hf_override: bool, fsdp2: bool, world: int
+) -> None:
+    """LLaMA-Factory's own verdicts (`RULES`) on what was read."""
+    raw = parsed.raw
+    gc_on = bool(reading.value("gc_enabled"))
     tf = ctx.versions.get("transformers")
     view = View(
         raw=raw,
-        finetuning_type=finetuning,
-        quantization_bit=bits,
-        string_bools=string_bools,
-        reentrant_default=gc_on and origin == "launcher default",
+        finetuning_type=parsed.finetuning,
+        quantization_bit=parsed.bits,
+        string_bools=parsed.string_bools,
+        reentrant_default=gc_on and reentrant.origin == "launcher default",
         hf_gc_overrides=hf_override and gc_on,
         fsdp2=fsdp2 and gc_on,
         transformers_outside=tf is not None and not _in_range(tf),
         deepspeed_one_process=reading.value("zero_stage") is not None and world == 1,
     )
     befores = {
-        "quantization_bit": bits,
+        "quantization_bit": parsed.bits,
         "adapter_name_or_path": raw.get("adapter_name_or_path"),
         "use_reentrant": reading.value("use_reentrant"),
         "transformers": tf,
-        "quoted booleans": {k: raw[k] for k in string_bools},
+        "quoted booleans": {k: raw[k] for k in parsed.string_bools},
     }
     sources = {
         "use_reentrant": reading.reentrant_source(),
@@ -554,7 +656,6 @@ def read(config: Config, ctx: Context) -> Reading:
         lambda rule: befores.get(rule.setting, raw.get(rule.setting)),
         lambda rule: sources.get(rule.setting, "user"),
     )
-    return reading
 
 
 def _in_range(version: str) -> bool:

@@ -31,7 +31,7 @@ from typing import Any
 
 from ..probe import GENERATING_TRAINERS, RL_TRAINERS
 from ..settings import unknown_checkpoint_keys
-from .accelerate import read_accelerate, trl_bundled, trl_bundled_names, whole_number
+from .accelerate import AccelerateConfig, read_accelerate, trl_bundled, trl_bundled_names, whole_number
 from .common import (
     ConfigError,
     Context,
@@ -218,8 +218,19 @@ def trl_bool(config: Config, key: str, reading: Reading) -> bool | None:
 
 def read(config: Config, ctx: Context) -> Reading:
     """The plugin's model of how `trl <command> --config` reads `config` (see the module docstring)."""
-    path, lines = config.path, config.lines
-    reading = Reading(
+    reading = _new_reading()
+    _check_env(config)
+    _read_checkpointing(config, reading)
+    _read_model(config, reading)
+    read_launch(config, ctx, reading)
+    read_model_facts(config.get("model_name_or_path"), "model_name_or_path", reading)
+    _read_trainer(ctx, reading)
+    return reading
+
+
+def _new_reading() -> Reading:
+    """An empty reading, with TRL's spellings of the settings."""
+    return Reading(
         format="trl",
         parser=f"the plugin's model of TRL {VERSION_MODELLED}'s TrlParser",
         changes={
@@ -227,13 +238,19 @@ def read(config: Config, ctx: Context) -> Reading:
             "activation_checkpointing": "gradient_checkpointing: {value}",
         },
     )
+
+
+def _check_env(config: Config) -> None:
+    """`env`: TRL requires a mapping of environment variables."""
     env = config.get("env")
     if "env" in config.values and not isinstance(env, dict):
         raise ConfigError(
-            f"{where(path, 'env', lines)}: TRL requires a mapping of environment variables, got {type_name(env)} {short(env)}"
+            f"{where(config.path, 'env', config.lines)}: TRL requires a mapping of environment variables, got {type_name(env)} {short(env)}"
         )
 
-    # checkpointing on/off and its kwargs
+
+def _read_checkpointing(config: Config, reading: Reading) -> None:
+    """Checkpointing on/off (`gradient_checkpointing`, default True, or `activation_checkpointing`) and its kwargs."""
     flag_key = "activation_checkpointing" if "activation_checkpointing" in config.values else "gradient_checkpointing"
     gc = trl_bool(config, flag_key, reading)
     if gc is None and flag_key in config.values:
@@ -256,11 +273,15 @@ def read(config: Config, ctx: Context) -> Reading:
     )
     kwargs: dict[str, Any] | None = None
     if kwargs_key is not None:
-        kwargs = json_object_or_mapping(config.get(kwargs_key), path, kwargs_key, lines, "{use_reentrant: false}")
+        kwargs = json_object_or_mapping(
+            config.get(kwargs_key), config.path, kwargs_key, config.lines, "{use_reentrant: false}"
+        )
         reading.changes["use_reentrant"] = kwargs_key + ": {{use_reentrant: {value}}}"
     read_kwargs(reading, kwargs, kwargs_key or "gradient_checkpointing_kwargs")
 
-    # the model: adapter, quantization
+
+def _read_model(config: Config, reading: Reading) -> None:
+    """The model: adapter (`use_peft`), quantization (`load_in_4bit` / `load_in_8bit`)."""
     peft = trl_bool(config, "use_peft", reading)
     four = bool(trl_bool(config, "load_in_4bit", reading))
     eight = bool(trl_bool(config, "load_in_8bit", reading))
@@ -290,10 +311,9 @@ def read(config: Config, ctx: Context) -> Reading:
         "TRL calls enable_input_require_grads() for PEFT; without an adapter the embeddings train",
     )
 
-    read_launch(config, ctx, reading)
-    read_model_facts(config.get("model_name_or_path"), "model_name_or_path", reading)
 
-    # the trainer
+def _read_trainer(ctx: Context, reading: Reading) -> None:
+    """The trainer: `--trainer`, else `trl sft`; one of the CLI's commands."""
     kind = ctx.trainer or "sft"
     if kind not in CLI_TRAINERS:
         raise ConfigError(
@@ -307,7 +327,6 @@ def read(config: Config, ctx: Context) -> Reading:
     )
     reading.set("rl_trainer", kind in RL_TRAINERS, "option" if ctx.trainer else "assumed", f"trl {kind}")
     reading.set("generates", kind in GENERATING_TRAINERS, "option" if ctx.trainer else "assumed", f"trl {kind}")
-    return reading
 
 
 def read_kwargs(reading: Reading, kwargs: dict[str, Any] | None, key: str) -> None:
@@ -342,35 +361,58 @@ def read_kwargs(reading: Reading, kwargs: dict[str, Any] | None, key: str) -> No
 
 def read_launch(config: Config, ctx: Context, reading: Reading) -> None:
     """DeepSpeed, FSDP, DDP and the process count: from `TrainingArguments` keys and the accelerate config."""
-    path, lines = config.path, config.lines
     flags = tuple(k for k in VALUELESS_LAUNCH_FLAGS if k in config.values)
     reading.extra["launch_flags"] = flags
+    overrides = {k: config.values[k] for k in LAUNCH_KEYS if config.values.get(k) is not None}
+    accel, where_accel = _read_accelerate_config(config, ctx, reading, overrides)
+    _read_world_size(config, ctx, reading, accel, where_accel, overrides)
+    _read_deepspeed(config, reading, accel, where_accel)
+    # FSDP: the `fsdp` / `fsdp_config` fields, else the accelerate config
+    fsdp_value = config.get("fsdp")
+    fsdp_config = read_fsdp_config(config)
+    set_fsdp_facts(reading, bool(fsdp_value), fsdp_config, accel, where_accel, ctx.versions.get("transformers"))
+    _read_ddp(config, reading)
 
-    # accelerate config: --accelerate-config, else the file's `accelerate_config` key
+
+def _read_accelerate_config(
+    config: Config, ctx: Context, reading: Reading, overrides: dict[str, Any]
+) -> tuple[AccelerateConfig | None, str]:
+    """The accelerate config: --accelerate-config, else the file's `accelerate_config` key (a path, else a config TRL
+    ships), with the file's launch keys overriding it; returns it and how to name it in a detail."""
+    path, lines = config.path, config.lines
     name = ctx.accelerate_config if ctx.accelerate_config is not None else config.get("accelerate_config")
     if ctx.accelerate_config is not None and config.get("accelerate_config") not in (None, ctx.accelerate_config):
         reading.notes.append(
             f"--accelerate-config {ctx.accelerate_config} replaces the file's accelerate_config: {config.get('accelerate_config')}"
         )
-    overrides = {k: config.values[k] for k in LAUNCH_KEYS if config.values.get(k) is not None}
-    accel = None
-    if name is not None:
-        if not isinstance(name, str) or not name.strip():
-            raise ConfigError(
-                f"{where(path, 'accelerate_config', lines)}: expected a path or the name of a config TRL ships, got {type_name(name)} {short(name)}"
-            )
-        file = name if os.path.isfile(name) else trl_bundled(name)
-        if file is None:
-            raise ConfigError(
-                f"{where(path, 'accelerate_config', lines)}: {name!r} is neither a file (from the current directory) nor a "
-                f"config TRL ships ({', '.join(trl_bundled_names()) or 'none found'}); TRL refuses it"
-            )
-        accel = read_accelerate(file, overrides)
-    elif overrides.get("num_processes") is not None:
-        accel_procs = whole_number(overrides["num_processes"], path, "num_processes", 1)
-        reading.set("world_size", accel_procs, "file", "key 'num_processes' (passed to accelerate launch)")
+    if name is None:
+        return None, ""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(
+            f"{where(path, 'accelerate_config', lines)}: expected a path or the name of a config TRL ships, got {type_name(name)} {short(name)}"
+        )
+    file = name if os.path.isfile(name) else trl_bundled(name)
+    if file is None:
+        raise ConfigError(
+            f"{where(path, 'accelerate_config', lines)}: {name!r} is neither a file (from the current directory) nor a "
+            f"config TRL ships ({', '.join(trl_bundled_names()) or 'none found'}); TRL refuses it"
+        )
+    accel = read_accelerate(file, overrides)
+    return accel, f"accelerate config {name} ({accel.path})"
 
-    where_accel = f"accelerate config {name} ({accel.path})" if accel else ""
+
+def _read_world_size(
+    config: Config,
+    ctx: Context,
+    reading: Reading,
+    accel: AccelerateConfig | None,
+    where_accel: str,
+    overrides: dict[str, Any],
+) -> None:
+    """The process count: --nproc, else the accelerate config's (or the file's `num_processes`), else 1."""
+    if accel is None and overrides.get("num_processes") is not None:
+        accel_procs = whole_number(overrides["num_processes"], config.path, "num_processes", 1)
+        reading.set("world_size", accel_procs, "file", "key 'num_processes' (passed to accelerate launch)")
     if ctx.nproc is not None:
         reading.set("world_size", ctx.nproc, "option", "--nproc")
     elif accel is not None and accel.num_processes is not None:
@@ -390,14 +432,16 @@ def read_launch(config: Config, ctx: Context, reading: Reading) -> None:
             "no --nproc, no num_processes: 1 process (accelerate launch's default without a config)",
         )
 
-    # DeepSpeed: the `deepspeed` field, else the accelerate config
+
+def _read_deepspeed(config: Config, reading: Reading, accel: AccelerateConfig | None, where_accel: str) -> None:
+    """DeepSpeed: the `deepspeed` field (a path or a mapping), else the accelerate config."""
     ds_value = config.get("deepspeed")
     if ds_value not in (None, "", False):
         if not isinstance(ds_value, (str, dict)):
             raise ConfigError(
-                f"{where(path, 'deepspeed', lines)}: expected a path to a DeepSpeed JSON file or a mapping, got {type_name(ds_value)} {short(ds_value)}"
+                f"{where(config.path, 'deepspeed', config.lines)}: expected a path to a DeepSpeed JSON file or a mapping, got {type_name(ds_value)} {short(ds_value)}"
             )
-        ds = read_deepspeed(ds_value, path, "deepspeed", config.base_dir, {}, "", lines)
+        ds = read_deepspeed(ds_value, config.path, "deepspeed", config.base_dir, {}, "", config.lines)
         ds.set_facts(reading)
     elif accel is not None and accel.zero_stage is not None:
         reading.set("zero_stage", accel.zero_stage, "accelerate config", f"{where_accel}: deepspeed_config")
@@ -410,11 +454,9 @@ def read_launch(config: Config, ctx: Context, reading: Reading) -> None:
     else:
         reading.set("zero_stage", None, "file", "no deepspeed key and no DeepSpeed accelerate config")
 
-    # FSDP: the `fsdp` / `fsdp_config` fields, else the accelerate config
-    fsdp_value = config.get("fsdp")
-    fsdp_config = read_fsdp_config(config)
-    set_fsdp_facts(reading, bool(fsdp_value), fsdp_config, accel, where_accel, ctx.versions.get("transformers"))
 
+def _read_ddp(config: Config, reading: Reading) -> None:
+    """`ddp_find_unused_parameters` and `ddp_static_graph`, as TRL's booleans (unset: transformers decides)."""
     for key in ("ddp_find_unused_parameters", "ddp_static_graph"):
         value = trl_bool(config, key, reading)
         reading.set(
