@@ -87,9 +87,9 @@ def per_step(steps: int, repeats: int) -> dict[str, object]:
     state, control = TrainerState(), TrainerControl()
     callback.on_init_end(args, state, control, model=model)
     callback.on_train_begin(args, state, control, model=model)
-    assert callback._session.watch is not None and callback._session.watch.sentinel is not None  # the real per-step path
+    assert callback._run.session.watch is not None and callback._run.session.watch.sentinel is not None  # the real per-step path
     callback.on_step_end(args, state, control, model=model)  # the first step end removes the observation
-    assert callback._first_forward is not None and callback._first_forward.observation is None
+    assert callback._run.first_forward is not None and callback._run.first_forward.observation is None
 
     def one_step() -> None:
         callback.on_step_begin(args, state, control, model=model)

@@ -46,7 +46,7 @@ def test_nothing_of_the_observation_stays_after_the_first_step(arch):
     assert [h for h, _, _ in snapshot.at_step] == [h for h, _, _ in bare.at_step]
     assert all(w == 0 for _, _, w in snapshot.at_step[1:]) and all(n == 0 for _, n, _ in snapshot.at_step)
     assert all(isinstance(f, functools.partial) for _, f in checkpoint_functions(model))
-    assert callback._first_forward.observation is None and callback.observed
+    assert callback._run.first_forward.observation is None and callback.observed
 
 
 def test_every_stack_is_observed_with_its_own_inputs():

@@ -117,9 +117,11 @@ class AxolotlSafeGCCallback(SafeGCCallback):
     checkpointing "not asked for")."""
 
     def __init__(self, yaml_reentrant: tuple[bool, Any], offloading: Any, **settings: Any) -> None:
-        super().__init__(**settings)
         self.yaml_reentrant = yaml_reentrant
         self.offloading = offloading
+        if str(offloading).lower() in OFFLOADING_OWNS:
+            self.offloader = f"Axolotl activation_offloading={offloading}"
+        super().__init__(**settings)
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         try:
@@ -137,18 +139,6 @@ class AxolotlSafeGCCallback(SafeGCCallback):
         if given and value == yaml_value:
             return  # the user's own: the plugin's usual reading ("yours") is right
         probe.remember(args, value, SOURCE)
-
-    def _asked_vs_running(self, args: Any, model: Any) -> None:
-        if str(self.offloading).lower() in OFFLOADING_OWNS:
-            blocks = sum(probe.block_pattern(model)) if probe.checkpointing_on(model) else 0
-            report.note(
-                f"Axolotl activation_offloading={self.offloading}: Axolotl turned the Trainer's checkpointing off and "
-                f"checkpoints with its offloader ({blocks} block(s) with transformers' checkpointing on the model).",
-                "info",
-                report.is_main_process(args),
-            )
-            return
-        super()._asked_vs_running(args, model)
 
 
 def _yaml_reentrant(raw: Any) -> tuple[bool, Any]:
