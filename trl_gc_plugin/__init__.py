@@ -2,7 +2,8 @@
 
 Importing this package patches nothing and imports nothing heavy: every public name is loaded on first use
 (PEP 562), so the start-up hook (`_startup.py`) can live inside the package at no cost. Use `SafeGCCallback`
-explicitly, call `install()` (undo with `uninstall()`), or set `TRL_GC_PLUGIN=1`.
+explicitly, call `install()` (undo with `uninstall()`), or set `TRL_GC_PLUGIN=1`; in a loop without a Trainer, call
+`guard(model)` after `gradient_checkpointing_enable` (or let `install()` / `TRL_GC_PLUGIN=1` do it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = [
     "SafeGCCallback",
     "__version__",
     "decide",
+    "guard",
     "install",
     "installed",
     "is_installed",
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from .engine import decide
     from .errors import GCConfigError
     from .facts import Facts
+    from .loop import guard
     from .patching import install, installed, is_installed, uninstall
     from .rules import RULES, Rule
 
@@ -43,6 +46,7 @@ _LAZY = {
     "GCConfigError": "errors",
     "decide": "engine",
     "SafeGCCallback": "callback",  # imports transformers
+    "guard": "loop",  # loops without a Trainer
     "install": "patching",
     "installed": "patching",
     "is_installed": "patching",

@@ -6,9 +6,9 @@ it, token by token (`benchmarks/pth_cost.py`). Every other decision is taken her
 names `run`, and its presence disables the `.pth` import line.
 
 - unset, empty, `0`/`false`/`no`/`off` (any case): returns; nothing is patched.
-- `1`/`true`/`yes`/`on`: puts a finder on `sys.meta_path` that waits for `transformers.training_args` and
-  `transformers.trainer` to be imported, patches each right after it has executed, and removes itself once both are
-  done. What is already imported is patched at once. Neither torch nor transformers is imported here.
+- `1`/`true`/`yes`/`on`: puts a finder on `sys.meta_path` that waits for `transformers.training_args`,
+  `transformers.trainer` and `transformers.modeling_utils` (the enable methods, for loops without a Trainer) to be
+  imported, patches each right after it has executed, and removes itself once all are done. What is already imported is patched at once. Neither torch nor transformers is imported here.
 - anything else: the same finder, but the first of those imports writes one warning on stderr instead of patching,
   so processes that never import transformers' training code (pip, unrelated scripts) stay silent. The process
   that warns sets `_TRL_GC_PLUGIN_WARNED` to the value; the processes it starts inherit it (`trl sft` ->
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 ENABLE_ENV = "TRL_GC_PLUGIN"
 WARNED_ENV = "_TRL_GC_PLUGIN_WARNED"  # private: set by the process that warned, inherited by its children
-TARGETS = ("transformers.training_args", "transformers.trainer")
+TARGETS = ("transformers.training_args", "transformers.trainer", "transformers.modeling_utils")
 __all__ = ["ENABLE_ENV", "enabled", "run"]
 
 
@@ -154,6 +154,10 @@ def _patch(fullname: str, module: object) -> None:
             patching.install_refusal_hook()  # a launcher's refusal reads as the message, not a traceback
         elif fullname == "transformers.trainer":
             patching.register_callback(module)
+        elif fullname == "transformers.modeling_utils":
+            from . import loop
+
+            loop.patch_enable(module.PreTrainedModel)  # type: ignore[attr-defined]  # loops without a Trainer
     except Exception:
         import logging
 

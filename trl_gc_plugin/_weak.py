@@ -47,3 +47,7 @@ class WeakIdMap(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._data)
+
+    def values(self) -> list[V]:
+        """The values of the objects still alive."""
+        return [value for ref, value in list(self._data.values()) if ref() is not None]

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from transformers import TrainerCallback
 
-from . import probe, report, settings, tracker
+from . import loop, probe, report, settings, tracker
 from ._weak import WeakIdMap
 from .decisions import Decision
 from .errors import GCConfigError
@@ -211,6 +211,7 @@ class SafeGCCallback(TrainerCallback):
         tracker.move_before_reporters(self)  # a callback passed to the Trainer comes after the reporters
         if model is None:
             return
+        loop.claim(model)  # the Trainer route owns this model: the model route stays silent
         record = probe.get_record(args)  # what the patched __post_init__ decided, when it ran
         self._run.init(args, model, list(record.decisions) if record is not None else [])
 

@@ -198,6 +198,9 @@ def install(mode: str | None = None, callback: bool = True, memory_budget: str |
         patch_training_args(TrainingArguments, resolved.mode)
     if callback:
         register_callback()
+        from .loop import patch_enable
+
+        patch_enable()  # loops without a Trainer: the model route (`loop.py`)
 
 
 def uninstall() -> None:
@@ -216,6 +219,9 @@ def uninstall() -> None:
                 defaults.remove(cb)
         _remove_refusal_hook()
         _state.update(original=None, mode=None, callback=None, budget=None)
+    from .loop import unpatch_enable
+
+    unpatch_enable()
 
 
 def installed_budget() -> str | int | None:
@@ -256,3 +262,6 @@ def installed(mode: str | None = None, callback: bool = True, memory_budget: str
                 while cb in defaults:
                     defaults.remove(cb)
                 _state["callback"] = None
+                from .loop import unpatch_enable
+
+                unpatch_enable()

@@ -121,7 +121,7 @@ def summary_line(decisions: list[Any], mode: str, use_reentrant: Any, source: st
         "user": "yours",
         "trainer": "set by the trainer",
         "unset": "unset",
-        "unknown": "found in the arguments",
+        "unknown": "set before the plugin saw it",
     }.get(source, f"set by {source}")
     running = "the library default" if use_reentrant is None else repr(use_reentrant)
     changed = sorted({f"{d.setting}={d.after!r}" for d in decisions if d.applied and d.setting != "use_reentrant"})

@@ -66,6 +66,8 @@ class Session:
         self.guard: EnableGuard | None = None
         self.cache: CacheSwitch | None = None
         self.checks: list[Check] = []
+        self.stopped = False
+        """`stop()` ran: the run was refused or is over."""
 
     # --- what the run is ---------------------------------------------------------------------------------------
 
@@ -150,6 +152,7 @@ class Session:
     def stop(self) -> None:
         """Remove every trace of the run from the model (checks' hooks, the enable guard) and its config
         (use_cache)."""
+        self.stopped = True
         if self.guard is not None:
             self.guard.remove()
             self.guard = None
