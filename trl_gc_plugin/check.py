@@ -24,10 +24,11 @@ from . import capabilities
 from .decisions import Decision, first_sentence
 from .engine import decide
 from .facts import Facts
-from .launchers import axolotl, detect, llamafactory, native, training_args, trl
+from .launchers import detect, llamafactory, native, trl
 from .launchers.common import ConfigError, Context, Fact, Reading, yaml_bool
 from .launchers.load import Config
 from .launchers.load import load as load_config
+from .launchers.registry import LAUNCHERS
 from .modes import Mode
 from .probe import installed_versions
 
@@ -41,8 +42,8 @@ ASSUMED_VERSIONS = {
 """Versions assumed when a package is neither installed nor given: the oldest supported, so the rules for old
 releases apply (conservative), and the output says so."""
 
-READERS = {"trl": trl, "axolotl": axolotl, "llamafactory": llamafactory, "training-args": training_args}
-READ_KEYS = frozenset().union(trl.READ_KEYS, axolotl.READ_KEYS, llamafactory.READ_KEYS, training_args.READ_KEYS)
+READERS = LAUNCHERS
+READ_KEYS = frozenset().union(*(module.READ_KEYS for module in LAUNCHERS.values()))
 """Every top-level key some launcher module reads: only these values are built from a YAML file."""
 
 FACT_FIELDS = frozenset(f.name for f in dataclasses.fields(Facts))
@@ -198,7 +199,10 @@ def change_line(reading: Reading, decisions: list[Decision]) -> str | None:
         if template is None and d.setting in KWARG_SETTINGS and "kwargs" in kwargs_template:
             template = kwargs_template.replace("use_reentrant", d.setting)
         if template and isinstance(d.after, bool):
-            return "set " + template.format(value=yaml_bool(d.after), not_value=yaml_bool(not d.after))
+            line = template.format(
+                value=yaml_bool(d.after), not_value=yaml_bool(not d.after), switch="add" if d.after else "remove"
+            )
+            return line if template.startswith("{switch}") else "set " + line
         return first_sentence(d.reason)
     return None
 

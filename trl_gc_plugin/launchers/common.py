@@ -151,7 +151,8 @@ class Reading:
         notes: what the reader wants said (ignored keys, assumptions, fallbacks); one line each.
         changes: how to spell a setting in this format, for the "change:" line (`use_reentrant` ->
             `gradient_checkpointing_kwargs: {{use_reentrant: {value}}}`, a `str.format` template: `{value}` is the
-            value in YAML spelling, `{not_value}` its negation).
+            value in YAML spelling, `{not_value}` its negation; a command-line switch starts with `{switch}`: `add` or
+            `remove`).
         training: False for a config that trains nothing (LLaMA-Factory chat / export configs).
         changes_for: `LauncherRule.change` by rule id, for the launcher decisions.
         extra: values a launcher module keeps between reading and finishing (not facts).

@@ -11,13 +11,14 @@ as such. The result always says why, so the format is never guessed silently.
 
 from __future__ import annotations
 
-from . import axolotl, llamafactory, training_args, trl
+from . import training_args
 from .common import ConfigError
 from .load import Config
+from .registry import DETECTED, LAUNCHERS
 
-FORMATS = ("trl", "axolotl", "llamafactory", "training-args")
-MARKERS = {"trl": trl.MARKERS, "axolotl": axolotl.MARKERS, "llamafactory": llamafactory.MARKERS}
-STRONG = {"trl": trl.STRONG_MARKERS, "axolotl": axolotl.STRONG_MARKERS, "llamafactory": llamafactory.STRONG_MARKERS}
+FORMATS = tuple(LAUNCHERS)
+MARKERS = {name: LAUNCHERS[name].MARKERS for name in DETECTED}
+STRONG = {name: LAUNCHERS[name].STRONG_MARKERS for name in DETECTED}
 ACCELERATE_KEYS = frozenset({"distributed_type", "compute_environment"})
 DEEPSPEED_KEYS = frozenset({"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size"})
 LLAMAFACTORY_V1_KEYS = frozenset({"model_class", "dist_config", "peft_config", "train_dataset"})
@@ -32,6 +33,8 @@ def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
     keys = set(config.keys)
     if forced != "auto":
         return forced, "--format"
+    if config.kind == "command":
+        return "openrlhf", f"the command runs openrlhf.cli.{config.values.get('openrlhf_entry')}"
     if keys & LLAMAFACTORY_V1_KEYS and "model" in keys:
         raise ConfigError(
             f"{config.path}: a LLaMA-Factory v1 config (USE_V1=1: {_names(keys & LLAMAFACTORY_V1_KEYS)}); only v0 configs are supported"
@@ -45,7 +48,7 @@ def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
     if len(found) > 1:
         parts = "; ".join(f"{name} ({_names(hits)})" for name, hits in found.items())
         raise ConfigError(
-            f"{config.path}: keys of several launchers: {parts}; pass --format trl|axolotl|llamafactory|training-args"
+            f"{config.path}: keys of several launchers: {parts}; pass --format trl|axolotl|llamafactory|openrlhf|training-args"
         )
     if keys & ACCELERATE_KEYS:
         raise ConfigError(
@@ -69,5 +72,5 @@ def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
         )
     raise ConfigError(
         f"{config.path}: unrecognised format: no key of a TRL (model_name_or_path, use_peft, ...), Axolotl (base_model, ...) "
-        "or LLaMA-Factory (stage, finetuning_type, ...) config; pass --format trl|axolotl|llamafactory|training-args"
+        "or LLaMA-Factory (stage, finetuning_type, ...) config; pass --format trl|axolotl|llamafactory|openrlhf|training-args"
     )

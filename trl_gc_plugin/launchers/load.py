@@ -7,7 +7,8 @@ builds no Python objects), and only the wanted parts are loaded. That keeps a 5 
 under a second, where building it all takes several. A file the split cannot handle faithfully (an alias into
 another part, a merge key, quoted keys, several documents, no libyaml) is read whole instead: slower, same result.
 
-JSON files (`.json`) are read with the standard library. Every problem is a `ConfigError` with one line naming the
+JSON files (`.json`) are read with the standard library; a shell script or text file holding an OpenRLHF command line
+(`openrlhf.cli.train_*`) is read as its flags (`openrlhf.parse_command`). Every problem is a `ConfigError` with one line naming the
 file and the line or key: binary and UTF-16/32 files, invalid UTF-8, syntax errors, tags a safe loader refuses,
 nesting too deep to build, a top level that is not a mapping, non-string top-level keys.
 """
@@ -36,7 +37,7 @@ class Config:
         values: the values of the top-level keys the check reads (every key, for JSON and small YAML files).
         keys: every top-level key, in file order.
         lines: the 1-based line of each top-level key (YAML only).
-        kind: `yaml` or `json`.
+        kind: `yaml`, `json`, or `command` (an OpenRLHF command line's flags).
     """
 
     path: str
@@ -93,8 +94,23 @@ def load(path: str, wanted: frozenset[str] | None = None) -> Config:
         raise ConfigError(f"{path}: the file is empty; a config is a mapping of keys")
     if path.lower().endswith(".json"):
         return _load_json(path, text, wanted)
+    if _is_command(path, text):
+        from .openrlhf import parse_command
+
+        return parse_command(path, text)
     _check_nesting(text, path)
     return _load_yaml(path, text, wanted)
+
+
+COMMAND_SUFFIXES = (".sh", ".bash", ".txt", ".cmd")
+
+
+def _is_command(path: str, text: str) -> bool:
+    """A shell script or a text file holding an OpenRLHF command line (not YAML: those are read as configs)."""
+    from .openrlhf import looks_like_command
+
+    lower = path.lower()
+    return looks_like_command(text) and (lower.endswith(COMMAND_SUFFIXES) or not lower.endswith((".yaml", ".yml")))
 
 
 MAX_DEPTH = 1000
