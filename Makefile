@@ -87,9 +87,30 @@ $(LF_STAMP):
 	rm -f $(LF_VENV)/.installed-*
 	touch $@
 
-test-launchers: $(AXO_STAMP) $(LF_STAMP)
+# OpenRLHF 0.11.2 (transformers 5.15.0, DeepSpeed 0.19.6), installed without its dependencies: it pins flash-attn
+# (no build without CUDA), ray, vllm and wandb, none of which its Actor / SFTLoss path needs on CPU; the ones that path
+# imports are installed by name, and tests/stubs/flash_attn stands in for the flash-attn names it imports at module
+# level (sample packing and ring attention; the functions raise if called).
+OPENRLHF ?= 0.11.2
+ORLHF_VENV ?= .venv-openrlhf
+ORLHF_STAMP := $(ORLHF_VENV)/.installed-openrlhf$(OPENRLHF)-torch$(TORCH)
+
+$(ORLHF_STAMP):
+	$(PYTHON) -m venv $(ORLHF_VENV)
+	$(ORLHF_VENV)/bin/python -m pip install -q "torch==$(TORCH)"
+	$(ORLHF_VENV)/bin/python -m pip install -q "torch==$(TORCH)" "transformers==5.15.0" "deepspeed==0.19.6" peft \
+		accelerate einops pylatexenc jsonlines datasets optree torchmetrics loralib pytest hypothesis
+	$(ORLHF_VENV)/bin/python -m pip install -q --no-deps "openrlhf==$(OPENRLHF)"
+	$(ORLHF_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(ORLHF_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(openrlhf|torch|transformers|deepspeed|peft) '
+	rm -f $(ORLHF_VENV)/.installed-*
+	touch $@
+
+test-launchers: $(AXO_STAMP) $(LF_STAMP) $(ORLHF_STAMP)
 	PYTHONPATH=$(CURDIR) $(AXO_VENV)/bin/python -m pytest tests/test_launchers_axolotl.py $(PYTEST_ARGS)
 	$(LF_VENV)/bin/python -m pytest -p no:xdist -m launchers tests/test_launchers_llamafactory.py $(PYTEST_ARGS)
+	DS_ACCELERATOR=cpu $(ORLHF_VENV)/bin/python -m pytest -p no:xdist -m launchers tests/test_launchers_openrlhf.py \
+		$(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check trl_gc_plugin tests examples benchmarks

@@ -295,9 +295,10 @@ def _internal_error(path: str, exc: BaseException) -> Report:
 def _first_read(index: int, path: str, launch: Launch) -> _Read:
     config = load_config(path, READ_KEYS)
     fmt, why = detect.detect(config, launch.format)
-    if fmt == "axolotl" and launch.parser == "launcher":
+    if fmt in ("axolotl", "openrlhf") and launch.parser == "launcher":
+        name = {"axolotl": "Axolotl", "openrlhf": "OpenRLHF"}[fmt]
         raise ConfigError(
-            f"{path}: --parser launcher: Axolotl's own code cannot be used by the check (it is not importable "
+            f"{path}: --parser launcher: {name}'s own code cannot be used by the check (it is not importable "
             "here); use --parser auto or model"
         )
     if launch.parser == "launcher" and fmt == "llamafactory" and not native.importable("llamafactory"):
