@@ -265,3 +265,45 @@ def test_ddp_loop_on_two_processes(tmp_path):
             assert none[rank]["outcome"] != "trained" or none[rank]["layers_changed"] == 0, none[rank]
             assert strict[rank]["outcome"].startswith("GCConfigError") and strict[rank]["layers_changed"] == 0
     assert fix[0]["checksum"] == pytest.approx(fix[1]["checksum"])
+
+
+def test_a_copy_of_an_armed_model_does_not_start_the_route_and_carries_nothing_after(patched):
+    """`copy.deepcopy` of a model between the enable call and the first forward (a reference model, a critic
+    initialised from the actor) copies the arming hook; the copy's forward does not start the original's route."""
+    import copy
+
+    model = make_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    twin = copy.deepcopy(model)
+    twin.train()
+    ids = torch.randint(3, 64, (2, 8))
+    twin(input_ids=ids, labels=ids).loss.backward()
+    route = loop._ROUTES.get(model)
+    assert route is not None and route.run is None  # still waiting for the original's first forward
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert route.run is not None
+    route.stop()
+
+
+def test_checkpointing_turned_off_again_before_training_is_left_alone(patched, plugin_log):
+    model = make_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.gradient_checkpointing_disable()
+    model.train()
+    ids = torch.randint(3, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert "trl_gc_plugin" not in plugin_log.text and not model.get_input_embeddings()._forward_pre_hooks
+
+
+def test_the_last_enable_call_is_the_one_decided_for(patched):
+    model = make_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert len(model.get_input_embeddings()._forward_pre_hooks) == 1  # one route armed, not two
+    model.train()
+    ids = torch.randint(3, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    route = loop._ROUTES.get(model)
+    assert route.run.session.final == (False, "user")
+    route.stop()

@@ -157,16 +157,19 @@ class ModelRoute:
         if model is None:
             return
         route = weakref.ref(self)
+        targets = _entry_modules(model)
+        ids = {id(t) for t in targets}
 
         def on_forward(module: Any, args: Any) -> None:
             import torch
 
             current = route()
-            if current is None or not torch.is_grad_enabled() or not module.training:
+            # a copy of the model (`copy.deepcopy` copies its hooks) is not this route's model
+            if current is None or id(module) not in ids or not torch.is_grad_enabled() or not module.training:
                 return
             current.start_guarded()
 
-        self._arming = [t.register_forward_pre_hook(on_forward) for t in _entry_modules(model)]
+        self._arming = [t.register_forward_pre_hook(on_forward) for t in targets]
 
     def disarm(self) -> None:
         hooks, self._arming = self._arming, []
@@ -191,6 +194,8 @@ class ModelRoute:
         model = self.model_ref()
         if model is None or self.run is not None:
             return self.run.decisions if self.run is not None else []
+        if not probe.checkpointing_on(model):  # turned off again before training: nothing to guard
+            return []
         args = LoopConfig(output_dir=self.output_dir, deepspeed=_zero3_partitions(model))
         args.gradient_checkpointing = True
         args.gradient_checkpointing_kwargs = dict(self.kwargs) if self.kwargs is not None else None
