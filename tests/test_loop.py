@@ -249,14 +249,15 @@ def test_nothing_stays_after_the_first_step_and_uninstall_restores_the_methods()
     assert {name: PreTrainedModel.__dict__.get(name) for name in loop.ENABLE_METHODS} == originals
 
 
-def test_ddp_loop_on_two_processes(tmp_path):
-    """torch DDP on 2 processes (gloo): the loop without the plugin loses the decoder layers on 4.57 (silently, or
-    DDP stops at the second step on parameters without a gradient); strict refuses on both ranks before any update;
-    fix trains every layer, the ranks in sync."""
+@pytest.mark.parametrize("wrapper", ["", "accelerate-"])
+def test_ddp_loop_on_two_processes(tmp_path, wrapper):
+    """torch DDP on 2 processes (gloo), by hand or by `Accelerator.prepare`: the loop without the plugin loses the
+    decoder layers on 4.57 (silently, or DDP stops at the second step on parameters without a gradient); strict
+    refuses on both ranks before any update; fix trains every layer, the ranks in sync."""
     from torchrun import run_scenarios
 
-    by = run_scenarios("loop_scenarios.py", tmp_path, ["none", "strict", "fix"])
-    none, strict, fix = by["none"], by["strict"], by["fix"]
+    by = run_scenarios("loop_scenarios.py", tmp_path, [wrapper + m for m in ("none", "strict", "fix")])
+    none, strict, fix = by[wrapper + "none"], by[wrapper + "strict"], by[wrapper + "fix"]
     for rank in (0, 1):
         assert fix[rank]["outcome"] == "trained" and fix[rank]["layers_changed"] == fix[rank]["layers"]
         if TF5:
@@ -307,3 +308,33 @@ def test_the_last_enable_call_is_the_one_decided_for(patched):
     route = loop._ROUTES.get(model)
     assert route.run.session.final == (False, "user")
     route.stop()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_qlora_loop_through_peft_prepare(tiny_checkpoint, reentrant, patched):
+    """QLoRA as PEFT's docs set it up in a loop: `prepare_model_for_kbit_training` makes the enable call (reentrant
+    gets PEFT's input hook), then LoRA; the plugin keeps the value, says that non-reentrant is preferred for a
+    quantized model, and the adapters train."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from trainers import load_4bit, lora_config
+
+    model = load_4bit(tiny_checkpoint)
+    model = prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+    )
+    model = get_peft_model(model, lora_config())
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n in adapters}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model.train()
+    for step in range(2):
+        ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in adapters)
+    route = loop._ROUTES.get(trl_gc_plugin.probe.unwrap(model))
+    said = {d.rule_id for d in route.run.decisions if d.action != "none"}
+    assert route.run.session.final == (reentrant, "user")
+    assert ("quantized-prefers-non-reentrant" in said) is reentrant
+    assert all(keywords(f)["use_reentrant"] is reentrant for _, f in functions(model))
