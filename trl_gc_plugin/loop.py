@@ -391,7 +391,13 @@ def guard(
     """
     from .patching import installed_settings
 
-    given = {"mode": mode, "audit": audit, "parity_check": parity_check, "memory_budget": memory_budget}
+    given = {
+        "mode": mode,
+        "audit": audit,
+        "parity_check": parity_check,
+        "memory_budget": memory_budget,
+        "output_dir": output_dir,
+    }
     settings = GCSettings.resolve(given, installed_settings(), caller="guard")
     report.setup()
     for line in settings.problems:
@@ -407,13 +413,9 @@ def guard(
         return []
     enabled = _ENABLED.get(base)
     known = enabled is not None
-    route = ModelRoute(model, settings, enabled[0] if enabled else None, known, _output_dir(output_dir))
+    route = ModelRoute(model, settings, enabled[0] if enabled else None, known, settings.output_dir)
     _ROUTES.set(base, route)
     return route.start()
-
-
-def _output_dir(given: str | None) -> str | None:
-    return given or os.environ.get("TRL_GC_PLUGIN_OUTPUT_DIR") or None
 
 
 # --- the patched enable methods ----------------------------------------------------------------------------------
@@ -482,7 +484,7 @@ def _after_enable(model: Any, kwargs: dict[str, Any] | None) -> None:
     from .patching import installed_settings
 
     settings = GCSettings.resolve({}, installed_settings(), caller="TRL_GC_PLUGIN")
-    route = ModelRoute(model, settings, kwargs, True, _output_dir(None))
+    route = ModelRoute(model, settings, kwargs, True, settings.output_dir)
     _ROUTES.set(base, route)
     route.arm()
 

@@ -70,6 +70,13 @@ def parse_budget(value: Any) -> int | str:
         raise ValueError(f'expected {BUDGET_FORMS}, or "auto"') from None
 
 
+def parse_dir(value: Any) -> str:
+    """A directory path (a non-empty string); `ValueError` for anything else."""
+    if not isinstance(value, str) or not value.strip() or "\x00" in value:
+        raise ValueError("expected a directory path")
+    return value.strip()
+
+
 @dataclass(frozen=True)
 class Setting:
     """One of the plugin's settings.
@@ -82,6 +89,8 @@ class Setting:
         default: the value when nothing gives one (and the one used in fix/warn mode for a bad value).
         help: what it does, in one sentence (docs).
         installable: `install()` takes it too.
+        callback: a keyword of `SafeGCCallback` (and so a `trl_gc_*` key of the Axolotl plugin); False for a setting
+            of loops without a Trainer only (`guard()`).
     """
 
     name: str
@@ -91,6 +100,7 @@ class Setting:
     default: Any
     help: str
     installable: bool = False
+    callback: bool = True
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -137,8 +147,20 @@ SETTINGS: tuple[Setting, ...] = (
         "plan how much to checkpoint within this activation memory per device",
         installable=True,
     ),
+    Setting(
+        "output_dir",
+        "TRL_GC_PLUGIN_OUTPUT_DIR",
+        "a directory path (an existing directory: the plugin creates none)",
+        parse_dir,
+        None,
+        "where a loop without a Trainer writes gc_decisions.json (`guard(output_dir=...)`; a Trainer writes to its "
+        "own output_dir); none: logs only",
+        callback=False,
+    ),
 )
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+CALLBACK_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.callback)
+"""The settings `SafeGCCallback` takes (and the Axolotl plugin's `trl_gc_*` keys)."""
 
 
 def problem_line(setting: Setting, where: str, value: Any) -> str:
@@ -159,6 +181,7 @@ class GCSettings:
         parity_check: the one-off gradient comparison (`None`: automatic).
         write_json: write `gc_decisions.json`.
         memory_budget: bytes, `"auto"`, or None (no plan).
+        output_dir: where a loop without a Trainer writes `gc_decisions.json`, or None.
         problems: the bad values met and reported (one line each), in fix/warn mode.
     """
 
@@ -167,6 +190,7 @@ class GCSettings:
     parity_check: bool | None = None
     write_json: bool = True
     memory_budget: int | str | None = None
+    output_dir: str | None = None
     problems: tuple[str, ...] = ()
 
     @classmethod

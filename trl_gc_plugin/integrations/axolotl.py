@@ -36,7 +36,7 @@ try:
 
     from .. import probe, report
     from ..callback import SafeGCCallback
-    from ..settings import SETTINGS, GCSettings
+    from ..settings import CALLBACK_SETTINGS, GCSettings
 except ImportError as exc:  # PluginManager only logs an ImportError and trains on without the plugin
     raise RuntimeError(
         f"trl_gc_plugin's Axolotl plugin could not be loaded ({exc}); training without it would run unchecked. "
@@ -76,14 +76,14 @@ class SafeGCArgs(BaseModel):
         return self
 
 
-assert {config_key(s.name) for s in SETTINGS} == set(SafeGCArgs.model_fields), "a setting without its Axolotl key"
+assert {config_key(s.name) for s in CALLBACK_SETTINGS} == set(SafeGCArgs.model_fields), "a setting without its Axolotl key"
 
 
 def resolve(cfg: Any) -> GCSettings:
     """The plugin's settings from an Axolotl config (a mapping or the validated model); `GCConfigError` (a
     `ValueError`, which pydantic reports as a validation error) for a bad value, as `SafeGCCallback` would."""
     get = cfg.get if hasattr(cfg, "get") else lambda key: getattr(cfg, key, None)
-    return GCSettings.resolve({s.name: get(config_key(s.name)) for s in SETTINGS}, caller="axolotl")
+    return GCSettings.resolve({s.name: get(config_key(s.name)) for s in CALLBACK_SETTINGS}, caller="axolotl")
 
 
 class _AsAxolotl(logging.Filter):
@@ -167,6 +167,6 @@ class SafeGCPlugin(BasePlugin):
         show_under_axolotl()
         get = cfg.get if hasattr(cfg, "get") else lambda key: getattr(cfg, key, None)
         resolve(cfg)  # validated already with the config; again here for a caller that skipped the schema
-        given = {s.name: get(config_key(s.name)) for s in SETTINGS if get(config_key(s.name)) is not None}
+        given = {s.name: get(config_key(s.name)) for s in CALLBACK_SETTINGS if get(config_key(s.name)) is not None}
         # only what the config sets: the rest comes from install() / TRL_GC_PLUGIN_* / the defaults, as usual
         return [AxolotlSafeGCCallback(self.yaml_reentrant, get("activation_offloading"), **given)]
