@@ -49,22 +49,40 @@ def _dispatch(table: dict[int, dict[int, Any]], module: Any, *rest: Any) -> None
 
 
 def _pre_hook(module: Any, args: Any) -> None:
+    if _deferred:
+        _sync()
     _dispatch(_pre, module, args)
 
 
 def _post_hook(module: Any, args: Any, output: Any) -> None:
+    if _deferred:
+        _sync()
     _dispatch(_post, module, args, output)
 
 
 def _pre_kw_hook(module: Any, args: Any, kwargs: Any = None) -> None:
+    if _deferred:
+        _sync()
     if kwargs is not None:  # called with the keywords only for the modules flagged in `_flag`
         _dispatch(_pre_kw, module, args, kwargs)
 
 
+_deferred: list[bool] = []
+"""A removal put off: torch was running the `always_call` post-hooks of a forward that raised, iterating its
+process-wide hook dictionary itself (a removal then is `RuntimeError: OrderedDict mutated during iteration`, which
+would hide the user's exception). The next call of any of the plugin's process-wide hooks (torch iterates a copy on a
+normal call) or the next registration removes what is no longer needed."""
+
+
 def _sync() -> None:
-    """Register the process-wide hooks while a callback waits, remove them when none does."""
+    """Register the process-wide hooks while a callback waits, remove them when none does (later when torch is
+    handling an exception raised in a forward, see `_deferred`)."""
+    import sys
+
     from torch.nn.modules import module as torch_module
 
+    unwinding = sys.exc_info()[0] is not None
+    _deferred.clear()
     for name, table in (("pre", _pre), ("post", _post), ("pre_kw", _pre_kw)):
         handle = _global.get(name)
         if table and handle is None:
@@ -78,6 +96,9 @@ def _sync() -> None:
                 except TypeError:  # a torch without always_call for process-wide hooks
                     _global[name] = torch_module.register_module_forward_hook(_post_hook)
         elif not table and handle is not None:
+            if unwinding:
+                _deferred[:] = [True]
+                continue
             handle.remove()
             del _global[name]
 
