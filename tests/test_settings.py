@@ -235,10 +235,28 @@ def test_an_unknown_key_is_silently_ignored_without_the_plugin_and_named_with_it
     assert decision.level == "warning" and "preserve_rng_stat (did you mean preserve_rng_state?)" in decision.reason
 
 
-def test_an_unknown_key_with_reentrant_crashes_the_first_forward(tmp_path):
+def test_an_unknown_key_with_reentrant_crashes_the_first_forward_refused_or_removed_with_the_plugin(tmp_path):
+    """Rule `checkpointing-kwargs-unknown-reentrant`: without the plugin torch's reentrant checkpoint raises at the
+    first forward; strict refuses when the Trainer is built (nothing trained), naming the key; fix removes it,
+    loudly, and the run trains reentrant as set; warn leaves the crash."""
+    kwargs = {"use_reentrant": True, "preserve_rng": False}  # a typo of preserve_rng_state
     with pytest.raises(ValueError, match="Unexpected keyword arguments"):
-        make_trainer("trainer", make_model(), str(tmp_path), gc_kwargs={"use_reentrant": True, "bogus": 1},
-                     max_steps=1).train()
+        make_trainer("trainer", make_model(), str(tmp_path / "plain"), gc_kwargs=kwargs, max_steps=1).train()
+    with pytest.raises(GCConfigError, match=r"checkpointing-kwargs-unknown-reentrant.*preserve_rng \(did you mean"):
+        make_trainer("trainer", make_model(), str(tmp_path / "strict"), gc_kwargs=kwargs,
+                     callbacks=[SafeGCCallback()], max_steps=1)
+    callback = SafeGCCallback(mode="fix")
+    trainer = make_trainer("trainer", make_model(), str(tmp_path / "fix"), gc_kwargs=kwargs, callbacks=[callback],
+                           max_steps=1)
+    trainer.train()
+    assert probe.read_kwargs(trainer.args) == {"use_reentrant": True}
+    assert all(getattr(f, "keywords", {}).get("use_reentrant") is True and "preserve_rng" not in f.keywords
+               for _, f in probe.checkpoint_functions(trainer.model))
+    assert any(d.rule_id == "checkpointing-kwargs-unknown-reentrant" and d.action == "override"
+               for d in callback.decisions)
+    with pytest.raises(ValueError, match="Unexpected keyword arguments"):
+        make_trainer("trainer", make_model(), str(tmp_path / "warn"), gc_kwargs=kwargs,
+                     callbacks=[SafeGCCallback(mode="warn")], max_steps=1).train()
 
 
 def test_known_keys_are_read_from_the_installed_torch():

@@ -10,6 +10,7 @@ from typing import Any
 
 from . import ckpt, probe
 from .decisions import Decision
+from .settings import unknown_checkpoint_names
 
 
 def write_kwargs(args: Any, kwargs: dict[str, Any] | None) -> None:
@@ -129,6 +130,11 @@ def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[D
         elif d.setting == "checkpointing_kwargs":  # layer kwargs this transformers cannot read: torch must not get them
             for key in d.before or ():
                 set_args_kwarg(args, key, None)
+        elif d.setting == "checkpointing_kwargs.unknown":  # keys nothing reads (reentrant torch raises on them)
+            for key in unknown_checkpoint_names(probe.read_kwargs(args) or {}):
+                set_args_kwarg(args, key, None)
+                if model is not None:
+                    set_model_kwarg(model, key, None)
         else:
             raise KeyError(f"no way to apply a decision on {d.setting!r}")
         done.append(d)

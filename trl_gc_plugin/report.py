@@ -11,7 +11,9 @@ Two loggers, both under `trl_gc_plugin`:
 Like transformers does for its own library logger, the plugin gives `trl_gc_plugin` a stderr handler and stops
 propagation, unless the application configured the logger first (a handler or a level of its own): then the
 application decides. Levels follow the Trainer only while they are the plugin's own defaults. Only the main process
-logs. A message already logged in this process is not logged again (the summary excepted).
+logs. A message already logged in this process is not logged again (the summary excepted), nor a decision taken
+when the arguments were built that the process which started this one already logged: a launcher that builds the
+arguments before it starts the training processes (`trl sft` -> `accelerate launch`) says each once (`SAID_ENV`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,34 @@ _LEVELS = {
 }
 _state: dict[str, Any] = {"handler": None, "owns_levels": False}
 _seen: set[str] = set()
+
+SAID_ENV = "_TRL_GC_PLUGIN_SAID"
+"""Private: short digests of the post-init decision lines this process (and the ones that started it) logged; the
+processes it starts inherit it and do not log those lines again."""
+_INHERITED = frozenset(filter(None, os.environ.get(SAID_ENV, "").split(",")))
+
+
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
+def _said_by_parent(decision: Any) -> bool:
+    """A post-init decision line the starting process logged already; else remember it for the processes this one
+    starts (only post-init lines: a launcher's parent builds the arguments, never the Trainer)."""
+    if getattr(decision, "stage", None) != "post_init":
+        return False
+    digest = _digest(decision.line())
+    if digest in _INHERITED:
+        return True
+    said = os.environ.get(SAID_ENV, "")
+    if digest not in said.split(","):
+        try:
+            os.environ[SAID_ENV] = f"{said},{digest}" if said else digest
+        except Exception:  # putenv refused: the children say it again, which is all it costs
+            pass
+    return False
 
 
 def setup() -> None:
@@ -99,7 +129,8 @@ def log_decisions(decisions: Iterable[Any], main_process: bool = True) -> None:
         return
     setup()
     for decision in decisions:
-        once(details, _LEVELS[decision.level], decision.line())
+        if not _said_by_parent(decision):
+            once(details, _LEVELS[decision.level], decision.line())
 
 
 def note(message: str, level: str = "info", main_process: bool = True) -> None:

@@ -202,14 +202,38 @@ RULES: tuple[Rule, ...] = (
         detail=lambda f: f"The checkpointing kwargs are a {f.kwargs_problem}, not a dict.",
     ),
     Rule(
+        id="checkpointing-kwargs-unknown-reentrant",
+        title="no unknown checkpointing kwargs with reentrant checkpointing",
+        kind="require",
+        setting="checkpointing_kwargs.unknown",
+        value=[],
+        when=lambda f: bool(f.gc_enabled and f.kwargs_unknown and f.use_reentrant is True),
+        condition=(
+            "`use_reentrant=True` and a key of the checkpointing kwargs that neither torch.utils.checkpoint, "
+            "transformers nor the plugin reads"
+        ),
+        message=(
+            "torch's reentrant checkpoint raises 'ValueError: Unexpected keyword arguments' at the first training "
+            "forward. Correct the key (or remove it); in fix mode the plugin removes it from the kwargs."
+        ),
+        evidence=(
+            "reproduced: `TRL_GC_PLUGIN=1 trl sft` (TRL 1.16.0, transformers 5.23.0, torch 2.13.0) with "
+            "gradient_checkpointing_kwargs {use_reentrant: true, preserve_rng: false} -> ValueError: Unexpected "
+            "keyword arguments: preserve_rng, in the first forward",
+            TORCH_CHECKPOINT_DOCS,
+        ),
+        remove_when="torch's reentrant checkpoint ignores unknown keywords",
+        detail=lambda f: "Unknown key(s) in the checkpointing kwargs: " + ", ".join(f.kwargs_unknown) + ".",
+    ),
+    Rule(
         id="checkpointing-kwargs-unknown",
         title="checkpointing kwargs nothing reads",
         kind="check",
         setting="checkpointing_kwargs.unknown",
         value=None,
-        when=lambda f: bool(f.gc_enabled and f.kwargs_unknown),
+        when=lambda f: bool(f.gc_enabled and f.kwargs_unknown and f.use_reentrant is not True),
         condition=(
-            "a key of the checkpointing kwargs is read by neither the installed torch.utils.checkpoint (its "
+            "`use_reentrant` not True and a key of the checkpointing kwargs is read by neither the installed torch.utils.checkpoint (its "
             "signature), transformers (`every_n_layers`, `offload`) nor the plugin (`selective`)"
         ),
         message=(

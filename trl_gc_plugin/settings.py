@@ -279,6 +279,12 @@ def known_checkpoint_keys() -> frozenset[str]:
     return torch_checkpoint_keywords() | frozenset(LAYER_KWARGS) | frozenset(PLUGIN_KWARGS)
 
 
+def unknown_checkpoint_names(keys: Any) -> tuple[str, ...]:
+    """The keys nothing reads, as written."""
+    known = known_checkpoint_keys()
+    return tuple(sorted(str(key) for key in keys if str(key) not in known))
+
+
 def unknown_checkpoint_keys(keys: Any) -> tuple[str, ...]:
     """The keys nothing reads, each with the nearest known key when one is close (`use_reentrent (did you mean
     use_reentrant?)`)."""
