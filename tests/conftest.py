@@ -27,13 +27,16 @@ def environment_restored():
 def no_patch_left_behind():
     """Every test must leave transformers exactly as it found it."""
     import transformers.trainer as trainer_module
-    from transformers import TrainingArguments
+    from transformers import PreTrainedModel, TrainingArguments
 
     post_init = TrainingArguments.__dict__["__post_init__"]
     defaults = list(trainer_module.DEFAULT_CALLBACKS)
+    enables = {name: PreTrainedModel.__dict__.get(name) for name in ("gradient_checkpointing_enable",
+                                                                    "activation_checkpointing_enable")}
     yield
     assert TrainingArguments.__dict__["__post_init__"] is post_init, "a test left __post_init__ patched"
     assert list(trainer_module.DEFAULT_CALLBACKS) == defaults, "a test left DEFAULT_CALLBACKS changed"
+    assert {name: PreTrainedModel.__dict__.get(name) for name in enables} == enables, "a test left enable patched"
 
 
 @pytest.fixture(autouse=True)

@@ -37,9 +37,17 @@ _state: dict[str, Any] = {"handler": None, "owns_levels": False}
 _seen: set[str] = set()
 
 SAID_ENV = "_TRL_GC_PLUGIN_SAID"
-"""Private: short digests of the post-init decision lines this process (and the ones that started it) logged; the
-processes it starts inherit it and do not log those lines again."""
-_INHERITED = frozenset(filter(None, os.environ.get(SAID_ENV, "").split(",")))
+"""Private: `<pid>:<digest>,<digest>...`, the post-init decision lines process `<pid>` logged; a process it started
+itself (`os.getppid()` is `<pid>`: `accelerate launch` run inside `trl sft`, torchrun's workers) does not log them
+again. A process started through a shell or by someone else says everything."""
+
+
+def _inherited() -> frozenset[str]:
+    pid, _, digests = os.environ.get(SAID_ENV, "").partition(":")
+    return frozenset(filter(None, digests.split(","))) if pid == str(os.getppid()) else frozenset()
+
+
+_INHERITED = _inherited()
 
 
 def _digest(text: str) -> str:
@@ -49,10 +57,21 @@ def _digest(text: str) -> str:
 
 
 def _said_by_parent(decision: Any) -> bool:
-    """A post-init decision line the starting process logged already; else remember it for the processes this one
-    starts (only post-init lines: a launcher's parent builds the arguments, never the Trainer)."""
+    """A post-init decision line the process that started this one logged already; else remember it for the
+    processes this one starts (only post-init lines: a launcher's parent builds the arguments, never the Trainer)."""
     if getattr(decision, "stage", None) != "post_init":
         return False
+    digest = _digest(decision.line())
+    if digest in _INHERITED:
+        return True
+    pid, _, digests = os.environ.get(SAID_ENV, "").partition(":")
+    own = set(filter(None, digests.split(","))) if pid == str(os.getpid()) else set()
+    if digest not in own:
+        try:
+            os.environ[SAID_ENV] = f"{os.getpid()}:" + ",".join(sorted(own | {digest}))
+        except Exception:  # putenv refused: the children say it again, which is all it costs
+            pass
+    return False
     digest = _digest(decision.line())
     if digest in _INHERITED:
         return True
