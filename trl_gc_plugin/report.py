@@ -18,6 +18,7 @@ arguments before it starts the training processes (`trl sft` -> `accelerate laun
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterable
@@ -67,20 +68,8 @@ def _said_by_parent(decision: Any) -> bool:
     pid, _, digests = os.environ.get(SAID_ENV, "").partition(":")
     own = set(filter(None, digests.split(","))) if pid == str(os.getpid()) else set()
     if digest not in own:
-        try:
+        with contextlib.suppress(Exception):  # putenv refused: the children say it again, which is all it costs
             os.environ[SAID_ENV] = f"{os.getpid()}:" + ",".join(sorted(own | {digest}))
-        except Exception:  # putenv refused: the children say it again, which is all it costs
-            pass
-    return False
-    digest = _digest(decision.line())
-    if digest in _INHERITED:
-        return True
-    said = os.environ.get(SAID_ENV, "")
-    if digest not in said.split(","):
-        try:
-            os.environ[SAID_ENV] = f"{said},{digest}" if said else digest
-        except Exception:  # putenv refused: the children say it again, which is all it costs
-            pass
     return False
 
 

@@ -76,7 +76,9 @@ class SafeGCArgs(BaseModel):
         return self
 
 
-assert {config_key(s.name) for s in CALLBACK_SETTINGS} == set(SafeGCArgs.model_fields), "a setting without its Axolotl key"
+assert {config_key(s.name) for s in CALLBACK_SETTINGS} == set(SafeGCArgs.model_fields), (
+    "a setting without its Axolotl key"
+)
 
 
 def resolve(cfg: Any) -> GCSettings:
