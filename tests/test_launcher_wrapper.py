@@ -73,3 +73,38 @@ def test_a_launcher_wrapper_is_kept_on_a_real_trainer(use_reentrant, tmp_path):
     assert model_use_reentrant(model) is use_reentrant
     assert {id(m): f for m, f in checkpoint_functions(model)} == wrappers  # the launcher's functions, untouched
     assert unchanged_block_params(trainer.model, before) == []  # every block trained
+
+
+def launcher_enable(model):
+    """The launcher's own enable method on the model instance (LLaMA-Factory's `_gradient_checkpointing_enable`):
+    its wrapper again, with its default `use_reentrant=True` when the caller passes no kwargs."""
+
+    def enable(gradient_checkpointing_kwargs=None, **layer_kwargs):  # transformers >= 5.16 passes every_n_layers
+        kwargs = gradient_checkpointing_kwargs or {"use_reentrant": True}
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=launcher_function(kwargs["use_reentrant"]))
+
+    model.gradient_checkpointing_enable = enable
+    return model
+
+
+@pytest.mark.parametrize("own_enable", [True, False])
+def test_the_trainers_flag_besides_the_launchers_checkpointing(own_enable, tmp_path):
+    """`gradient_checkpointing: true` besides a launcher's own checkpointing, no kwargs, arguments built under
+    `install()` (the post-init default writes use_reentrant=False): when the Trainer's re-enable goes through the
+    launcher's enable (LLaMA-Factory's), the launcher's value stays in force, as `trl-gc-check` reads it, and nothing is
+    called stale; otherwise the Trainer enables with the plugin's default. Every block trains either way."""
+    import trl_gc_plugin
+
+    model = launcher_prepared(True)
+    if own_enable:
+        launcher_enable(model)
+    with trl_gc_plugin.installed(callback=False):
+        callback = SafeGCCallback()
+        trainer = make_trainer("trainer", model, str(tmp_path), gc=True, callbacks=[callback])
+    before = block_params(trainer.model)
+    trainer.train()
+    assert model_use_reentrant(model) is own_enable
+    assert all(ckpt.wrapped(f) for _, f in checkpoint_functions(model)) is own_enable
+    alarms = [d for d in callback.decisions if d.rule_id in FALSE_ALARMS and d.action not in ("none",)]
+    assert alarms == [] if own_enable else all(d.rule_id == "model-kwargs-stale" for d in alarms)
+    assert unchanged_block_params(trainer.model, before) == []

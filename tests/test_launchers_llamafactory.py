@@ -30,6 +30,9 @@ CASES = {
     "lora-default": {"finetuning_type": "lora", "lora_target": "all"},
     "lora-non-reentrant": {"finetuning_type": "lora", "lora_target": "all", "use_reentrant_gc": False},
     "freeze-default": {"finetuning_type": "freeze"},
+    # the Trainer's own flag besides LLaMA-Factory's checkpointing, no kwargs: the Trainer re-enables over it
+    "freeze-trainer-gc": {"finetuning_type": "freeze", "gradient_checkpointing": True},
+    "lora-trainer-gc": {"finetuning_type": "lora", "lora_target": "all", "gradient_checkpointing": True},
 }
 
 

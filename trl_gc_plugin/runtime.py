@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import ckpt, drift, first_step, probe, report
-from .apply import CacheSwitch
+from .apply import CacheSwitch, set_args_use_reentrant
 from .decisions import Decision
 from .engine import decide
 from .facts import Facts
@@ -70,6 +70,7 @@ class Run:
         (those of the patched `__post_init__`); refuse, or apply and log the summary line. Returns the new ones."""
         session = self.session
         session.args = args
+        previous = _withdraw_default_under_launcher(args, model, list(previous or []))
         facts = probe.facts_from_trainer(args, model, stage="init_end").replace(**self.route_facts)
         session.decisions = list(previous or [])
         session.final = (facts.use_reentrant, facts.use_reentrant_source)
@@ -234,6 +235,25 @@ class Run:
         repeats = {k: n for k, n in self.session.reported.items() if n > 1}
         if repeats:
             report.note(f"repeated during training (first occurrence logged above): {repeats}", "info", main_process)
+
+
+def _withdraw_default_under_launcher(args: Any, model: Any, previous: list[Decision]) -> list[Decision]:
+    """The model already checkpoints through a launcher's own function (LLaMA-Factory's wrapper, `ckpt.wrapped`), with
+    the launcher's `use_reentrant`, the launcher replaced the model's `gradient_checkpointing_enable` (LLaMA-Factory
+    does), and the arguments hold only the plugin's post-init default (nobody wrote one): the default goes, so the
+    launcher's value is the one in force, as it is when the Trainer's flag is off and as `trl-gc-check` reads it (the
+    Trainer's re-enable then goes through the launcher's enable with its default)."""
+    record = probe.get_record(args)
+    if record is None or record.value_source != "plugin" or record.user_given:
+        return previous
+    base = probe.unwrap(model)
+    if not any(ckpt.wrapped(f) for _, f in ckpt.functions(base)):
+        return previous
+    if "gradient_checkpointing_enable" not in vars(base):  # the Trainer's re-enable would not go through the launcher
+        return previous
+    set_args_use_reentrant(args, None)
+    probe.remember(args, None, "unset")
+    return [d for d in previous if not (d.setting == "use_reentrant" and d.applied)]
 
 
 def _key(d: Decision) -> tuple[Any, ...]:
