@@ -589,6 +589,30 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
     )
 
 
+SELECTIVE_EXACT_VARIANTS = frozenset({"DoraLinearVariant", "DoraEmbeddingVariant", "ALoraLinearVariant"})
+"""PEFT LoRA variants whose gradients under the planner's selective policy (`memory.selective_policy`) were measured
+equal to those without checkpointing (peft 0.21.2, transformers 4.57.6 and 5.23.0: `tests/test_selective_peft.py`).
+Plain LoRA (no variant) too. BD-LoRA (`BdLoraLinearVariant`) was measured 0.59 off; the others were not measured."""
+
+
+def selective_unsafe_adapters(model: Any) -> list[str]:
+    """The PEFT adapter kinds of `model` the selective policy is not known to be exact for: LoRA variants outside
+    `SELECTIVE_EXACT_VARIANTS`, and tuner layers other than LoRA's (IA3, LoHa, ...). Empty without PEFT."""
+    found: set[str] = set()
+    for module in unwrap(model).modules():
+        variants = getattr(module, "lora_variant", None)
+        if isinstance(variants, dict):
+            found.update(
+                type(v).__name__ for v in variants.values() if type(v).__name__ not in SELECTIVE_EXACT_VARIANTS
+            )
+            continue
+        kind = type(module)
+        if kind.__module__.startswith("peft.tuners.") and hasattr(module, "active_adapters"):
+            if not kind.__module__.startswith("peft.tuners.lora"):
+                found.add(f"{kind.__module__.split('.')[2]}.{kind.__name__}")
+    return sorted(found)
+
+
 def layer_list_entries(model: Any) -> list[Any]:
     """The entries of the layer lists of modules that checkpoint (a stack with a `gradient_checkpointing` flag that
     calls `self._gradient_checkpointing_func(layer.__call__, ...)` itself, as Zamba2 does on transformers 4.57)."""
