@@ -607,9 +607,9 @@ def selective_unsafe_adapters(model: Any) -> list[str]:
             )
             continue
         kind = type(module)
-        if kind.__module__.startswith("peft.tuners.") and hasattr(module, "active_adapters"):
-            if not kind.__module__.startswith("peft.tuners.lora"):
-                found.add(f"{kind.__module__.split('.')[2]}.{kind.__name__}")
+        tuner = kind.__module__.startswith("peft.tuners.") and hasattr(module, "active_adapters")
+        if tuner and not kind.__module__.startswith("peft.tuners.lora"):
+            found.add(f"{kind.__module__.split('.')[2]}.{kind.__name__}")
     return sorted(found)
 
 
