@@ -54,3 +54,21 @@ def test_a_model_compiled_before_the_trainer_is_seen(tmp_path):
     assert probe.compiled(args, torch.compile(model, backend="eager")) == "the model is wrapped by torch.compile"
     model.compile(backend="eager")
     assert probe.compiled(args, model) == "the model was compiled in place (Module.compile)"
+
+
+@pytest.mark.parametrize("text", [
+    "model_name_or_path: m\ndataset_name: d\ntorch_compile: true\n",  # TRL CLI
+    "base_model: m\ngradient_checkpointing: true\ntorch_compile: true\n",  # Axolotl
+])
+def test_the_check_says_what_the_run_says_of_torch_compile(tmp_path, text):
+    """`trl-gc-check` on a config with `torch_compile: true` (checkpointing on) gives the decision the run records at
+    train begin."""
+    from trl_gc_plugin.check import Launch, check_files
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    (report,) = check_files([str(path)], Launch(parser="model"))
+    assert [d.action for d in report.decisions if d.rule_id == "torch-compile-first-step"] == ["none"]
+    path.write_text(text.replace("torch_compile: true", "torch_compile: false"))
+    (report,) = check_files([str(path)], Launch(parser="model"))
+    assert not [d for d in report.decisions if d.rule_id == "torch-compile-first-step"]

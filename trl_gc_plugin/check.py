@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import capabilities
+from ._flags import parse_flag
 from .decisions import Decision, first_sentence
 from .engine import decide
 from .facts import Facts
@@ -43,7 +44,7 @@ ASSUMED_VERSIONS = {
 releases apply (conservative), and the output says so."""
 
 READERS = LAUNCHERS
-READ_KEYS = frozenset().union(*(module.READ_KEYS for module in LAUNCHERS.values()))
+READ_KEYS = frozenset().union(*(module.READ_KEYS for module in LAUNCHERS.values()), {"torch_compile"})
 """Every top-level key some launcher module reads: only these values are built from a YAML file."""
 
 FACT_FIELDS = frozenset(f.name for f in dataclasses.fields(Facts))
@@ -351,7 +352,7 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
             f"{versions['transformers'].value}"
         )
     facts = _facts(reading, versions)
-    decisions = list(reading.decisions) + _relabel(decide(facts, mode), reading)
+    decisions = list(reading.decisions) + _relabel(decide(facts, mode), reading) + _compiled(config, facts)
     refused = any(d.action == "error" for d in decisions)
     return Report(
         path=config.path,
@@ -366,6 +367,22 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
         change=change_line(reading, decisions) if refused else None,
         training=reading.training,
     )
+
+
+COMPILE_KEY = "torch_compile"
+"""The `TrainingArguments` field (TRL, LLaMA-Factory and Axolotl configs pass it through) that compiles the model."""
+
+
+def _compiled(config: Config, facts: Facts) -> list[Decision]:
+    """`torch_compile: true` with checkpointing on: what the run says at train begin (rule `torch-compile-first-step`:
+    no hook in the forward, the audit after the backward, no memory plan)."""
+    if not facts.gc_enabled or parse_flag(config.values.get(COMPILE_KEY)) is not True:
+        return []
+    from .rules import get_rule
+
+    rule = get_rule("torch-compile-first-step")
+    reason = "torch_compile=True: " + rule.message
+    return [Decision.from_rule(rule, "none", None, None, "user", reason, "init_end", None, "info")]
 
 
 def _refusal(fmt: str, name: str, message: str) -> Decision:
