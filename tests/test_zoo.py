@@ -15,7 +15,7 @@ import os
 
 import pytest
 from zoo import ZOO
-from zoo_run import REENTRANT, VARIANTS, Outcome, run
+from zoo_run import REENTRANT, VARIANTS, Outcome, run, run_loop
 
 SLICE = ("llama", "gpt2", "bart", "llava", "mamba", "qwen3_moe")
 ARCHS = [a.name for a in ZOO if os.environ.get("ZOO", "full") != "slice" or a.name in SLICE]
@@ -57,3 +57,35 @@ def test_zoo(arch, variant, use_reentrant):
     if use_reentrant != "unset" and not [d for d in plugin.decisions if d.action in ("override", "repair")
                                          and d.setting == "use_reentrant"]:
         assert plugin.running is use_reentrant, "a value the user set was changed without a decision saying so"
+
+
+LOOP_VARIANTS = ("frozen_emb", "lora")
+_loop_references: dict[tuple[str, str], Outcome] = {}
+
+
+@pytest.mark.parametrize("use_reentrant", ["unset", True], ids=lambda v: f"reentrant={v}")
+@pytest.mark.parametrize("variant", LOOP_VARIANTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zoo_without_a_trainer(arch, variant, use_reentrant):
+    """The model route (a plain loop's own enable call under `TRL_GC_PLUGIN=1`): the same two guarantees on every
+    architecture - it refuses (before any update) only where the loop without the plugin loses parameters or crashes,
+    and otherwise trains everything the no-checkpointing loop trains."""
+    key = (arch, variant)
+    if key not in _loop_references:
+        _loop_references[key] = run_loop(arch, variant, gc=False)
+        assert _loop_references[key].error is None and _loop_references[key].changed
+    ref = _loop_references[key]
+    bare = run_loop(arch, variant, use_reentrant)
+    plugin = run_loop(arch, variant, use_reentrant, plugin="strict")
+    bare_loses = bare.error is not None or not ref.changed <= bare.changed
+    if plugin.refused:
+        assert plugin.changed_at_error == frozenset(), "refused after parameters were updated"
+        assert bare_loses, f"false refusal: the loop without the plugin trains everything ({plugin.error})"
+        fixed = run_loop(arch, variant, use_reentrant, plugin="fix")
+        assert fixed.error is None, fixed.error
+        assert ref.changed <= fixed.changed, f"fix mode left untrained: {sorted(ref.changed - fixed.changed)[:4]}"
+        return
+    assert plugin.error is None, plugin.error
+    missed = sorted(ref.changed - plugin.changed)
+    assert not missed, f"{len(missed)} parameters the reference trains did not train: {missed[:4]}"
+    assert not [d for d in plugin.decisions if d.rule_id == "forward-state-replayed"]

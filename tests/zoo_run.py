@@ -118,6 +118,47 @@ def run(arch: Arch | str, variant: str, use_reentrant: Any = "unset", plugin: st
     return outcome
 
 
+def run_loop(arch: Arch | str, variant: str, use_reentrant: Any = "unset", plugin: str | None = None, gc: bool = True,
+             steps: int = STEPS) -> Outcome:
+    """The same setup in a plain PyTorch loop without a Trainer (SGD), the model route of `TRL_GC_PLUGIN=1`:
+    `installed(plugin)` around the loop's own `gradient_checkpointing_enable` call and its steps."""
+    import contextlib
+
+    from trl_gc_plugin import installed, loop, probe
+    from trl_gc_plugin.probe import model_use_reentrant
+
+    arch = BY_NAME[arch] if isinstance(arch, str) else arch
+    torch.manual_seed(0)
+    model = build(arch, variant)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    outcome = Outcome(trainable=len(params))
+    scope = installed(plugin) if plugin else contextlib.nullcontext()
+    with scope, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model.train()
+            if gc:
+                kwargs = None if use_reentrant == "unset" else {"use_reentrant": use_reentrant}
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            optimizer = torch.optim.SGD(list(params.values()), lr=1e-2)
+            for step in range(steps):
+                model(**arch.batch(step)).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        except Exception as exc:  # the outcome is the exception; the test decides whether it is expected
+            outcome.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+            outcome.changed_at_error = frozenset(n for n, p in params.items() if not torch.equal(p.detach(),
+                                                                                               before[n]))
+        else:
+            outcome.changed = frozenset(n for n, p in params.items() if not torch.equal(p.detach(), before[n]))
+            outcome.running = model_use_reentrant(model)
+        route = loop._ROUTES.get(probe.unwrap(model))
+        if route is not None and route.run is not None:
+            outcome.decisions = list(route.run.decisions)
+    return outcome
+
+
 def _show(o: Outcome, ref: Outcome) -> str:
     return o.error[:90] if o.error else f"{len(o.changed & ref.changed)}/{len(ref.changed)}"
 
