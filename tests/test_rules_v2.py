@@ -232,6 +232,48 @@ def test_preserve_rng_state_false_with_dropout(reentrant, tmp_path):
     assert not [d for d in callback.decisions if d.rule_id == "preserve-rng-state-with-dropout"]
 
 
+def moe_model(kind: str):
+    import transformers
+
+    extra = ({"num_local_experts": 4, "num_experts_per_tok": 2} if kind == "mixtral" else
+             {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 8})
+    config = getattr(transformers, "MixtralConfig" if kind == "mixtral" else "Qwen3MoeConfig")(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, router_jitter_noise=0.1, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_router_jitter_is_a_random_op_where_the_model_uses_it(kind, tmp_path):
+    """Mixtral multiplies its router input by uniform noise in training (`router_jitter_noise`): with
+    preserve_rng_state=False the recompute draws other noise, silently 0.47 off; the rule refuses it (strict) or sets
+    the RNG state back (fix); on transformers 4.57, whose expert loop is shaped by the routing, the same recompute
+    stops with a CheckpointError. Qwen3-MoE's config accepts the key, its model never uses it: nothing is said."""
+    from torch.utils.checkpoint import CheckpointError
+
+    model, batch = moe_model(kind), batch_of_ids()
+    ref = grads(model, None, batch)
+    asked = {"use_reentrant": False, "preserve_rng_state": False}
+    try:
+        off = worst_relative_difference(grads(model, asked, batch), ref)
+    except CheckpointError:  # transformers 4.57's expert loop: other noise routes other tokens, other shapes
+        off = float("inf")
+    callback = SafeGCCallback()
+    if kind == "qwen3_moe":
+        assert off < 1e-6
+        trainer_on(model, tmp_path / "quiet", asked, [callback])
+        assert not [d for d in callback.decisions if d.rule_id == "preserve-rng-state-with-dropout"]
+        return
+    assert off > 0.1
+    with pytest.raises(GCConfigError, match="preserve-rng-state-with-dropout"):
+        trainer_on(model, tmp_path / "strict", asked, [callback])
+    fixed = trainer_on(model, tmp_path / "fix", asked, [SafeGCCallback(mode="fix")])
+    decided = fixed.args.gradient_checkpointing_kwargs
+    assert decided["preserve_rng_state"] is True
+    assert worst_relative_difference(grads(model, decided, batch), ref) < 1e-6
+
+
 # --- 11. options only the non-reentrant implementation has -----------------------------------------------------
 
 

@@ -660,13 +660,18 @@ def accelerator_available() -> bool:
 
 
 def has_dropout(model: Any) -> bool:
-    """Some dropout is active in training: an `nn.Dropout` with p > 0, or a config's `*dropout*` probability > 0
-    (attention dropout is applied functionally, from the config)."""
+    """Some random op is active in training: an `nn.Dropout` with p > 0, a config's `*dropout*` probability > 0
+    (attention dropout is applied functionally, from the config), or a module's router jitter (`jitter_noise` > 0:
+    Mixtral's sparse MoE block multiplies its router input by uniform noise in training; read on the module, not the
+    config, which accepts the key for models that never use it)."""
     import torch
 
     base = unwrap(model)
-    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in base.modules()):
-        return True
+    for m in base.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if any("jitter" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items()):
+            return True
     for config in model_configs(base):
         for key, value in vars(config).items():
             if "dropout" in key and isinstance(value, float) and value > 0:

@@ -618,16 +618,22 @@ RULES: tuple[Rule, ...] = (
         setting="preserve_rng_state",
         value=True,
         when=lambda f: bool(f.gc_enabled and f.dropout and f.preserve_rng_state is False),
-        condition="`preserve_rng_state=False` in the checkpointing kwargs and some dropout probability of the model > 0",
+        condition=(
+            "`preserve_rng_state=False` in the checkpointing kwargs and some dropout probability of the model > 0, or "
+            "a module's router jitter > 0 (Mixtral's `router_jitter_noise`)"
+        ),
         message=(
-            "The recompute draws other dropout masks than the forward did, so the gradients do not belong to the loss "
-            "that was computed: silently wrong (no error, the audit sees gradients). Keep preserve_rng_state=True "
-            "(torch's default) or set every dropout to 0."
+            "The recompute draws other dropout masks (or router noise) than the forward did, so the gradients do not "
+            "belong to the loss that was computed: silently wrong (no error, the audit sees gradients). Keep "
+            "preserve_rng_state=True (torch's default) or set every dropout and jitter to 0."
         ),
         evidence=(
             "https://github.com/allenai/OLMo-core/pull/828",
             "reproduced: torch 2.13, GPT-2 with dropout 0.1, preserve_rng_state=False: gradients differ from no "
             "checkpointing (max relative difference 1.23), reentrant and non-reentrant; True: equal",
+            "reproduced: Mixtral with router_jitter_noise=0.1, preserve_rng_state=False: max relative difference 0.47, "
+            "both use_reentrant values, transformers 5.23.0 (4.57.6, non-reentrant: CheckpointError, the routed "
+            "shapes differ); True: equal; Qwen3-MoE, whose config accepts the key and never uses it: equal",
             TORCH_CHECKPOINT_DOCS,
         ),
         remove_when="never while recomputation replays random ops",
