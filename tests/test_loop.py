@@ -338,3 +338,38 @@ def test_qlora_loop_through_peft_prepare(tiny_checkpoint, reentrant, patched):
     assert route.run.session.final == (reentrant, "user")
     assert ("quantized-prefers-non-reentrant" in said) is reentrant
     assert all(keywords(f)["use_reentrant"] is reentrant for _, f in functions(model))
+
+
+def test_nothing_of_the_plugin_in_what_the_loop_saves(tmp_path):
+    """After a repaired loop (fix mode): the saved config is the one a plain loop saves, and a pickle of the whole
+    model names nothing of the plugin (it loads where the plugin is not installed)."""
+    import pickle
+
+    def loop_and_save(plugin: str | None, out):
+        model, batch = frozen_embeddings("llama")
+        if plugin:
+            with trl_gc_plugin.installed(mode=plugin):
+                run_loop(model, batch, "patch")
+        else:
+            run_loop(model, batch, None)
+        model.save_pretrained(out)
+        return model
+
+    def plugin_objects(model) -> list[str]:
+        found = []
+        for name, module in model.named_modules():
+            hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+            values = [*vars(module).values(), *hooks]
+            found += [f"{name}: {v!r}"[:120] for v in values
+                      if (getattr(v, "__module__", "") or type(v).__module__).startswith("trl_gc_plugin")]
+        return found
+
+    plain = loop_and_save(None, tmp_path / "plain")
+    fixed = loop_and_save("fix", tmp_path / "fixed")
+    assert (tmp_path / "plain" / "config.json").read_text() == (tmp_path / "fixed" / "config.json").read_text()
+    assert plugin_objects(fixed) == []
+    try:  # transformers 5 hooks the embeddings with a local function: such a model does not pickle, plugin or not
+        pickle.dumps(plain)
+    except AttributeError:
+        return
+    assert b"trl_gc_plugin" not in pickle.dumps(fixed)
