@@ -45,6 +45,17 @@ class Outcome:
     def refused(self) -> bool:
         return bool(self.error and self.error.startswith("GCConfigError"))
 
+    def settle(self, params: dict[str, Any], before: dict[str, Any], model: Any, exc: BaseException | None = None) -> None:
+        """Record what changed (and what was raised, if anything) once the run is over."""
+        from trl_gc_plugin.probe import model_use_reentrant
+
+        changed = frozenset(n for n, p in params.items() if not torch.equal(p.detach(), before[n]))
+        if exc is None:
+            self.changed, self.running = changed, model_use_reentrant(model)
+            return
+        self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+        self.changed_at_error = changed
+
 
 class _Steps(torch.utils.data.Dataset):
     def __init__(self, steps: int) -> None:
@@ -79,7 +90,6 @@ def run(arch: Arch | str, variant: str, use_reentrant: Any = "unset", plugin: st
     from transformers import Trainer, TrainingArguments
 
     from trl_gc_plugin import SafeGCCallback
-    from trl_gc_plugin.probe import model_use_reentrant
 
     arch = BY_NAME[arch] if isinstance(arch, str) else arch
     model = build(arch, variant) if model is None else model
@@ -107,12 +117,9 @@ def run(arch: Arch | str, variant: str, use_reentrant: Any = "unset", plugin: st
                               callbacks=callbacks or None)
             trainer.train()
         except Exception as exc:  # the outcome is the exception; the test decides whether it is expected
-            outcome.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
-            outcome.changed_at_error = frozenset(n for n, p in params.items() if not torch.equal(p.detach(),
-                                                                                               before[n]))
+            outcome.settle(params, before, model, exc)
         else:
-            outcome.changed = frozenset(n for n, p in params.items() if not torch.equal(p.detach(), before[n]))
-            outcome.running = model_use_reentrant(model)
+            outcome.settle(params, before, model)
         if callback is not None:
             outcome.decisions = list(callback.decisions)
     return outcome
@@ -125,7 +132,6 @@ def run_loop(arch: Arch | str, variant: str, use_reentrant: Any = "unset", plugi
     import contextlib
 
     from trl_gc_plugin import installed, loop, probe
-    from trl_gc_plugin.probe import model_use_reentrant
 
     arch = BY_NAME[arch] if isinstance(arch, str) else arch
     torch.manual_seed(0)
@@ -147,12 +153,9 @@ def run_loop(arch: Arch | str, variant: str, use_reentrant: Any = "unset", plugi
                 optimizer.step()
                 optimizer.zero_grad()
         except Exception as exc:  # the outcome is the exception; the test decides whether it is expected
-            outcome.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
-            outcome.changed_at_error = frozenset(n for n, p in params.items() if not torch.equal(p.detach(),
-                                                                                               before[n]))
+            outcome.settle(params, before, model, exc)
         else:
-            outcome.changed = frozenset(n for n, p in params.items() if not torch.equal(p.detach(), before[n]))
-            outcome.running = model_use_reentrant(model)
+            outcome.settle(params, before, model)
         route = loop._ROUTES.get(probe.unwrap(model))
         if route is not None and route.run is not None:
             outcome.decisions = list(route.run.decisions)
