@@ -373,3 +373,23 @@ def test_nothing_of_the_plugin_in_what_the_loop_saves(tmp_path):
     except AttributeError:
         return
     assert b"trl_gc_plugin" not in pickle.dumps(fixed)
+
+
+def test_a_refused_loop_leaves_no_optimizer_hook():
+    """A refusal at the first forward removes the route's optimizer-step hooks with its other checks: torch's steps
+    pay nothing for a refused route (a notebook that fixes the setup and runs again)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    pre, post = (dict(torch_optimizer._global_optimizer_pre_hooks), dict(torch_optimizer._global_optimizer_post_hooks))
+    model = make_model()
+    model.get_input_embeddings().weight.requires_grad_(False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.detach())  # inputs never require grad
+    trl_gc_plugin.guard(model, mode="strict")
+    assert len(torch_optimizer._global_optimizer_pre_hooks) == len(pre) + 1
+    model.train()
+    ids = torch.randint(3, 64, (2, 8))
+    with pytest.raises(GCConfigError, match="frozen-inputs"):
+        model(input_ids=ids, labels=ids)
+    assert dict(torch_optimizer._global_optimizer_pre_hooks) == pre
+    assert dict(torch_optimizer._global_optimizer_post_hooks) == post

@@ -192,8 +192,7 @@ class SafeGCCallback(TrainerCallback):
         return plan.comparison if plan is not None else None
 
     def _reset_run(self) -> None:
-        self._run = Run(self.settings)
-        self._run.offloader = self.offloader
+        self._run = Run(self.settings, offloader=self.offloader)
         self._tracked = False
 
     # --- events ------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from .launchers import detect, llamafactory, native, trl
 from .launchers.common import ConfigError, Context, Fact, Reading, yaml_bool
 from .launchers.load import Config
 from .launchers.load import load as load_config
-from .launchers.registry import LAUNCHERS
+from .launchers.registry import LAUNCHERS, NAMES
 from .modes import Mode
 from .probe import installed_versions
 
@@ -297,9 +297,8 @@ def _first_read(index: int, path: str, launch: Launch) -> _Read:
     config = load_config(path, READ_KEYS)
     fmt, why = detect.detect(config, launch.format)
     if fmt in ("axolotl", "openrlhf") and launch.parser == "launcher":
-        name = {"axolotl": "Axolotl", "openrlhf": "OpenRLHF"}[fmt]
         raise ConfigError(
-            f"{path}: --parser launcher: {name}'s own code cannot be used by the check (it is not importable "
+            f"{path}: --parser launcher: {NAMES[fmt]}'s own code cannot be used by the check (it is not importable "
             "here); use --parser auto or model"
         )
     if launch.parser == "launcher" and fmt == "llamafactory" and not native.importable("llamafactory"):
@@ -322,7 +321,7 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
         trl.apply_native(config, ctx, reading, result)
     if result is not None and not result.get("ok"):
         kind, message = result.get("kind"), result.get("message", "")
-        launcher_name = {"trl": "TRL", "llamafactory": "LLaMA-Factory"}.get(fmt, fmt)
+        launcher_name = NAMES.get(fmt, fmt)
         if kind == "usage":
             raise ConfigError(f"{config.path}: {launcher_name}'s own parser refuses it: {message}")
         if kind == "refused":

@@ -47,8 +47,6 @@ _lock = threading.RLock()
 _patched: dict[str, Any] = {}
 """Method name -> the original function, while the enable methods are patched."""
 _patched_class: list[Any] = []
-_settings: dict[str, Any] = {}
-"""The settings `install()` gave the patched route (the mode, the budget)."""
 
 _CLAIMED: WeakIdMap[bool] = WeakIdMap()
 """Models a Trainer route owns (keyed by the transformers model under any wrapper)."""
@@ -141,9 +139,8 @@ class ModelRoute:
         self.known = known
         self.output_dir = output_dir
         self.run: Run | None = None
-        self.args: LoopConfig | None = None
         self._arming: list[Any] = []
-        self._step_hooks: list[Any] = []
+        self._step_hooks = _StepHooks([])
         self._ids: set[int] | None = None
         self.broken = False
         self.done = False
@@ -208,11 +205,9 @@ class ModelRoute:
             args.gradient_checkpointing_kwargs = dict(running) if running else None
             if "use_reentrant" in running:
                 probe.remember(args, running["use_reentrant"], "unknown")
-        self.args = args
         from .runtime import Run
 
-        run = self.run = Run(self.settings, cache_switch=False)
-        run.route_facts = ROUTE_FACTS
+        run = self.run = Run(self.settings, cache_switch=False, route_facts=ROUTE_FACTS)
         before = dict(args.gradient_checkpointing_kwargs or {})
         run.init(args, model)
         self._sync_model(model, before, args.gradient_checkpointing_kwargs or {})
@@ -247,12 +242,14 @@ class ModelRoute:
             if current is not None and current.steps(optimizer):
                 current.after_step()
 
-        self._step_hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+        self._step_hooks = _StepHooks([register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)])
+        if self.run is not None:  # a refusal in the first forward (the session's stop) removes them with the checks
+            self.run.session.checks.append(self._step_hooks)
 
     def steps(self, optimizer: Any) -> bool:
         """Whether `optimizer` steps this route's model: it holds one of its parameters, or (an optimizer over
         copies: DeepSpeed's partitions) some of them hold a gradient now. An optimizer of another model (a critic, a
-        reward model) waits for nothing; a route whose model is gone or whose run was refused removes its hooks."""
+        reward model) waits for nothing."""
         model = self.model_ref()
         if self.done or model is None or self.run is None or self.run.session.stopped:
             return False
@@ -291,15 +288,18 @@ class ModelRoute:
 
     def stop(self, now: bool = True) -> None:
         """Remove every trace of the route from the model and from torch's global hooks (`now=False`: the step hooks
-        at the model's next forward, from a one-shot pre-hook)."""
+        at the model's next forward, from a one-shot pre-hook: torch may be iterating them now)."""
         self.disarm()
         if self.run is not None:
+            checks = self.run.session.checks
+            if self._step_hooks in checks:  # not removed by the session's stop, which may run inside a step hook
+                checks.remove(self._step_hooks)
             self.run.stop()
         if now:
             self._remove_step_hooks()
             return
         model = self.model_ref()
-        if model is None or not self._step_hooks:
+        if model is None or not self._step_hooks.handles:
             return
         route = weakref.ref(self)
 
@@ -312,9 +312,7 @@ class ModelRoute:
 
     def _remove_step_hooks(self) -> None:
         self.disarm()
-        hooks, self._step_hooks = self._step_hooks, []
-        for hook in hooks:
-            hook.remove()
+        self._step_hooks.remove()
 
     def fail(self, exc: BaseException, where: str) -> None:
         self.broken = True
@@ -327,6 +325,18 @@ class ModelRoute:
 
 
 _MISSING = object()
+
+
+class _StepHooks:
+    """A route's two torch optimizer-step hooks, as a runtime check of its session (`remove`)."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()
 
 
 def _zero3_partitions(model: Any) -> dict[str, Any] | None:
@@ -473,12 +483,14 @@ def _wrap(name: str, original: Any) -> Any:
 
 def _after_enable(model: Any, kwargs: dict[str, Any] | None) -> None:
     base = probe.unwrap(model)
+    if _CLAIMED.get(base):  # a Trainer's model (TRL's trainers re-enable every step): nothing to record
+        return
     _ENABLED.set(base, (kwargs,))
-    if _CLAIMED.get(base) or not _patched:
+    if not _patched:
         return
     old = _ROUTES.get(base)
     if old is not None and old.run is not None:
-        return  # the route runs already: its checks see a re-enable (drift)
+        return  # the route runs already (a re-enable mid-loop is not watched: a loop has no step events)
     if old is not None:
         old.disarm()
     from .patching import installed_settings

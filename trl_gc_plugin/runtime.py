@@ -41,9 +41,18 @@ class Run:
         cache_switch (`bool`, *optional*, defaults to `True`): turn `use_cache` off for each training step and back
             for saves when a rule decides so (the Trainer route; a loop without a Trainer has no step events, and
             transformers turns the cache off itself there).
+        offloader (`str`, *optional*): a launcher's activation offloading that replaces the Trainer's checkpointing
+            (Axolotl's), said at train begin instead of the `checkpointing-unasked` finding.
+        route_facts (`dict`, *optional*): facts the route knows better than the probe (`loop.ROUTE_FACTS`).
     """
 
-    def __init__(self, settings: GCSettings, cache_switch: bool = True) -> None:
+    def __init__(
+        self,
+        settings: GCSettings,
+        cache_switch: bool = True,
+        offloader: str | None = None,
+        route_facts: dict[str, Any] | None = None,
+    ) -> None:
         self.settings = settings
         self.session = Session(settings.mode, settings.write_json)
         self.cache_switch = cache_switch
@@ -54,10 +63,8 @@ class Run:
         self.memory_plan: MemoryPlan | None = None
         self.audit_pending = False
         self.ddp_needs_every_gradient = False
-        self.offloader: str | None = None
-        """A launcher's activation offloading that replaces the Trainer's checkpointing (Axolotl's)."""
-        self.route_facts: dict[str, Any] = {}
-        """Facts the route knows better than the probe (`loop.ROUTE_FACTS`)."""
+        self.offloader = offloader
+        self.route_facts = dict(route_facts or {})
 
     @property
     def decisions(self) -> list[Decision]:
@@ -72,7 +79,7 @@ class Run:
         session.args = args
         previous = _withdraw_default_under_launcher(args, model, list(previous or []))
         facts = probe.facts_from_trainer(args, model, stage="init_end").replace(**self.route_facts)
-        session.decisions = list(previous or [])
+        session.decisions = previous
         session.final = (facts.use_reentrant, facts.use_reentrant_source)
         decisions = decide(facts, session.mode)
         session.take(decisions, model)

@@ -288,13 +288,10 @@ def unknown_checkpoint_names(keys: Any) -> tuple[str, ...]:
 def unknown_checkpoint_keys(keys: Any) -> tuple[str, ...]:
     """The keys nothing reads, each with the nearest known key when one is close (`use_reentrent (did you mean
     use_reentrant?)`)."""
-    known = known_checkpoint_keys()
+    known = sorted(known_checkpoint_keys())
     out = []
-    for key in keys:
-        name = str(key)
-        if name in known:
-            continue
-        near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    for name in unknown_checkpoint_names(keys):
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         out.append(f"{name} (did you mean {near[0]}?)" if near else name)
     return tuple(sorted(out))
 

@@ -14,5 +14,7 @@ LAUNCHERS: dict[str, ModuleType] = {
     "openrlhf": openrlhf,
     "training-args": training_args,
 }
+NAMES = {"trl": "TRL", "axolotl": "Axolotl", "llamafactory": "LLaMA-Factory", "openrlhf": "OpenRLHF"}
+"""How the check's messages name each launcher."""
 DETECTED = ("trl", "axolotl", "llamafactory", "openrlhf")
 """The formats `detect` tells by marker keys (a plain arguments file is told by its fields)."""
