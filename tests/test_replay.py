@@ -6,40 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from zoo import BY_NAME
+from zoo import BY_NAME, count_in_blocks
 from zoo_run import build, run
 
-from trl_gc_plugin import ckpt
 from trl_gc_plugin.replay import changed, read_state
 
 ARCHS = ("llama", "gpt2", "qwen3_moe", "bart")
-
-
-def count_in_blocks(model, how: str):
-    """Every decoder block counts the tokens it sees in its forward: in a buffer (in place) or in a plain int
-    attribute (the block's class gets a subclass whose forward counts; transformers 5 checkpoints `forward`, 4.x
-    `__call__`: both recompute it)."""
-    blocks = ckpt.blocks(model)
-    assert blocks, "no checkpointable block found"
-    counting: dict[type, type] = {}
-    for block in blocks:
-        cls = type(block)
-        if cls not in counting:
-
-            def forward(self, *args, **kwargs):
-                hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-                if self.training:
-                    self.tokens_seen += hidden.shape[0] * hidden.shape[1]
-                return super(counting[type(self)], self).forward(*args, **kwargs)
-
-            counting[cls] = type(f"Counting{cls.__name__}", (cls,), {"forward": forward})
-            counting[counting[cls]] = counting[cls]
-        if how == "buffer":
-            block.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
-        else:
-            block.tokens_seen = 0
-        block.__class__ = counting[cls]
-    return blocks
 
 
 def counts(blocks) -> list[int]:

@@ -36,6 +36,7 @@ class Arch:
     lora: tuple[str, ...]
     task: str | None = "CAUSAL_LM"
     kind: str = "decoder"  # decoder | encoder | encoder-decoder | vlm | ssm
+    writes_state: bool = False  # its checkpointed forward writes module state (a counter): replayed by the recompute
 
 
 def _ids(seed: int, vocab: int = VOCAB, shape: tuple[int, int] = (BATCH, SEQ), low: int = 3) -> torch.Tensor:
@@ -67,6 +68,44 @@ def _seeded(build: Callable[[], Any]) -> Callable[[], Any]:
     def wrapped() -> Any:
         torch.manual_seed(0)
         return build().float().train()
+
+    return wrapped
+
+
+def count_in_blocks(model: Any, how: str = "buffer") -> list[Any]:
+    """Every checkpointable block counts the tokens it sees in its training forward, in a buffer (in place) or in a
+    plain int attribute, as MoE tokens-per-expert statistics do: the block's class gets a subclass whose forward
+    counts (transformers 5 checkpoints `forward`, 4.x `__call__`: both recompute it). Returns the blocks."""
+    from trl_gc_plugin import ckpt
+
+    blocks = ckpt.blocks(model)
+    assert blocks, "no checkpointable block found"
+    counting: dict[type, type] = {}
+    for block in blocks:
+        cls = type(block)
+        if cls not in counting:
+
+            def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+                hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+                if self.training:
+                    self.tokens_seen += hidden.shape[0] * hidden.shape[1]
+                return super(counting[type(self)], self).forward(*args, **kwargs)
+
+            counting[cls] = type(f"Counting{cls.__name__}", (cls,), {"forward": forward})
+            counting[counting[cls]] = counting[cls]
+        if how == "buffer":
+            block.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
+        else:
+            block.tokens_seen = 0
+        block.__class__ = counting[cls]
+    return blocks
+
+
+def _counting(build: Callable[[], Any]) -> Callable[[], Any]:
+    def wrapped() -> Any:
+        model = build()
+        count_in_blocks(model)
+        return model
 
     return wrapped
 
@@ -161,6 +200,10 @@ ZOO: tuple[Arch, ...] = (
          ("q_proj", "v_proj"), kind="moe"),
     Arch("qwen3_moe", _causal("Qwen3MoeConfig", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                               head_dim=8, **LLAMA_LIKE), lm_batch, ("q_proj", "v_proj"), kind="moe"),
+    # a Llama whose decoder blocks count the tokens they see (a buffer updated in the forward, as MoE load statistics
+    # are): the recompute counts every batch again; the plugin says so and refuses nothing
+    Arch("llama_counter", _counting(_causal("LlamaConfig", **LLAMA_LIKE)), lm_batch, ("q_proj", "v_proj"),
+         writes_state=True),
     Arch("gpt2", _causal("GPT2Config", n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64, tie_word_embeddings=False),
          lm_batch, ("c_attn",)),
     Arch("opt", _causal("OPTConfig", hidden_size=HIDDEN, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
