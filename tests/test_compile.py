@@ -68,7 +68,7 @@ def test_the_check_says_what_the_run_says_of_torch_compile(tmp_path, text):
     path = tmp_path / "cfg.yaml"
     path.write_text(text)
     (report,) = check_files([str(path)], Launch(parser="model"))
-    assert [d.action for d in report.decisions if d.rule_id == "torch-compile-first-step"] == ["none"]
+    assert [(d.action, d.level) for d in report.decisions if d.rule_id == "torch-compile-first-step"] == [("none", "info")]
     path.write_text(text.replace("torch_compile: true", "torch_compile: false"))
     (report,) = check_files([str(path)], Launch(parser="model"))
     assert not [d for d in report.decisions if d.rule_id == "torch-compile-first-step"]

@@ -164,7 +164,13 @@ def _context(launch: Launch, versions: dict[str, Fact]) -> Context:
     )
 
 
-def _facts(reading: Reading, versions: dict[str, Fact]) -> Facts:
+COMPILE_KEY = "torch_compile"
+"""The `TrainingArguments` field (TRL, LLaMA-Factory and Axolotl configs pass it through) that compiles the model."""
+
+
+def _facts(reading: Reading, versions: dict[str, Fact], config: Config) -> Facts:
+    if parse_flag(config.values.get(COMPILE_KEY)) is True:
+        reading.facts.setdefault("compiled", Fact(f"{COMPILE_KEY}=True", "file", COMPILE_KEY))
     all_versions: dict[str, str | None] = dict(installed_versions())
     all_versions.update({k: v.value for k, v in versions.items()})
     values = {name: fact.value for name, fact in reading.facts.items() if name in FACT_FIELDS and name != "versions"}
@@ -350,8 +356,8 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
             f"parsed with the installed transformers {installed_tf}; the rules are evaluated for "
             f"{versions['transformers'].value}"
         )
-    facts = _facts(reading, versions)
-    decisions = list(reading.decisions) + _relabel(decide(facts, mode), reading) + _compiled(config, facts)
+    facts = _facts(reading, versions, config)
+    decisions = list(reading.decisions) + _relabel(decide(facts, mode), reading)
     refused = any(d.action == "error" for d in decisions)
     return Report(
         path=config.path,
@@ -366,22 +372,6 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
         change=change_line(reading, decisions) if refused else None,
         training=reading.training,
     )
-
-
-COMPILE_KEY = "torch_compile"
-"""The `TrainingArguments` field (TRL, LLaMA-Factory and Axolotl configs pass it through) that compiles the model."""
-
-
-def _compiled(config: Config, facts: Facts) -> list[Decision]:
-    """`torch_compile: true` with checkpointing on: what the run says at train begin (rule `torch-compile-first-step`:
-    no hook in the forward, the audit after the backward, no memory plan)."""
-    if not facts.gc_enabled or parse_flag(config.values.get(COMPILE_KEY)) is not True:
-        return []
-    from .rules import get_rule
-
-    rule = get_rule("torch-compile-first-step")
-    reason = "torch_compile=True: " + rule.message
-    return [Decision.from_rule(rule, "none", None, None, "user", reason, "init_end", None, "info")]
 
 
 def _refusal(fmt: str, name: str, message: str) -> Decision:

@@ -370,7 +370,8 @@ def _other_settings(
             (value, source) if rule.setting == USE_REENTRANT else _current(facts, rule.setting, value, source)
         )
         reason = _detail(rule, facts) + rule.message
-        out.append(_decision(rule, "warn", current, current, who, reason, facts, level=rule.level))
+        said: Action = "none" if rule.level == "info" else "warn"  # an info check is a note, not a warning
+        out.append(_decision(rule, said, current, current, who, reason, facts, level=rule.level))
 
 
 _REPAIRED_ABOVE = frozenset({USE_REENTRANT, "activation_checkpointing_kwargs", "model.use_reentrant"})
@@ -396,6 +397,10 @@ def _current(facts: Facts, setting: str, *fallback: Any) -> tuple[Any, str]:
         return unread_layer_kwargs(facts), "user"
     if setting == "checkpointing_kwargs.container":  # what is wrong with them as a container (None: a dict)
         return facts.kwargs_problem, "user"
+    if setting == "parallelism_config.cp_size":
+        return facts.cp_size, "user"
+    if setting == "first_step_checks":  # the plugin's own
+        return None, "plugin"
     if setting == "checkpointing_kwargs.unknown":
         return list(facts.kwargs_unknown), "user"
     if fallback:

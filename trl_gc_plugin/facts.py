@@ -99,6 +99,11 @@ class Facts:
         fsdp_version: 1 or 2 when FSDP is asked for.
         shared_block_params: a trainable parameter belongs to two or more checkpointed blocks (a block shared across
             depth, Zamba2): two reentrant calls then send it gradients from two inner backwards.
+        compiled: why the forward runs under `torch.compile` (`torch_compile=True`, `ACCELERATE_DYNAMO_BACKEND=...`,
+            a model compiled in place or wrapped), None when it does not (`probe.compiled`; the check reads the
+            config's `torch_compile`).
+        cp_size: accelerate's context-parallel size (`parallelism_config.cp_size`, from the arguments or the
+            environment `accelerate launch` exports: `_parallel`); 1 without context parallelism.
         zero_overlap_comm: DeepSpeed's `zero_optimization.overlap_comm` as DeepSpeed resolves it (ZeRO-1 reduces
             gradients during the backward only with it; unset or `auto`: True at stage 3, else False); None without a
             DeepSpeed config or when the config's stage is unreadable.
@@ -156,6 +161,8 @@ class Facts:
     fsdp_version: int | None = None
     shared_block_params: bool | None = None
     zero_overlap_comm: bool | None = None
+    compiled: str | None = None
+    cp_size: int = 1
     capabilities: Capabilities | None = None
 
     @property

@@ -18,6 +18,7 @@ from . import capabilities, ckpt, settings
 from ._deepspeed import ACCELERATE_DEFAULT_STAGE, DeepSpeedFacts
 from ._deepspeed import deepspeed_facts as read_deepspeed_config
 from ._flags import parse_flag
+from ._parallel import cp_size_from_args
 from ._weak import WeakIdMap
 from .facts import Facts, Source
 
@@ -323,6 +324,7 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
         zero_overlap_comm=ds.overlap_comm if ds is not None else None,
         ddp_find_unused_parameters=getattr(args, "ddp_find_unused_parameters", None),
         ddp_static_graph=getattr(args, "ddp_static_graph", None),
+        cp_size=cp_size_from_args(args),
         gc_flag_source=_flag_source(args),
         kwargs_keys=tuple(sorted(str(k) for k in given if k != "use_reentrant")),
         kwargs_problem=settings.checkpoint_kwargs_problem(kwargs),
@@ -586,6 +588,7 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
         shared_state_layers=shares_layer_state(base),
         router_logits_recorded=records_router_logits_in_blocks(base, blocks),
         shared_block_params=shares_block_params(blocks + layer_list_entries(base)),
+        compiled=compiled(args, model),
     )
 
 

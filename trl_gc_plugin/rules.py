@@ -984,13 +984,14 @@ RULES += (
     Rule(
         id="torch-compile-first-step",
         title="torch.compile: the first step's forward hooks stand aside",
-        kind="verify",
+        kind="check",
         setting="first_step_checks",
         value=None,
-        when=_at_runtime,
+        when=lambda f: f.gc_enabled and f.compiled is not None,
+        detail=lambda f: f"{f.compiled}:",
         condition=(
-            "train begin, checkpointing on, and the forward runs under torch.compile (`torch_compile=True`, "
-            "`ACCELERATE_DYNAMO_BACKEND`, a model compiled in place or wrapped by `torch.compile`)"
+            "checkpointing on, and the forward runs under torch.compile (`torch_compile=True` in the arguments or "
+            "the config, `ACCELERATE_DYNAMO_BACKEND`, a model compiled in place or wrapped by `torch.compile`)"
         ),
         message=(
             "The first-step checks that hook the forward (the first-forward observation, the replayed-state check, "
@@ -1006,7 +1007,44 @@ RULES += (
             "and 5 with its forward hooks, 0 and 1 with this rule",
         ),
         remove_when="the plugin's first-step hooks are traceable by dynamo without a graph break",
-        stages=("runtime",),
+        stages=("init_end", "train"),
+        level="info",
+    ),
+    Rule(
+        id="context-parallel-backward-in-context",
+        title="context parallelism: the recompute runs where the backward runs",
+        kind="check",
+        setting="parallelism_config.cp_size",
+        value=None,
+        when=lambda f: f.gc_enabled and f.cp_size > 1,
+        detail=lambda f: f"Context parallelism (cp_size={f.cp_size}):",
+        condition=(
+            "checkpointing on and accelerate's context-parallel size above 1 (`parallelism_config.cp_size` in the "
+            "arguments, an accelerate config's `parallelism_config` block, Axolotl's `context_parallel_size`)"
+        ),
+        message=(
+            "checkpointing recomputes each block in the backward, and the attention it recomputes is sharded only "
+            "inside accelerate's `maybe_context_parallel` context. The Trainer (and every TRL trainer that calls its "
+            "`training_step`) runs the backward inside it, so the recompute matches the forward. A `training_step` "
+            "override or a loop that calls backward after leaving the context recomputes unsharded attention and "
+            "stops with CheckpointError ('Recomputed values ... have different metadata'): keep "
+            "`accelerator.backward(loss)` inside `with accelerator.maybe_context_parallel(...)`. The parity probe and "
+            "the runtime memory plan skip these sharded runs."
+        ),
+        evidence=(
+            "https://github.com/huggingface/trl/issues/4314 (a trainer that left the context before the backward: "
+            "CheckpointError, saved [1, 8, 24920, 128] vs recomputed [1, 8, 12460, 128])",
+            "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/trainer.py (training_step: "
+            "compute_loss and accelerator.backward inside `with cp_context()`; the same in 4.57.6, 5.17.0, 5.24.0; "
+            "no context parallelism in 4.53.2)",
+            "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/accelerator.py "
+            "(maybe_context_parallel: its example runs the backward inside the context)",
+            "not reproduced here: torch 2.13's context-parallel dispatcher replaces only the CUDA SDPA kernels "
+            "(flash, efficient, cuDNN), so it needs GPUs",
+        ),
+        versions={"transformers": ">=4.57", "accelerate": ">=1.10"},
+        remove_when="torch's checkpoint recomputes under the context the forward ran in",
+        stages=("init_end", "train"),
         level="info",
     ),
     Rule(

@@ -124,11 +124,7 @@ class Run:
         (a hook there breaks the compiled graph: rule `torch-compile-first-step`): the audit reads the gradients after
         the backward; the memory plan and the automatic parity probe are off."""
         session, settings = self.session, self.settings
-        compiled = probe.compiled(args, model)
-        if compiled:
-            rule = get_rule("torch-compile-first-step")
-            reason = f"{compiled}: " + rule.message
-            session.record([runtime_decision(rule, "none", None, None, reason, level="info")])
+        compiled = facts.compiled  # said at init_end by rule `torch-compile-first-step`
         if settings.memory_budget is not None and not session.stands_back():
             if compiled:
                 why = (

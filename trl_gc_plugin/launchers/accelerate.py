@@ -4,7 +4,8 @@ A model of accelerate 1.15's `_validate_launch_command` and `prepare_*_env` (rea
 `EVIDENCE`): `distributed_type` chooses DeepSpeed, FSDP or DDP; `num_processes` is the total process count;
 `deepspeed_config.zero_stage` (or the stage in `deepspeed_config.deepspeed_config_file`) is the ZeRO stage, 2 when
 neither gives one; `fsdp_config.fsdp_activation_checkpointing` (default false) and `fsdp_version` (default 1) are
-exported as `FSDP_ACTIVATION_CHECKPOINTING` / `FSDP_VERSION`. TRL's bundled configs (`accelerate_config: zero3`) are
+exported as `FSDP_ACTIVATION_CHECKPOINTING` / `FSDP_VERSION`; a `parallelism_config` block's `parallelism_config_cp_size`
+and `dynamo_config.dynamo_backend` are exported as `PARALLELISM_CONFIG_CP_SIZE` / `ACCELERATE_DYNAMO_BACKEND`. TRL's bundled configs (`accelerate_config: zero3`) are
 read from the installed TRL's `accelerate_configs/` directory, found without importing TRL.
 """
 
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._flags import pydantic_bool
+from .._parallel import KEY as CP_KEY
+from .._parallel import cp_size_of
 from .common import ConfigError, expect_mapping, short, type_name
 from .deepspeed import read_deepspeed
 from .load import load_yaml_file
@@ -61,6 +64,9 @@ class AccelerateConfig:
         fsdp: FSDP is used.
         fsdp_version: 1 or 2 under FSDP.
         fsdp_activation_checkpointing: FSDP's own activation checkpointing is on.
+        cp_size: the context-parallel size of its `parallelism_config` block (1 without one).
+        dynamo_backend: `dynamo_config.dynamo_backend` when it compiles (exported as `ACCELERATE_DYNAMO_BACKEND`),
+            None for `no` or no block.
     """
 
     path: str
@@ -71,6 +77,8 @@ class AccelerateConfig:
     fsdp: bool
     fsdp_version: int | None
     fsdp_activation_checkpointing: bool
+    cp_size: int = 1
+    dynamo_backend: str | None = None
 
 
 def trl_bundled(name: str) -> str | None:
@@ -160,6 +168,12 @@ def read_accelerate(file: str, overrides: dict[str, Any] | None = None) -> Accel
         if parsed is None:
             raise ConfigError(f"{label}: key 'fsdp_activation_checkpointing': expected true or false, got {short(raw)}")
         fsdp_ac = parsed
+    parallel = expect_mapping(data.get("parallelism_config") or {}, label, "parallelism_config")
+    cp_size = cp_size_of(parallel)
+    if cp_size is None:
+        raise ConfigError(f"{label}: key 'parallelism_config.{CP_KEY}': expected a whole number >= 1")
+    dynamo = expect_mapping(data.get("dynamo_config") or {}, label, "dynamo_config")
+    backend = dynamo.get("dynamo_backend")
     return AccelerateConfig(
         path=file,
         distributed_type=kind,
@@ -169,4 +183,22 @@ def read_accelerate(file: str, overrides: dict[str, Any] | None = None) -> Accel
         fsdp=fsdp,
         fsdp_version=fsdp_version,
         fsdp_activation_checkpointing=fsdp_ac,
+        cp_size=cp_size,
+        dynamo_backend=None if backend in (None, False) or str(backend).lower() == "no" else str(backend),
     )
+
+
+def set_accelerate_facts(reading: Any, accel: AccelerateConfig | None, where_accel: str) -> None:
+    """The facts of an accelerate config beside the launch ones: its context-parallel size and its compile backend
+    (the run reads both from the environment `accelerate launch` exports)."""
+    if accel is None:
+        return
+    if accel.cp_size > 1:
+        reading.set("cp_size", accel.cp_size, "accelerate config", f"{where_accel}: parallelism_config.{CP_KEY}")
+    if accel.dynamo_backend is not None:
+        reading.set(
+            "compiled",
+            f"ACCELERATE_DYNAMO_BACKEND={accel.dynamo_backend}",
+            "accelerate config",
+            f"{where_accel}: dynamo_config.dynamo_backend",
+        )

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._flags import pydantic_bool
+from .._parallel import KEY as CP_KEY
+from .._parallel import cp_size_of
 from ..settings import unknown_checkpoint_keys
 from .common import (
     ConfigError,
@@ -95,6 +97,8 @@ SOURCES = {
     ),
     "offload": f"{VALIDATION}#L1426-L1442 (offload -> activation_offloading)",
     "hidden_states": f"{VALIDATION}#L1497-L1515 (hidden_states: use_reentrant defaults to False)",
+    "cp_env": "axolotl 0.19.0 utils/trainer.py setup_parallelism_envs: PARALLELISM_CONFIG_CP_SIZE, "
+    "ACCELERATE_USE_PARALLELISM_CONFIG",
     "ebft_reentrant": f"{VALIDATION}#L1825-L1843 (EBFT strided + flex_attention forces use_reentrant: true)",
     "fsdp_prefix": f"{VALIDATION}#L1085-L1104 (fsdp_config: the fsdp_ prefix is dropped)",
 }
@@ -134,6 +138,8 @@ READ_KEYS = frozenset(
         "gradient_checkpointing_kwargs",
         "activation_offloading",
         "selective_checkpointing",
+        "context_parallel_size",
+        "sequence_parallel_degree",
         "unfrozen_parameters",
         "rl",
         "adapter",
@@ -1033,6 +1039,23 @@ def _parallel_facts(config: Config, s: _Schema, ddp: bool, find_unused: bool | N
         f"fsdp_config.activation_checkpointing ({SOURCES['fsdp_prefix']})",
     )
     _ddp_facts(raw, s.rl, ddp, find_unused, reading)
+    _cp_facts(config, reading)
+
+
+def _cp_facts(config: Config, reading: Reading) -> None:
+    """`context_parallel_size` (or the deprecated `sequence_parallel_degree`, which `check_context_parallel_size`
+    copies into it): `setup_parallelism_envs` exports it as accelerate's `PARALLELISM_CONFIG_CP_SIZE`."""
+    raw = config.values
+    key = "context_parallel_size" if raw.get("context_parallel_size") else "sequence_parallel_degree"
+    if not raw.get(key):
+        return
+    size = cp_size_of({CP_KEY: raw[key]})
+    if size is None:
+        raise ConfigError(
+            f"{where(config.path, key, config.lines)}: Axolotl's schema takes a whole number, got {short(raw[key])}"
+        )
+    if size > 1:
+        reading.set("cp_size", size, "file", f"key {key!r} ({SOURCES['cp_env']})")
 
 
 def _ddp_facts(raw: dict[str, Any], rl: str | None, ddp: bool, find_unused: bool | None, reading: Reading) -> None:

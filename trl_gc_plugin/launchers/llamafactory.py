@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .accelerate import read_accelerate
+from .accelerate import read_accelerate, set_accelerate_facts
 from .common import (
     ConfigError,
     Context,
@@ -321,6 +321,7 @@ def read(config: Config, ctx: Context) -> Reading:
     _read_gc_enabled(parsed, reading)
     accel = read_accelerate(ctx.accelerate_config) if ctx.accelerate_config else None
     fsdp2 = bool(accel and accel.fsdp and accel.fsdp_version == 2)
+    set_accelerate_facts(reading, accel, f"accelerate config {ctx.accelerate_config}")
     reentrant = _reentrant_from_file(parsed, fsdp2)
     hf_override = _read_trainer_reenable(config, parsed, reading, reentrant)
     _read_offloading(parsed, reading, reentrant)

@@ -31,7 +31,14 @@ from typing import Any
 
 from ..probe import GENERATING_TRAINERS, RL_TRAINERS
 from ..settings import unknown_checkpoint_keys
-from .accelerate import AccelerateConfig, read_accelerate, trl_bundled, trl_bundled_names, whole_number
+from .accelerate import (
+    AccelerateConfig,
+    read_accelerate,
+    set_accelerate_facts,
+    trl_bundled,
+    trl_bundled_names,
+    whole_number,
+)
 from .common import (
     ConfigError,
     Context,
@@ -366,6 +373,7 @@ def read_launch(config: Config, ctx: Context, reading: Reading) -> None:
     overrides = {k: config.values[k] for k in LAUNCH_KEYS if config.values.get(k) is not None}
     accel, where_accel = _read_accelerate_config(config, ctx, reading, overrides)
     _read_world_size(config, ctx, reading, accel, where_accel, overrides)
+    set_accelerate_facts(reading, accel, where_accel)
     _read_deepspeed(config, reading, accel, where_accel)
     # FSDP: the `fsdp` / `fsdp_config` fields, else the accelerate config
     fsdp_value = config.get("fsdp")
