@@ -53,6 +53,7 @@ class Facts:
             purpose before the Trainer; when the arguments leave `use_reentrant` unset, its value is the one set
             (`use_reentrant_source` `unknown`).
         is_peft: the model is a PEFT model.
+        alora: some adapter is a PEFT aLoRA (activated LoRA: `alora_invocation_tokens`), None when not known.
         quantization: the quantization method (`bitsandbytes_4bit`, `gptq`, ...), `None` if not quantized.
         trainable_in_blocks: some trainable parameter lives inside a checkpointed block.
         frozen_params: some parameter is frozen.
@@ -126,6 +127,7 @@ class Facts:
     router_logits_recorded: bool | None = None
     launcher_checkpointing: bool = False
     is_peft: bool | None = None
+    alora: bool | None = None
     quantization: str | None = None
     trainable_in_blocks: bool | None = None
     frozen_params: bool | None = None

@@ -284,17 +284,18 @@ class ModelRoute:
                 self.run.step_end(asked=True)
             except Exception as exc:
                 self.fail(exc, "the end of the first step")
-        self.stop(now=False)
+        self.stop(now=False, keep_repairs=True)
 
-    def stop(self, now: bool = True) -> None:
+    def stop(self, now: bool = True, keep_repairs: bool = False) -> None:
         """Remove every trace of the route from the model and from torch's global hooks (`now=False`: the step hooks
-        at the model's next forward, from a one-shot pre-hook: torch may be iterating them now)."""
+        at the model's next forward, from a one-shot pre-hook: torch may be iterating them now). `keep_repairs`: the
+        first step is over and the loop goes on with what the route repaired on the model (an input hook)."""
         self.disarm()
         if self.run is not None:
             checks = self.run.session.checks
             if self._step_hooks in checks:  # not removed by the session's stop, which may run inside a step hook
                 checks.remove(self._step_hooks)
-            self.run.stop()
+            self.run.stop(keep_repairs)
         if now:
             self._remove_step_hooks()
             return

@@ -575,6 +575,7 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
         model_use_reentrant=model_use_reentrant(base) if gc_on_model else None,
         enable_refused=bool(facts.gc_enabled) and getattr(base, "supports_gradient_checkpointing", None) is False,
         is_peft=peft,
+        alora=uses_alora(model) if peft else False,
         quantization=quantization_of(model),
         trainable_in_blocks=trainable_in_blocks,
         frozen_params=frozen,
@@ -592,10 +593,20 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
     )
 
 
-SELECTIVE_EXACT_VARIANTS = frozenset({"DoraLinearVariant", "DoraEmbeddingVariant", "ALoraLinearVariant"})
+SELECTIVE_EXACT_VARIANTS = frozenset({"DoraLinearVariant", "DoraEmbeddingVariant"})
 """PEFT LoRA variants whose gradients under the planner's selective policy (`memory.selective_policy`) were measured
 equal to those without checkpointing (peft 0.21.2, transformers 4.57.6 and 5.23.0: `tests/test_selective_peft.py`).
-Plain LoRA (no variant) too. BD-LoRA (`BdLoraLinearVariant`) was measured 0.59 off; the others were not measured."""
+Plain LoRA (no variant) too. BD-LoRA (`BdLoraLinearVariant`) was measured 0.59 off and aLoRA (`ALoraLinearVariant`,
+its adapter active from the invocation token on) 1.61 off; the others were not measured."""
+
+
+def uses_alora(model: Any) -> bool:
+    """Some LoRA layer of `model` runs an aLoRA adapter (PEFT's `ALoraLinearVariant`)."""
+    for module in unwrap(model).modules():
+        variants = getattr(module, "lora_variant", None)
+        if isinstance(variants, dict) and any(type(v).__name__ == "ALoraLinearVariant" for v in variants.values()):
+            return True
+    return False
 
 
 def selective_unsafe_adapters(model: Any) -> list[str]:

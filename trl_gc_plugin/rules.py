@@ -118,7 +118,8 @@ def unread_layer_kwargs(f: Facts) -> tuple[str, ...]:
 
 
 def _frozen_inputs(f: Facts) -> bool:
-    return bool(f.gc_enabled and f.trainable_in_blocks and f.inputs_require_grad is False)
+    # aLoRA's inputs are made to require grad (rule `alora-needs-input-grads`): reentrant then trains
+    return bool(f.gc_enabled and f.trainable_in_blocks and f.inputs_require_grad is False and not f.alora)
 
 
 RULES: tuple[Rule, ...] = (
@@ -767,6 +768,38 @@ RULES: tuple[Rule, ...] = (
             TORCH_CHECKPOINT_DOCS,
         ),
         remove_when="never while torch keeps the reentrant variant's requires-grad semantics",
+        stages=("init_end", "train"),
+    ),
+    Rule(
+        id="alora-needs-input-grads",
+        title="aLoRA: the checkpointed layers' inputs must require grad",
+        kind="repair",
+        setting="inputs_require_grad",
+        value=True,
+        when=lambda f: bool(f.gc_enabled and f.alora and f.inputs_require_grad is not True),
+        condition=(
+            "checkpointing on, a PEFT aLoRA adapter (`alora_invocation_tokens`), and the hidden states entering the "
+            "checkpointed layers do not certainly require grad (no `enable_input_require_grads()` hook: transformers "
+            "4.x, where neither the enable call nor the Trainer adds it for a PEFT model)"
+        ),
+        message=(
+            "PEFT passes aLoRA's offsets to the recompute through hooks it removes from a full backward hook on each "
+            "checkpointed layer; with no layer input requiring grad, that hook fires before the recompute, so the "
+            "recomputed layers apply the adapter to no token: CheckpointError ('Recomputed values ... have different "
+            "metadata') with use_reentrant=False, and with True the frozen-inputs RuntimeError. The plugin calls "
+            "`enable_input_require_grads()` on the model, as transformers 5 does when it enables checkpointing "
+            "(a Trainer run takes it off again at train end); gradients are then exact under either value."
+        ),
+        evidence=(
+            "https://github.com/huggingface/peft/issues/2826 (aLoRA with gradient checkpointing)",
+            "https://github.com/huggingface/peft/pull/2860 (the recompute's offset hooks, removed by a full backward "
+            "hook on the checkpointed layer)",
+            "reproduced: transformers 4.57.6, peft 0.21.2, Trainer and a plain loop, aLoRA on a tiny Llama: "
+            "use_reentrant=False raises CheckpointError at the first backward, True RuntimeError; with the input "
+            "hook both match no checkpointing; transformers 5.23.0 trains (its enable call adds the hook)",
+        ),
+        versions={"transformers": ">=4.52.1,<5", "peft": ">=0.17"},
+        remove_when="PEFT keeps aLoRA's offsets for the recompute without relying on the layer inputs' gradients",
         stages=("init_end", "train"),
     ),
     Rule(

@@ -226,10 +226,10 @@ class Run:
 
     # --- 5. the end ----------------------------------------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Remove every trace of the run from the model (checks' hooks, the enable guard) and its config
-        (use_cache)."""
-        self.session.stop()
+    def stop(self, keep_repairs: bool = False) -> None:
+        """Remove every trace of the run from the model (checks' hooks, the enable guard, its repairs unless
+        `keep_repairs`) and its config (use_cache)."""
+        self.session.stop(keep_repairs)
         if self.first_forward is not None:
             self.first_forward.remove()
         self.parity = None

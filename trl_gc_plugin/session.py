@@ -7,10 +7,12 @@ every trace of the run from the model (hooks, the enable guard, the `use_cache` 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from . import probe, report
-from .apply import CacheSwitch, apply, set_args_use_reentrant, set_model_use_reentrant
+from .apply import CacheSwitch, apply, remove_input_hook, set_args_use_reentrant, set_model_use_reentrant
 from .decisions import Action, Decision, Level, write_decisions
 from .engine import final_use_reentrant
 from .errors import GCConfigError
@@ -66,6 +68,8 @@ class Session:
         self.guard: EnableGuard | None = None
         self.cache: CacheSwitch | None = None
         self.checks: list[Check] = []
+        self.undo: list[Callable[[], Any]] = []
+        """What puts back a repair made on the model (an input hook), run by `stop()` unless the repairs stay."""
         self.stopped = False
         """`stop()` ran: the run was refused or is over."""
 
@@ -97,7 +101,9 @@ class Session:
         arguments and the model, follow the `use_reentrant` they leave in force, and publish them."""
         self.decisions.extend(decisions)
         self.refuse(decisions)
-        apply(decisions, self.args, model)
+        for d in apply(decisions, self.args, model):
+            if d.setting == "inputs_require_grad" and model is not None:
+                self.undo.append(functools.partial(remove_input_hook, model))
         self.set_final(*final_use_reentrant(decisions, *self.final))
         self.publish(decisions)
 
@@ -149,10 +155,13 @@ class Session:
             self.guard.install()
         return self.guard
 
-    def stop(self) -> None:
-        """Remove every trace of the run from the model (checks' hooks, the enable guard) and its config
-        (use_cache)."""
+    def stop(self, keep_repairs: bool = False) -> None:
+        """Remove every trace of the run from the model (checks' hooks, the enable guard, the repairs made on it
+        unless `keep_repairs`: a loop's later steps need them) and its config (use_cache)."""
         self.stopped = True
+        undo, self.undo = ([] if keep_repairs else self.undo), []
+        for action in reversed(undo):
+            action()
         if self.guard is not None:
             self.guard.remove()
             self.guard = None
