@@ -24,6 +24,7 @@ transformers are imported inside the functions only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from collections.abc import Collection, Mapping
@@ -280,8 +281,9 @@ class Spec:
         pattern (`tuple[bool, ...]`, *optional*): per block (`blocks()`, in order), checkpointing on or off.
         use_reentrant (`bool`, *optional*): the `use_reentrant` every block's function runs with.
         keywords (`Mapping[str, Any]`): keywords to set in every block's function; a value of `None` removes the key.
-        selective (`bool`, *optional*): run the planner's selective policy (`memory.selective_context` as
-            `context_fn`); `False` removes that `context_fn` (a user's own `context_fn` is kept).
+        selective (`bool` or `tuple[bool, ...]`, *optional*): run the planner's selective policy
+            (`memory.selective_context` as `context_fn`), for every block or per block; `False` removes that
+            `context_fn` (a user's own `context_fn` is kept).
         offload (`bool`, *optional*): run `offload_checkpoint` (saved inputs in host memory); `False` runs torch's
             `checkpoint` where a block offloaded.
     """
@@ -289,7 +291,7 @@ class Spec:
     pattern: tuple[bool, ...] | None = None
     use_reentrant: bool | None = None
     keywords: Mapping[str, Any] = field(default_factory=dict)
-    selective: bool | None = None
+    selective: bool | tuple[bool, ...] | None = None
     offload: bool | None = None
 
     def __post_init__(self) -> None:
@@ -345,15 +347,18 @@ def apply(model: Any, spec: Spec) -> None:
     """
     from .probe import unwrap
 
-    if spec.selective and spec.use_reentrant:
+    per_block = spec.selective if isinstance(spec.selective, tuple) else None
+    if spec.use_reentrant and (any(per_block) if per_block is not None else spec.selective):
         raise ValueError("selective checkpointing needs use_reentrant=False (torch accepts context_fn only there)")
     found = blocks(unwrap(model))
-    if spec.pattern is not None and len(found) != len(spec.pattern):
-        raise ValueError(f"the plan is for {len(spec.pattern)} blocks; the model has {len(found)}")
+    for name, value in (("plan", spec.pattern), ("selective plan", per_block)):
+        if value is not None and len(found) != len(value):
+            raise ValueError(f"the {name} is for {len(value)} blocks; the model has {len(found)}")
     for i, block in enumerate(found):
         if spec.changes_functions:
             current = function_of(block)
-            new = _function_for(current, spec)
+            here = spec if per_block is None else dataclasses.replace(spec, selective=per_block[i])
+            new = _function_for(current, here)
             if not same(real(current), new):
                 set_function(block, new, behind_observer=True)
         if spec.pattern is not None:

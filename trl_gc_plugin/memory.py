@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -547,14 +547,22 @@ class ActivationEstimate:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
-    def kept(self, pattern: tuple[bool, ...] | list[bool], selective: bool = False) -> list[int]:
-        """Bytes each block keeps under `pattern` (True: checkpointed)."""
+    def per_block(self, selective: bool | Sequence[bool]) -> list[bool]:
+        """`selective` for every block (one bool: the same for all)."""
+        if isinstance(selective, bool):
+            return [selective] * self.num_blocks
+        self._check(selective)
+        return [bool(x) for x in selective]
+
+    def kept(self, pattern: tuple[bool, ...] | list[bool], selective: bool | Sequence[bool] = False) -> list[int]:
+        """Bytes each block keeps under `pattern` (True: checkpointed), `selective` for all blocks or per block."""
+        sel = self.per_block(selective)
         return [
-            (self.inputs[i] + (self.selective[i] if selective else 0)) if on else self.saved[i]
+            (self.inputs[i] + (self.selective[i] if sel[i] else 0)) if on else self.saved[i]
             for i, on in enumerate(pattern)
         ]
 
-    def saved_bytes(self, pattern: tuple[bool, ...] | list[bool], selective: bool = False) -> int:
+    def saved_bytes(self, pattern: tuple[bool, ...] | list[bool], selective: bool | Sequence[bool] = False) -> int:
         """Bytes kept for the backward pass under `pattern` (what `meter` measures on the real run)."""
         self._check(pattern)
         shared = self.shared if not all(pattern) else 0

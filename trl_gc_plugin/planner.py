@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -113,7 +114,8 @@ class Candidate:
         pattern (`tuple[bool, ...]`): per block, whether it is checkpointed.
         every_n (`int`, *optional*): n when the pattern is transformers' `every_n_layers=n` (block `i` checkpointed
             when `i % n == 0`).
-        selective (`bool`): checkpointed blocks keep matmul and attention outputs (`memory.selective_policy`).
+        selective (`bool`): checkpointed blocks keep matmul and attention outputs (`memory.selective_policy`); in a
+            mixed plan, some of them do (`selective_blocks`).
         offload (`bool`): checkpointed blocks keep their inputs in (pinned) host memory.
         saved_bytes (`int`): bytes kept for the backward at the end of the forward, on the device.
         peak_bytes (`int`): predicted peak above the weights and optimizer state.
@@ -122,6 +124,8 @@ class Candidate:
         recompute_blocks (`float`): share of the block forwards run again (checkpointed blocks / blocks).
         allowed (`bool`): whether the rules allow it here.
         why_not (`str`): why not, when not allowed.
+        selective_blocks (`tuple[bool, ...]`): per block, selective or not, for a mixed plan (`mixed_candidate`);
+            empty when `selective` says it for every checkpointed block.
     """
 
     name: str
@@ -136,15 +140,27 @@ class Candidate:
     recompute_blocks: float
     allowed: bool = True
     why_not: str = ""
+    selective_blocks: tuple[bool, ...] = ()
 
     @property
     def checkpointed(self) -> int:
         return sum(self.pattern)
 
+    @property
+    def per_block_selective(self) -> tuple[bool, ...]:
+        """Per block, whether it runs the selective policy."""
+        return self.selective_blocks or tuple(on and self.selective for on in self.pattern)
+
     def summary(self) -> str:
         """`every-2 (4 of 8 blocks)`, `selective (every block, matmul and attention outputs kept)`, ..."""
         if self.name == "none":
             return "none (no block checkpointed)"
+        if self.selective_blocks:
+            sel = sum(self.selective_blocks)
+            return (
+                f"{self.name} ({len(self.pattern) - self.checkpointed} blocks not checkpointed, {sel} selective, "
+                f"{self.checkpointed - sel} full)"
+            )
         if self.selective:
             return f"{self.name} (every block, matmul and attention outputs kept)"
         if self.offload:
@@ -154,6 +170,7 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["pattern"] = [int(x) for x in self.pattern]
+        data["selective_blocks"] = [int(x) for x in self.selective_blocks]
         data["recompute"] = round(self.recompute, 4)
         data["recompute_blocks"] = round(self.recompute_blocks, 4)
         return data
@@ -214,7 +231,7 @@ def _every_n(pattern: tuple[bool, ...]) -> int | None:
 def predict_peak(
     est: ActivationEstimate,
     pattern: tuple[bool, ...],
-    selective: bool = False,
+    selective: bool | Sequence[bool] = False,
     offload: bool = False,
     grads_preallocated: bool = False,
     grad_fraction: float = 1.0,
@@ -226,7 +243,8 @@ def predict_peak(
     """
     est._check(pattern)
     n = est.num_blocks
-    kept = est.kept(pattern, selective)
+    sel = est.per_block(selective)
+    kept = est.kept(pattern, sel)
     if offload:
         kept = [0 if on else k for on, k in zip(pattern, kept, strict=True)]
     shared = est.shared if not all(pattern) else 0
@@ -241,7 +259,7 @@ def predict_peak(
     for i in reversed(range(n)):
         grads_after += grads[i]
         if pattern[i]:
-            rebuilt = est.saved[i] - est.input_saved[i] - (est.selective[i] if selective else 0)
+            rebuilt = est.saved[i] - est.input_saved[i] - (est.selective[i] if sel[i] else 0)
             if offload:
                 rebuilt += est.inputs[i]
         else:
@@ -254,17 +272,31 @@ def predict_peak(
 
 
 def recompute_cost(
-    est: ActivationEstimate, pattern: tuple[bool, ...], selective: bool, balance: float, op_overhead: float = 0.0
+    est: ActivationEstimate,
+    pattern: tuple[bool, ...],
+    selective: bool | Sequence[bool],
+    balance: float,
+    op_overhead: float = 0.0,
 ) -> float:
     """Recomputed share of the forward cost (matmul FLOPs plus `balance` per byte written by the other ops; selective
-    adds `op_overhead` per op)."""
-    total = est.outside_flops + sum(f + balance * b for f, b in zip(est.block_flops, est.other_bytes, strict=True))
-    again = 0.0
-    for i, on in enumerate(pattern):
-        if on:
-            flops = est.block_flops[i] - (est.matmul_flops[i] if selective else 0)
-            again += flops + balance * est.other_bytes[i] + (op_overhead * est.ops[i] if selective else 0.0)
+    adds `op_overhead` per op), `selective` for every block or per block."""
+    total = _forward_cost(est, balance)
+    again = sum(
+        _block_cost(est, i, sel, balance, op_overhead)
+        for i, (on, sel) in enumerate(zip(pattern, est.per_block(selective), strict=True))
+        if on
+    )
     return again / total if total > 0 else 0.0
+
+
+def _forward_cost(est: ActivationEstimate, balance: float) -> float:
+    return est.outside_flops + sum(f + balance * b for f, b in zip(est.block_flops, est.other_bytes, strict=True))
+
+
+def _block_cost(est: ActivationEstimate, i: int, selective: bool, balance: float, op_overhead: float) -> float:
+    """What recomputing block `i` costs (full, or selective: the ops selective did not keep, and its policy)."""
+    flops = est.block_flops[i] - (est.matmul_flops[i] if selective else 0)
+    return flops + balance * est.other_bytes[i] + (op_overhead * est.ops[i] if selective else 0.0)
 
 
 def candidates(
@@ -321,6 +353,109 @@ def candidates(
     return out
 
 
+KNAPSACK_UNITS = 4096
+"""The budget's resolution in the per-block knapsack: block sizes are rounded up to 1/4096 of the room, so a mixed
+plan never counts on more memory than there is (at most `blocks / 4096` of the room is left unused)."""
+
+
+def mixed_candidate(
+    est: ActivationEstimate,
+    budget_bytes: int,
+    *,
+    allow_selective: bool,
+    balance: float,
+    op_overhead: float,
+    grads_preallocated: bool = False,
+    grad_fraction: float = 1.0,
+) -> Candidate | None:
+    """A per-block plan for `budget_bytes`: each block none, selective or full, chosen to minimise the predicted
+    recompute (a multiple-choice knapsack over the blocks' kept bytes, so non-uniform blocks - mixed `layer_types`,
+    MoE, vision towers - each get their own choice), then checked against the whole predicted peak. None when it does
+    not fit. Plans a 70B layout (80 blocks) in milliseconds and allocates no tensor memory.
+
+    The knapsack's room is the budget less what the loss head holds besides the blocks (the peak phase that holds
+    every block's saved bytes at once); when a block's own backward is the peak instead, the room shrinks by the
+    excess and the knapsack runs again (at most 8 times)."""
+    import numpy as np
+
+    n = est.num_blocks
+    if n == 0:
+        return None
+    kinds = ("none", "full", "selective") if allow_selective else ("none", "full")
+    kept = np.array(
+        [[est.saved[i], est.inputs[i], est.inputs[i] + est.selective[i]][: len(kinds)] for i in range(n)],
+        dtype=np.float64,
+    )
+    cost = np.array(
+        [
+            [0.0, _block_cost(est, i, False, balance, op_overhead), _block_cost(est, i, True, balance, op_overhead)][
+                : len(kinds)
+            ]
+            for i in range(n)
+        ]
+    )
+    fixed = est.outside + est.kwargs_bytes + 2 * est.loss_buffer_bytes  # the loss head besides the blocks
+    room = budget_bytes - fixed
+    for _ in range(8):
+        if room <= 0:
+            return None
+        choice = _knapsack(kept, cost, room)
+        if choice is None:
+            return None
+        pattern = tuple(kinds[k] != "none" for k in choice)
+        selective = tuple(kinds[k] == "selective" for k in choice)
+        peak, where, _ = predict_peak(est, pattern, selective, False, grads_preallocated, grad_fraction)
+        if peak <= budget_bytes:
+            saved = est.outside + (est.shared if not all(pattern) else 0) + sum(est.kept(pattern, selective))
+            return Candidate(
+                name="mixed",
+                pattern=pattern,
+                every_n=None,
+                selective=any(selective),
+                offload=False,
+                saved_bytes=saved,
+                peak_bytes=peak,
+                peak_at=where,
+                recompute=recompute_cost(est, pattern, selective, balance, op_overhead),
+                recompute_blocks=sum(pattern) / n,
+                selective_blocks=selective if any(selective) else (),
+            )
+        room -= peak - budget_bytes
+    return None
+
+
+def _knapsack(kept: Any, cost: Any, room: float) -> list[int] | None:
+    """One option per block (a row of `kept` / `cost`) with the least total cost whose total kept bytes fit `room`;
+    None when even the smallest options do not fit."""
+    import numpy as np
+
+    units = KNAPSACK_UNITS
+    weight = np.ceil(kept / (room / units)).astype(np.int64)
+    inf = float("inf")
+    best = np.zeros(units + 1)  # least cost of the blocks so far within each capacity
+    picks = []
+    for w_row, c_row in zip(weight, cost, strict=True):
+        new = np.full(units + 1, inf)
+        pick = np.zeros(units + 1, dtype=np.int8)
+        for option, (w, c) in enumerate(zip(w_row, c_row, strict=True)):
+            if w > units:
+                continue
+            shifted = np.full(units + 1, inf)
+            shifted[w:] = best[: units + 1 - w] + c
+            better = shifted < new
+            new[better], pick[better] = shifted[better], option
+        best = new
+        picks.append(pick)
+    if not np.isfinite(best[units]):
+        return None
+    choice, capacity = [], units
+    for w_row, pick in zip(weight[::-1], picks[::-1], strict=True):
+        option = int(pick[capacity])
+        choice.append(option)
+        capacity -= int(w_row[option])
+    return choice[::-1]
+
+
 def plan(
     estimate: ActivationEstimate,
     budget_bytes: int,
@@ -367,6 +502,20 @@ def plan(
         grads_preallocated=grads_preallocated,
         grad_fraction=grad_fraction,
     )
+    mixed = mixed_candidate(
+        estimate,
+        budget_bytes,
+        allow_selective=allow_selective,
+        balance=balance,
+        op_overhead=op_overhead,
+        grads_preallocated=grads_preallocated,
+        grad_fraction=grad_fraction,
+    )
+    if mixed is not None and not any(
+        c.pattern == mixed.pattern and c.per_block_selective == mixed.per_block_selective and not c.offload
+        for c in table
+    ):
+        table = sorted([*table, mixed], key=lambda c: (c.recompute + (1e-9 if c.offload else 0.0), c.peak_bytes))
     allowed = [c for c in table if c.allowed]
     chosen = next((c for c in allowed if c.peak_bytes <= budget_bytes), None)
     lowest = min(allowed, key=lambda c: (c.peak_bytes, c.recompute))
@@ -394,6 +543,8 @@ def _cost(c: Candidate) -> str:
         return "recomputes nothing"
     blocks = f"{c.checkpointed} of {len(c.pattern)} blocks"
     kind = "their elementwise ops" if c.selective else "them"
+    if c.selective_blocks:
+        kind = "them (the selective ones only their elementwise ops)"
     return f"recomputes {kind} ({blocks}, about {c.recompute:.0%} of the forward cost)"
 
 
@@ -478,7 +629,7 @@ def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
             pattern=candidate.pattern,
             use_reentrant=use_reentrant,
             keywords={"every_n_layers": None, "offload": None},  # transformers' own keys never reach torch's checkpoint
-            selective=candidate.selective,
+            selective=candidate.per_block_selective if candidate.selective_blocks else candidate.selective,
             offload=candidate.offload,
         ),
     )
@@ -511,8 +662,8 @@ def drift(model: Any, candidate: Candidate) -> list[str]:
     if pattern_of(model) != candidate.pattern:
         found.append("pattern")
     on = [i for i, x in enumerate(candidate.pattern) if x]
-    sel, off = selective_of(model), offload_of(model)
-    if any(sel[i] != candidate.selective for i in on):
+    sel, off, want = selective_of(model), offload_of(model), candidate.per_block_selective
+    if any(sel[i] != want[i] for i in on):
         found.append("selective")
     if any(off[i] != candidate.offload for i in on):
         found.append("offload")

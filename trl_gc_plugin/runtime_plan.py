@@ -233,7 +233,7 @@ class MemoryPlan:
             rule = get_rule("memory-plan")
             why = (
                 f"The selective candidate is left out: the model's PEFT adapters ({', '.join(unsafe)}) are not known "
-                "to give exact gradients under selective per-op saving (BD-LoRA measured 0.59 off)."
+                "to give exact gradients under selective per-op saving (BD-LoRA measured 0.59 off, aLoRA 1.61)."
             )
             self.session.record([runtime_decision(rule, "none", None, None, why, level="info")])
         return not unsafe
