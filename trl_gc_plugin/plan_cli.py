@@ -108,6 +108,14 @@ def _parser() -> _Parser:
         metavar="N",
         help="parameter gradients sharded over N devices (ZeRO-2/3, FSDP); default 1",
     )
+    parser.add_argument(
+        "--effective-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rows per device per optimizer step: rank micro-batch x accumulation x plan by predicted tokens/s "
+        "(micro-batches up to --batch-size that divide N)",
+    )
     parser.add_argument("--all", action="store_true", help="list every candidate (default: the main ones)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
@@ -269,12 +277,69 @@ def run(argv: list[str] | None) -> tuple[int, str]:
         allow_offload=ns.accelerator,
         grad_fraction=1.0 / ns.grad_shards,
     )
+    options = None
+    if ns.effective_batch is not None:
+        if ns.effective_batch < 1:
+            raise InputError("--effective-batch must be a positive integer")
+        from .throughput import rank
+
+        def estimate_at(mb: int) -> Any:
+            return (
+                est
+                if mb == ns.batch_size
+                else estimate(config, mb, ns.seq_len, dtype=dtype, attn_implementation=ns.attn)
+            )
+
+        options = rank(
+            estimate_at,
+            ns.effective_batch,
+            budget,
+            allow_selective=not ns.reentrant,
+            allow_offload=ns.accelerator,
+            device="cuda" if ns.accelerator else "cpu",
+            largest=ns.batch_size,
+            grad_fraction=1.0 / ns.grad_shards,
+        )
     if ns.json:
         data = {"model": label, **result.to_dict()}
+        if options is not None:
+            data["throughput"] = [o.to_dict() for o in options]
         text = json.dumps(data, indent=2)
     else:
         text = render(result, label, ns.all)
-    return (0 if result.fits else 1), text
+        if options is not None:
+            text += "\n\n" + render_throughput(options, ns.effective_batch, ns.batch_size)
+    fits = options[0].fits if options else result.fits
+    return (0 if fits else 1), text
+
+
+def render_throughput(options: list[Any], effective: int, batch_size: int) -> str:
+    """The (micro-batch, accumulation, plan) options, fastest first, and the advice."""
+    from .planner import format_bytes
+
+    lines = [f"effective batch {effective} rows per device, ranked by predicted tokens/s (relative to the fastest):"]
+    rows = [("micro-batch", "accumulation", "plan", "peak", "speed")]
+    for o in options:
+        plan_text = o.plan.summary() if o.plan is not None else "nothing fits"
+        peak = format_bytes(o.plan.peak_bytes) if o.plan is not None else "-"
+        rows.append((str(o.micro_batch), str(o.accumulation), plan_text, peak, f"{o.relative_speed:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    pick = options[0]
+    if not pick.fits:
+        lines.append("nothing fits at any micro-batch: raise the budget or shorten the sequences")
+        return "\n".join(lines)
+    given = next((o for o in options if o.micro_batch == batch_size), None)
+    versus = (
+        f", {1 / given.relative_speed:.2f}x the predicted speed of micro-batch {batch_size}"
+        if given is not None and given.fits and given is not pick
+        else ""
+    )
+    lines.append(
+        f"pick: {pick.summary()}{versus}. The plugin applies the checkpointing plan only: set "
+        f"per_device_train_batch_size={pick.micro_batch} and gradient_accumulation_steps={pick.accumulation} yourself."
+    )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

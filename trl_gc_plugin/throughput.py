@@ -1,0 +1,134 @@
+"""Throughput planning: which micro-batch, gradient accumulation and checkpointing plan train fastest at a given
+effective batch and memory budget.
+
+Users do not choose a batch and then a plan: they have a device and an effective batch (micro-batch x accumulation
+per device). Whether "micro-batch 8 with full checkpointing" or "micro-batch 2 without, accumulation 4" is faster
+depends on the model and the device. For every micro-batch that divides the effective batch, the memory planner
+(`planner.plan`) picks the cheapest plan that fits at that micro-batch; each option's optimizer-step cost, in the cost
+model's FLOP-equivalents, is
+
+    accumulation x (MICROSTEP_OVERHEAD + forward x (3 + recompute))
+
+(a forward, a backward of twice its cost, the recomputed share of the forward; a fixed cost per micro-step for
+kernel launches, Python and the data step, which is what makes small micro-batches slow on a GPU). Options rank by
+predicted tokens per second relative to the fastest. The plugin applies only the checkpointing plan; the batch advice is
+printed (`trl-gc-plan --effective-batch`) and recorded, never forced.
+
+torch and transformers are imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .memory import ActivationEstimate
+from .planner import BALANCE, Candidate, plan
+
+MICROSTEP_OVERHEAD = {"cpu": 6.7e9, "cuda": 1.2e13}
+"""FLOP-equivalents one micro-step costs besides its FLOPs (launches, Python, the data step), by device. CPU: fitted
+by least squares to `benchmarks/throughput.py`'s step times (micro-batches 1, 2, 4 of the CPU benchmark model at
+256 tokens, with and without checkpointing: 6.66e9, 37 ms a micro-step). CUDA: from the H100 figure of
+`benchmarks/planner.py` (the benchmark model's step, 29 ms without checkpointing, is launch-bound: its FLOPs take about
+1 ms), not fitted across micro-batches: no GPU was lent for it."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to reach the effective batch.
+
+    Args:
+        micro_batch (`int`): rows per forward.
+        accumulation (`int`): forwards per optimizer step.
+        plan (`Candidate`, *optional*): the cheapest plan that fits at this micro-batch; None when nothing fits.
+        cost (`float`): predicted cost of one optimizer step (FLOP-equivalents); infinite when nothing fits.
+        relative_speed (`float`): predicted tokens per second relative to the fastest option (1.0); 0 when nothing
+            fits.
+    """
+
+    micro_batch: int
+    accumulation: int
+    plan: Candidate | None
+    cost: float
+    relative_speed: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+    def summary(self) -> str:
+        what = self.plan.summary() if self.plan is not None else "nothing fits"
+        return f"micro-batch {self.micro_batch} x accumulation {self.accumulation}, {what}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "micro_batch": self.micro_batch,
+            "accumulation": self.accumulation,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "cost": self.cost if self.fits else None,
+            "relative_speed": round(self.relative_speed, 4),
+        }
+
+
+def micro_batches(effective_batch: int, largest: int | None = None) -> list[int]:
+    """The micro-batches that divide `effective_batch` (rows per device per optimizer step), up to `largest`."""
+    if not isinstance(effective_batch, int) or isinstance(effective_batch, bool) or effective_batch < 1:
+        raise ValueError(f"the effective batch must be a positive number of rows, got {effective_batch!r}")
+    top = effective_batch if largest is None else min(largest, effective_batch)
+    return [m for m in range(1, top + 1) if effective_batch % m == 0]
+
+
+def forward_cost(est: ActivationEstimate, balance: float) -> float:
+    """One forward at the estimate's batch, in FLOP-equivalents (as the planner's recompute share counts it)."""
+    return est.outside_flops + sum(f + balance * b for f, b in zip(est.block_flops, est.other_bytes, strict=True))
+
+
+def rank(
+    estimate_at: Callable[[int], ActivationEstimate],
+    effective_batch: int,
+    budget_bytes: int,
+    *,
+    allow_selective: bool,
+    allow_offload: bool,
+    device: str = "cpu",
+    largest: int | None = None,
+    grad_fraction: float = 1.0,
+) -> list[Option]:
+    """Every (micro-batch, accumulation, plan) for `effective_batch` rows, fastest first.
+
+    Args:
+        estimate_at: the activation estimate at a micro-batch (`lambda b: memory.estimate(model, b, seq_len)`).
+        effective_batch (`int`): rows per device per optimizer step.
+        budget_bytes (`int`): the memory budget (as `planner.plan`'s).
+        allow_selective, allow_offload: as `planner.plan`'s.
+        device (`str`): `cpu` or `cuda`: the cost constants.
+        largest (`int`, *optional*): the largest micro-batch to consider.
+        grad_fraction (`float`): as `planner.plan`'s.
+    """
+    kind = device if device in BALANCE else "cuda"
+    balance, overhead = BALANCE[kind], MICROSTEP_OVERHEAD[kind]
+    options = []
+    for mb in micro_batches(effective_batch, largest):
+        est = estimate_at(mb)
+        result = plan(
+            est,
+            budget_bytes,
+            allow_selective=allow_selective,
+            allow_offload=allow_offload,
+            device=kind,
+            grad_fraction=grad_fraction,
+        )
+        steps = effective_batch // mb
+        chosen = result.chosen
+        cost = steps * (overhead + forward_cost(est, balance) * (3 + chosen.recompute)) if chosen else float("inf")
+        options.append(Option(mb, steps, chosen, cost))
+    best = min((o.cost for o in options), default=float("inf"))
+    ranked = [
+        Option(o.micro_batch, o.accumulation, o.plan, o.cost, best / o.cost if o.fits and best > 0 else 0.0)
+        for o in options
+    ]
+    return sorted(ranked, key=lambda o: (-o.relative_speed, -o.micro_batch))
+
+
+__all__ = ["MICROSTEP_OVERHEAD", "Option", "forward_cost", "micro_batches", "rank"]
