@@ -397,6 +397,8 @@ def _current(facts: Facts, setting: str, *fallback: Any) -> tuple[Any, str]:
         return unread_layer_kwargs(facts), "user"
     if setting == "checkpointing_kwargs.container":  # what is wrong with them as a container (None: a dict)
         return facts.kwargs_problem, "user"
+    if setting == "checkpoint_wrapper":
+        return facts.checkpoint_wrapped, "launcher"
     if setting == "inputs_require_grad":
         return facts.inputs_require_grad, "model"
     if setting == "parallelism_config.cp_size":

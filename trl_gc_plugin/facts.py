@@ -100,6 +100,9 @@ class Facts:
         fsdp_version: 1 or 2 when FSDP is asked for.
         shared_block_params: a trainable parameter belongs to two or more checkpointed blocks (a block shared across
             depth, Zamba2): two reentrant calls then send it gradients from two inner backwards.
+        checkpoint_wrapped: some block is wrapped by torch's `checkpoint_wrapper` (`apply_activation_checkpointing`:
+            Axolotl's activation offloading on a full fine-tune), which puts `_checkpoint_wrapped_module` in the module
+            tree; None when not known.
         compiled: why the forward runs under `torch.compile` (`torch_compile=True`, `ACCELERATE_DYNAMO_BACKEND=...`,
             a model compiled in place or wrapped), None when it does not (`probe.compiled`; the check reads the
             config's `torch_compile`).
@@ -164,6 +167,7 @@ class Facts:
     shared_block_params: bool | None = None
     zero_overlap_comm: bool | None = None
     compiled: str | None = None
+    checkpoint_wrapped: bool | None = None
     cp_size: int = 1
     capabilities: Capabilities | None = None
 

@@ -590,6 +590,7 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
         router_logits_recorded=records_router_logits_in_blocks(base, blocks),
         shared_block_params=shares_block_params(blocks + layer_list_entries(base)),
         compiled=compiled(args, model),
+        checkpoint_wrapped=checkpoint_wrapped(model),
     )
 
 
@@ -598,6 +599,11 @@ SELECTIVE_EXACT_VARIANTS = frozenset({"DoraLinearVariant", "DoraEmbeddingVariant
 equal to those without checkpointing (peft 0.21.2, transformers 4.57.6 and 5.23.0: `tests/test_selective_peft.py`).
 Plain LoRA (no variant) too. BD-LoRA (`BdLoraLinearVariant`) was measured 0.59 off and aLoRA (`ALoraLinearVariant`,
 its adapter active from the invocation token on) 1.61 off; the others were not measured."""
+
+
+def checkpoint_wrapped(model: Any) -> bool:
+    """Some module of `model` is torch's `CheckpointWrapper` (`apply_activation_checkpointing`)."""
+    return any(type(m).__name__ == "CheckpointWrapper" for m in unwrap(model).modules())
 
 
 def uses_alora(model: Any) -> bool:

@@ -1081,6 +1081,35 @@ RULES += (
         level="info",
     ),
     Rule(
+        id="checkpoint-wrapper-zero3-saved-keys",
+        title="checkpoint_wrapper + ZeRO-3: saved weights carry `_checkpoint_wrapped_module`",
+        kind="check",
+        setting="checkpoint_wrapper",
+        value=None,
+        when=lambda f: bool(f.checkpoint_wrapped and f.zero_stage == 3),
+        condition=(
+            "blocks wrapped by torch's `checkpoint_wrapper` (`apply_activation_checkpointing`; Axolotl's activation "
+            "offloading on a full fine-tune) under DeepSpeed ZeRO-3"
+        ),
+        message=(
+            "ZeRO-3 gathers the 16-bit weights for `save_model` by walking the module tree, where the wrapper adds "
+            "`_checkpoint_wrapped_module.` to every block's keys (torch strips it only from `state_dict()`): the saved "
+            "model's block weights do not load with `from_pretrained`, which initialises those layers anew. Strip "
+            "`_checkpoint_wrapped_module.` from the saved keys, or save from an unwrapped copy. The plugin changes "
+            "nothing."
+        ),
+        evidence=(
+            "https://github.com/axolotl-ai-cloud/axolotl/issues/3166 (DeepSpeed + activation_offloading: wrong keys "
+            "in the saved weights)",
+            "reproduced: transformers 5.23.0, DeepSpeed 0.19.8 ZeRO-3 on CPU, torchrun 1 process, a tiny Llama with "
+            "apply_activation_checkpointing on its decoder layers, Trainer.save_model: 18 of 21 saved keys hold "
+            "`_checkpoint_wrapped_module`; 0 of 21 without DeepSpeed",
+        ),
+        versions={"deepspeed": ">=0.14", "torch": ">=2.1"},
+        remove_when="DeepSpeed's consolidated 16-bit state dict honours the modules' state_dict hooks",
+        stages=("init_end", "train"),
+    ),
+    Rule(
         id="ddp-unused-parameters",
         title="DDP without find_unused_parameters: every trainable parameter needs a gradient",
         kind="verify",

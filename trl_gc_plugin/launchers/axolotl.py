@@ -879,6 +879,7 @@ def _builders(s: _Schema, v: _Validated, kw: _Reentrant, ctx: Context, reading: 
             kw.rewrite(
                 f"activation_offloading {offloading!r} on a full fine-tune: torch checkpoint_wrapper, non-reentrant ({SOURCES['ac_wrap']})"
             )
+            reading.set("checkpoint_wrapped", True, "launcher rewrite", f"ac_wrap_hf_model ({SOURCES['ac_wrap']})")
         elif offloading == "legacy":
             kw.value = True
             kw.rewrite(
