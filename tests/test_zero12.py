@@ -85,8 +85,11 @@ PLANNED = {
     "trainer-ddp-zamba2-true-strict": ("GCConfigError", None),
     "trainer-ddp-zamba2-true-fix": (None, False),
 }
+# memory plans under ZeRO-1/2 (issue 22): planned, with the gradients' share of this rank, on every rank alike
+PLANS = {"trainer-2-llama-false-budget": 0.5, "trainer-1-llama-false-budget": 1.0}
 SCENARIOS = {**RAW_DDP, **TRAINER_DDP, **({**RAW_DS, **TRAINER_DS} if HAS_DEEPSPEED else {})}
-RUN = list(SCENARIOS) + [s for s in PLANNED if HAS_DEEPSPEED or "-ddp-" in s]
+RUN = list(SCENARIOS) + [s for s in PLANNED if HAS_DEEPSPEED or "-ddp-" in s] + (
+    [*PLANS, "trainer-2-llama-false-strict", "trainer-1-llama-false-strict"] if HAS_DEEPSPEED else [])
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +181,22 @@ def test_rule(results, scenario):
     _check(by[scenario], outcome)
     if running is not None:
         assert all(rank["running"] is running for rank in by[scenario].values())
+
+
+@pytest.mark.parametrize("scenario", list(PLANS))
+def test_a_memory_plan_under_zero(results, scenario):
+    """ZeRO-1 and ZeRO-2 keep every parameter whole on every rank: the plan is made (not skipped), with the share of
+    the gradients the rank holds (ZeRO-2 partitions them), the same on both ranks, and the update is that of full
+    checkpointing, in sync across ranks."""
+    if not HAS_DEEPSPEED:
+        pytest.skip("needs deepspeed")
+    _, by = results
+    ranks, full = by[scenario], by[scenario.replace("-budget", "-strict")]
+    _check(ranks, None)
+    plans = [rank["plans"] for rank in ranks.values()]
+    assert plans[0] == plans[1] and len(plans[0]) == 1, plans
+    (name, share), = plans[0]
+    assert share == PLANS[scenario] and name is not None
+    assert all(["memory-plan", "default"] in rank["decisions"] for rank in ranks.values())  # planned, not skipped
+    for rank, other in zip(ranks.values(), full.values(), strict=True):
+        assert rank["checksums"][0] == rank["checksums"][1] == other["checksums"][0], (rank["checksums"], other)

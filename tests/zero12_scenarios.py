@@ -39,7 +39,8 @@ Two kinds of scenario:
            siamese / multi-loss user pattern, as in DeepSpeedExamples issue 458) | `zamba2` | `dpo` | `grpo`
            (TRL 1.16 DPOTrainer with a separate reference model / GRPOTrainer, tiny Llama)
   gc       `true` | `false` | `unset` (use_reentrant)
-  plugin   `none` | `strict` | `fix`
+  plugin   `none` | `strict` | `fix` | `budget` (strict, memory budget midway between the predicted peaks of no and
+           full checkpointing, gradients sharded over the ranks under ZeRO-2)
   Recorded: the outcome, how many grad-enabled forwards of the model ran before the first backward (seen by a
   forward pre-hook, counted until `accelerator.backward` is first called), how many trainable parameters are
   shared by two or more entries of the model's layer list (static), the decisions, and a checksum of the trainable
@@ -241,7 +242,15 @@ def run_trainer(out: str, scenario: str) -> dict:
     extra: dict = {"ddp_backend": "gloo"} if stage == "ddp" else {"use_cpu": False, "deepspeed": {
         "zero_optimization": zero, "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto", "zero_force_ds_cpu_optimizer": False}}
-    callbacks = [SafeGCCallback(mode=plugin)] if plugin != "none" else []
+    if plugin == "budget":  # strict, with a budget midway between the predicted peaks of no and full checkpointing
+        from trl_gc_plugin import memory, planner
+
+        est = memory.estimate(model, 2, 16)  # the Trainer's batch: 2 rows of the 16-token tokenized dataset
+        n, share = est.num_blocks, 1.0 / dist.get_world_size() if stage == "2" else 1.0
+        peaks = [planner.predict_peak(est, (on,) * n, grad_fraction=share)[0] for on in (False, True)]
+        callbacks = [SafeGCCallback(mode="strict", memory_budget=sum(peaks) // 2)]
+    else:
+        callbacks = [SafeGCCallback(mode=plugin)] if plugin != "none" else []
     gc_kwargs = None if gc == "unset" else {"use_reentrant": gc == "true"}
     kind = model_kind if model_kind in ("dpo", "grpo") else "trainer"
     trainer = None
@@ -271,6 +280,8 @@ def run_trainer(out: str, scenario: str) -> dict:
     result["running"] = model_use_reentrant(model)
     if callbacks:
         result["decisions"] = [[d.rule_id, d.action] for d in callbacks[0].decisions]
+        result["plans"] = [[d.after["plan"], d.after["estimate"]["grad_fraction"]] for d in callbacks[0].decisions
+                           if d.rule_id == "memory-plan" and isinstance(d.after, dict) and "estimate" in d.after]
     if trainer is not None and result["outcome"] == "trained":
         with _gathered(model, stage == "3"):
             total = torch.stack([p.detach().double().sum() for p in model.parameters() if p.requires_grad]).sum()

@@ -10,6 +10,7 @@ from typing import Any
 from . import _hooks, probe, report, verify
 from .decisions import Decision, first_sentence
 from .errors import GCConfigError
+from .first_step import report_world_size
 from .rules import get_rule
 from .session import Session, runtime_decision
 
@@ -82,9 +83,8 @@ class MemoryPlan:
         """Estimate, plan and apply; returns the `(estimate, plan)` the plan was made from, None when skipped."""
         from . import memory, planner
 
-        sharded = verify.gradients_are_sharded(self.session.args, model)
-        if sharded:
-            self.session.record([self._skipped(f"not planned under sharding ({sharded})")])
+        grad_fraction = self._grad_fraction(model)
+        if grad_fraction is None:
             return None
         use_reentrant = probe.model_use_reentrant(model)
         try:
@@ -95,6 +95,7 @@ class MemoryPlan:
                 budget,
                 allow_selective=self._selective_allowed(model),
                 allow_offload=probe.accelerator_available(),
+                grad_fraction=grad_fraction,
             )
             decisions = planner.plan_decisions(plan, self.session.mode)
         except GCConfigError:
@@ -105,6 +106,20 @@ class MemoryPlan:
         if not self._apply_plan(model, plan, decisions, use_reentrant):
             return None
         return estimate, plan
+
+    def _grad_fraction(self, model: Any) -> float | None:
+        """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 (gradients
+        partitioned over the N ranks, parameters whole, so the estimate runs on the model as it is). None, with a
+        skipped decision, where the parameters themselves are partitioned (ZeRO-3, FSDP1): not planned."""
+        args = self.session.args
+        sharded = verify.gradients_are_sharded(args, model)
+        if not sharded:
+            return 1.0
+        stage = probe.zero_stage(args)
+        if stage in (1, 2) and probe.deepspeed_facts(args) is not None:
+            return 1.0 / report_world_size(args) if stage == 2 else 1.0
+        self.session.record([self._skipped(f"not planned under sharding ({sharded})")])
+        return None
 
     def _apply_plan(self, model: Any, plan: Any, decisions: list[Decision], use_reentrant: Any) -> bool:
         """Record the plan's decisions and apply the chosen candidate (not in warn mode); False when it could not
