@@ -161,7 +161,10 @@ class Session:
         self.stopped = True
         undo, self.undo = ([] if keep_repairs else self.undo), []
         for action in reversed(undo):
-            action()
+            try:
+                action()
+            except Exception as exc:  # a plugin bug never crashes training: say it and go on
+                report.note(f"could not undo a repair on the model ({type(exc).__name__}: {exc})", "warning")
         if self.guard is not None:
             self.guard.remove()
             self.guard = None
