@@ -339,3 +339,20 @@ def test_preserve_rng_state_only_matters_with_dropout():
     assert by_setting(decide(f, "fix"), "preserve_rng_state").after is True
     assert not errors(decide(f.replace(dropout=False)))
     assert not errors(decide(f.replace(preserve_rng_state=None)))  # torch's default is True
+
+
+def test_every_rule_setting_has_a_value_the_engine_can_read():
+    """Each setting a rule acts on (other than use_reentrant and the runtime's own) maps to a fact: a new rule whose
+    setting the engine cannot read fails here, not in a user's run."""
+    import dataclasses
+
+    from trl_gc_plugin.engine import SETTING_FACTS, _current
+    from trl_gc_plugin.rules import RULES
+
+    fields = {f.name for f in dataclasses.fields(Facts)}
+    assert all(field in fields for field, _ in SETTING_FACTS.values())
+    for rule in RULES:
+        if rule.kind in ("require", "prefer", "repair", "check") and rule.setting not in (
+                "use_reentrant", "model.use_reentrant", "activation_checkpointing_kwargs"):
+            _, source = _current(Facts(gc_enabled=True), rule.setting, "fallback", "fallback")
+            assert source != "fallback" or rule.kind == "check", rule.id

@@ -378,35 +378,34 @@ _REPAIRED_ABOVE = frozenset({USE_REENTRANT, "activation_checkpointing_kwargs", "
 """Repairs `decide` folds into the choice of `use_reentrant` (field disagreement, a non-bool value, a stale model)."""
 
 
+SETTING_FACTS: dict[str, tuple[str, str]] = {
+    "model.config.use_cache": ("use_cache", "model config"),
+    "preserve_rng_state": ("preserve_rng_state", "user"),  # only ever written by the user
+    "offload": ("offload", "user"),
+    "fsdp_activation_checkpointing": ("fsdp_activation_checkpointing", "user"),
+    "activation_offloading": ("trl_activation_offloading", "user"),
+    "checkpointing_kwargs.container": ("kwargs_problem", "user"),  # what is wrong with them as a container
+    "checkpoint_wrapper": ("checkpoint_wrapped", "launcher"),
+    "inputs_require_grad": ("inputs_require_grad", "model"),
+    "parallelism_config.cp_size": ("cp_size", "user"),
+}
+"""The setting a rule acts on -> the `Facts` field holding its value, and who sets it."""
+
+
 def _current(facts: Facts, setting: str, *fallback: Any) -> tuple[Any, str]:
     """The value of a setting other than `use_reentrant`, and who set it (`fallback`, the value and its source, for
     a setting without a fact)."""
-    if setting == "model.config.use_cache":
-        return facts.use_cache, "model config"
+    if setting in SETTING_FACTS:
+        field, source = SETTING_FACTS[setting]
+        return getattr(facts, field), source
     if setting == "activation_checkpointing":
         return facts.gc_enabled, facts.gc_flag_source
-    if setting == "preserve_rng_state":  # only ever written by the user
-        return facts.preserve_rng_state, "user"
-    if setting == "offload":
-        return facts.offload, "user"
-    if setting == "fsdp_activation_checkpointing":
-        return facts.fsdp_activation_checkpointing, "user"
-    if setting == "activation_offloading":
-        return facts.trl_activation_offloading, "user"
     if setting == "checkpointing_kwargs":  # the kwargs torch must not get
         return unread_layer_kwargs(facts), "user"
-    if setting == "checkpointing_kwargs.container":  # what is wrong with them as a container (None: a dict)
-        return facts.kwargs_problem, "user"
-    if setting == "checkpoint_wrapper":
-        return facts.checkpoint_wrapped, "launcher"
-    if setting == "inputs_require_grad":
-        return facts.inputs_require_grad, "model"
-    if setting == "parallelism_config.cp_size":
-        return facts.cp_size, "user"
-    if setting == "first_step_checks":  # the plugin's own
-        return None, "plugin"
     if setting == "checkpointing_kwargs.unknown":
         return list(facts.kwargs_unknown), "user"
+    if setting == "first_step_checks":  # the plugin's own
+        return None, "plugin"
     if fallback:
         return fallback[0], fallback[1]
     raise KeyError(f"no fact for setting {setting!r}")
