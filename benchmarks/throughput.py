@@ -89,7 +89,7 @@ def main() -> None:
     rows = []
     for name, (mb, c) in arms.items():
         ga = EFFECTIVE // mb
-        rows.append((ga, ga * throughput.forward_cost(estimates[mb], planner.BALANCE["cpu"]) * (3 + c.recompute),
+        rows.append((ga, ga * planner.forward_cost(estimates[mb], planner.BALANCE["cpu"]) * (3 + c.recompute),
                      statistics.median(times[name])))
     sxx = sum(x * x for x, _, _ in rows)
     sxy = sum(x * y for x, y, _ in rows)

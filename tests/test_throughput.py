@@ -52,7 +52,7 @@ def test_each_option_is_the_planners_pick_at_its_micro_batch_and_the_fastest_com
     assert by_mb[8].plan is None or by_mb[8].plan.name != "none"
     # the cost: accumulation x (per-micro-step constant + forward x (3 + recompute))
     o = by_mb[4]
-    forward = throughput.forward_cost(at(4), planner.BALANCE["cpu"])
+    forward = planner.forward_cost(at(4), planner.BALANCE["cpu"])
     assert o.cost == pytest.approx(2 * (throughput.MICROSTEP_OVERHEAD["cpu"] + forward * (3 + o.plan.recompute)))
 
 

@@ -280,7 +280,7 @@ def recompute_cost(
 ) -> float:
     """Recomputed share of the forward cost (matmul FLOPs plus `balance` per byte written by the other ops; selective
     adds `op_overhead` per op), `selective` for every block or per block."""
-    total = _forward_cost(est, balance)
+    total = forward_cost(est, balance)
     again = sum(
         _block_cost(est, i, sel, balance, op_overhead)
         for i, (on, sel) in enumerate(zip(pattern, est.per_block(selective), strict=True))
@@ -289,7 +289,8 @@ def recompute_cost(
     return again / total if total > 0 else 0.0
 
 
-def _forward_cost(est: ActivationEstimate, balance: float) -> float:
+def forward_cost(est: ActivationEstimate, balance: float) -> float:
+    """One forward at the estimate's batch, in the cost model's FLOP-equivalents (what the recompute share divides)."""
     return est.outside_flops + sum(f + balance * b for f, b in zip(est.block_flops, est.other_bytes, strict=True))
 
 
@@ -348,9 +349,13 @@ def candidates(
                 why_not=why,
             )
         )
-    # offload recomputes what full does and copies the inputs to the host and back: always after full
-    out.sort(key=lambda c: (c.recompute + (1e-9 if c.offload else 0.0), c.peak_bytes))
+    out.sort(key=_cheapest_first)
     return out
+
+
+def _cheapest_first(c: Candidate) -> tuple[float, int]:
+    """Predicted recompute, then peak; offload recomputes what full does and copies the inputs too: after full."""
+    return (c.recompute + (1e-9 if c.offload else 0.0), c.peak_bytes)
 
 
 KNAPSACK_UNITS = 4096
@@ -406,7 +411,7 @@ def mixed_candidate(
         selective = tuple(kinds[k] == "selective" for k in choice)
         peak, where, _ = predict_peak(est, pattern, selective, False, grads_preallocated, grad_fraction)
         if peak <= budget_bytes:
-            saved = est.outside + (est.shared if not all(pattern) else 0) + sum(est.kept(pattern, selective))
+            saved = est.saved_bytes(pattern, selective)
             return Candidate(
                 name="mixed",
                 pattern=pattern,
@@ -515,7 +520,7 @@ def plan(
         c.pattern == mixed.pattern and c.per_block_selective == mixed.per_block_selective and not c.offload
         for c in table
     ):
-        table = sorted([*table, mixed], key=lambda c: (c.recompute + (1e-9 if c.offload else 0.0), c.peak_bytes))
+        table = sorted([*table, mixed], key=_cheapest_first)
     allowed = [c for c in table if c.allowed]
     chosen = next((c for c in allowed if c.peak_bytes <= budget_bytes), None)
     lowest = min(allowed, key=lambda c: (c.peak_bytes, c.recompute))
@@ -679,6 +684,7 @@ __all__ = [
     "candidates",
     "drift",
     "format_bytes",
+    "forward_cost",
     "is_selective",
     "offload_checkpoint",
     "offload_of",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .memory import ActivationEstimate
-from .planner import BALANCE, Candidate, plan
+from .planner import BALANCE, Candidate, forward_cost, plan
 
 MICROSTEP_OVERHEAD = {"cpu": 6.7e9, "cuda": 1.2e13}
 """FLOP-equivalents one micro-step costs besides its FLOPs (launches, Python, the data step), by device. CPU: fitted
@@ -79,11 +79,6 @@ def micro_batches(effective_batch: int, largest: int | None = None) -> list[int]
     return [m for m in range(1, top + 1) if effective_batch % m == 0]
 
 
-def forward_cost(est: ActivationEstimate, balance: float) -> float:
-    """One forward at the estimate's batch, in FLOP-equivalents (as the planner's recompute share counts it)."""
-    return est.outside_flops + sum(f + balance * b for f, b in zip(est.block_flops, est.other_bytes, strict=True))
-
-
 def rank(
     estimate_at: Callable[[int], ActivationEstimate],
     effective_batch: int,
@@ -131,4 +126,4 @@ def rank(
     return sorted(ranked, key=lambda o: (-o.relative_speed, -o.micro_batch))
 
 
-__all__ = ["MICROSTEP_OVERHEAD", "Option", "forward_cost", "micro_batches", "rank"]
+__all__ = ["MICROSTEP_OVERHEAD", "Option", "micro_batches", "rank"]
