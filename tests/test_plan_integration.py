@@ -3,6 +3,8 @@ across TRL's per-step re-enables, gradient-exact, refused or taken at its lowest
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_rules_v2 import PatternSeen
@@ -10,7 +12,7 @@ from trainers import common_args, make_trainer
 from transformers import Trainer, TrainingArguments
 
 import trl_gc_plugin
-from trl_gc_plugin import GCConfigError, SafeGCCallback, memory, planner
+from trl_gc_plugin import GCConfigError, SafeGCCallback, memory, planner, throughput
 from trl_gc_plugin.testing import make_model
 
 LAYERS, BATCH, SEQ = 4, 2, 128
@@ -26,9 +28,9 @@ def data(n=8):
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
-def midway_budget():
+def midway_budget(batch=BATCH):
     """A budget between what checkpointing every block and none need (the benchmark's "midway")."""
-    est = memory.estimate(model(), BATCH, SEQ)
+    est = memory.estimate(model(), batch, SEQ)
     table = {c.name: c for c in planner.plan(est, 1 << 40, allow_selective=True, allow_offload=False).candidates}
     return (table["none"].peak_bytes + table["full"].peak_bytes) // 2, table
 
@@ -107,3 +109,38 @@ def test_no_budget_no_plan(tmp_path):
     callback = SafeGCCallback()
     make_trainer("trainer", model(), str(tmp_path), callbacks=[callback], max_steps=1).train()
     assert not [d for d in callback.decisions if d.rule_id == "memory-plan"]
+
+
+@pytest.mark.parametrize("kind", ["trainer", "dpo"])
+def test_the_run_records_batch_advice_and_changes_no_batch(tmp_path, kind):
+    """With a plan, the run ranks every micro-batch of the effective batch per device (2 x 2 here) under the same
+    budget and records it (rule `batch-advice`, info); the ranking is what `throughput.rank` gives from estimates
+    made at each micro-batch; the batch is never changed. DPO's forward runs chosen and rejected rows together:
+    its micro-batches are counted in examples, as `per_device_train_batch_size` is."""
+    budget, _ = midway_budget(2 * BATCH if kind == "dpo" else BATCH)
+    callback = SafeGCCallback(memory_budget=budget)
+    if kind == "trainer":  # rows of SEQ tokens: the plan at micro-batch 2 is between none and full
+        args = TrainingArguments(**common_args(str(tmp_path), max_steps=1, gradient_checkpointing=True,
+                                               gradient_accumulation_steps=2))
+        trainer = Trainer(model=model(), args=args, train_dataset=data(), callbacks=[callback])
+    else:
+        trainer = make_trainer(kind, model(), str(tmp_path), callbacks=[callback], max_steps=1, max_length=SEQ,
+                               gradient_accumulation_steps=2)
+    trainer.train()
+    (advice,) = [d for d in callback.decisions if d.rule_id == "batch-advice"]
+    assert advice.action == "none" and advice.level == "info" and advice.before["micro_batch"] == 2
+    ranking = advice.after["ranking"]
+    assert sorted(r["micro_batch"] for r in ranking) == [1, 2, 4]
+    assert all(r["micro_batch"] * r["accumulation"] == 4 for r in ranking)
+    assert ranking[0]["relative_speed"] == 1.0 and advice.after["micro_batch"] == ranking[0]["micro_batch"]
+    (plan,) = [d for d in callback.decisions if d.rule_id == "memory-plan"]
+    planned = plan.after["estimate"]  # rows x tokens the plan was made for: 2 examples (DPO: 4 rows)
+    rows, tokens = planned["batch_size"] // 2, planned["seq_len"]
+    assert rows == (2 if kind == "dpo" else 1)
+    expected = throughput.rank(lambda mb: memory.estimate(model(), mb * rows, tokens), 4, budget,
+                               allow_selective=True, allow_offload=False)
+    assert [(r["micro_batch"], r["plan"]) for r in ranking] == [
+        (o.micro_batch, o.plan.name if o.plan else None) for o in expected]
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (2, 2)
+    saved = json.loads((tmp_path / "gc_decisions.json").read_text())
+    assert any(d["rule_id"] == "batch-advice" for d in saved)

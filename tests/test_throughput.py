@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import zoo
 
 from trl_gc_plugin import memory, plan_cli, planner, throughput
 from trl_gc_plugin.testing import make_config
@@ -77,3 +78,23 @@ def test_the_command_prints_and_records_the_advice(tmp_path, capsys):
     assert data["throughput"][0]["relative_speed"] == 1.0
     assert plan_cli.main([str(config), "--batch-size", "2", "--seq-len", str(SEQ), "--budget", "1GiB",
                           "--effective-batch", "0"]) == 2
+
+
+DENSE_DECODERS = [a for a in zoo.ZOO if a.kind == "decoder"]
+
+
+@pytest.mark.parametrize("arch", DENSE_DECODERS, ids=[a.name for a in DENSE_DECODERS])
+def test_an_estimate_taken_to_more_rows_predicts_what_a_new_estimate_does(arch):
+    """The run ranks micro-batches from its one estimate scaled to each micro-batch's rows (no new fake forward):
+    every candidate's predicted peak and saved bytes agree with an estimate made at that batch within 1%, FLOPs
+    exactly (the rotary tables the blocks share are per sequence, and scaled anyway: the only difference)."""
+    model = arch.build()
+    two, four = memory.estimate(model, 2, 32), memory.estimate(model, 4, 32)
+    scaled = throughput.at_rows(two, 4)
+    assert throughput.at_rows(two, 2) is two
+    assert (scaled.batch_size, scaled.block_flops, scaled.outside_flops) == (4, four.block_flops, four.outside_flops)
+    n = four.num_blocks
+    for pattern, selective in (((False,) * n, False), ((True,) * n, False), ((True,) * n, True), (planner.spread(1, n), False)):
+        assert planner.predict_peak(scaled, pattern, selective)[0] == pytest.approx(
+            planner.predict_peak(four, pattern, selective)[0], rel=0.01)
+        assert scaled.saved_bytes(pattern, selective) == pytest.approx(four.saved_bytes(pattern, selective), rel=0.01)

@@ -1337,6 +1337,34 @@ RULES += (
         stages=("runtime",),
         level="info",
     ),
+    Rule(
+        id="batch-advice",
+        title="the micro-batch and accumulation predicted fastest at the same effective batch",
+        kind="plan",
+        setting="per_device_train_batch_size",
+        value=None,
+        when=_at_runtime,
+        condition=(
+            "a memory plan was made (`memory-plan`) and the arguments give `per_device_train_batch_size` and "
+            "`gradient_accumulation_steps`: every micro-batch that divides the effective batch per device is planned "
+            "under the same budget (the plan's estimate scaled to its rows, no new forward) and ranked by predicted "
+            "tokens per second (`throughput.rank`)"
+        ),
+        message=(
+            "Whether a larger micro-batch with more checkpointing or a smaller one with less (and more accumulation) "
+            "trains faster depends on the model and the device. The plugin records the ranking and names the "
+            "fastest; it never changes the batch: set `per_device_train_batch_size` and `gradient_accumulation_steps` "
+            "to take the advice."
+        ),
+        evidence=(
+            "benchmarks/throughput.py (the pick was the fastest of six measured micro-batch x plan pairs in three "
+            "runs on CPU)",
+            "https://github.com/huggingface/transformers/issues/29648",
+        ),
+        remove_when="the Trainer or accelerate chooses the micro-batch against a memory budget itself",
+        stages=("runtime",),
+        level="info",
+    ),
 )
 
 

@@ -33,6 +33,7 @@ class MemoryPlan:
         self.budget = budget
         self.comparison: Any = None
         self._hook: Any = None
+        self._grad_share = 1.0
 
     def install(self, model: Any) -> None:
         """Plan at the first training forward (a one-shot pre-hook, gone after it ran), from the batch it really runs
@@ -56,11 +57,14 @@ class MemoryPlan:
                     if not (seq and batch):
                         self.session.record([self._skipped("the first forward's input shape could not be read")])
                         return
-                    self._plan(model, batch, seq)
+                    planned = self._plan(model, batch, seq)
+                    if planned is not None:
+                        self._advise_safely(model, *planned)
                     return
                 keywords = _call_keywords(f_kwargs)
                 planned = self._plan(model, *planned_shape(args, shape), forward_kwargs=keywords)
                 if planned is not None:
+                    self._advise_safely(model, *planned)
                     self._start_check(model, base, planned, shape, keywords)
             except GCConfigError:
                 raise
@@ -86,6 +90,7 @@ class MemoryPlan:
         grad_fraction = self._grad_fraction(model)
         if grad_fraction is None:
             return None
+        self._grad_share = grad_fraction
         use_reentrant = probe.model_use_reentrant(model)
         try:
             budget = budget_bytes(self.budget, model)
@@ -106,6 +111,69 @@ class MemoryPlan:
         if not self._apply_plan(model, plan, decisions, use_reentrant):
             return None
         return estimate, plan
+
+    def _advise_safely(self, model: Any, estimate: Any, plan: Any) -> None:
+        try:
+            self._advise(model, estimate, plan)
+        except Exception as exc:  # a plugin bug never stops training; the plan stands
+            why = f"No batch advice ({type(exc).__name__}: {exc}); the memory plan stands."
+            self.session.record([runtime_decision(get_rule("batch-advice"), "none", None, None, why, level="warning")])
+
+    def _advise(self, model: Any, estimate: Any, plan: Any) -> None:
+        """Rank every micro-batch that divides the effective batch per device under the plan's budget (rule
+        `batch-advice`; `throughput.rank` on the plan's estimate scaled to each micro-batch's rows, no new forward)
+        and record the ranking. Advice only: the batch is never changed. Skipped where the arguments give no batch
+        size and accumulation, or the planned rows are not a multiple of the batch size (packed rows)."""
+        from . import throughput
+
+        args = self.session.args
+        per_device = getattr(args, "per_device_train_batch_size", None)
+        accumulation = getattr(args, "gradient_accumulation_steps", None)
+        if not (_positive_int(per_device) and _positive_int(accumulation)) or estimate.batch_size % per_device:
+            return
+        rows_per_example = estimate.batch_size // per_device
+        effective = per_device * accumulation
+        options = throughput.rank(
+            lambda mb: throughput.at_rows(estimate, mb * rows_per_example),
+            effective,
+            plan.budget,
+            allow_selective=self._selective_allowed(model),
+            allow_offload=probe.accelerator_available(),
+            device=_device_kind(model),
+            grad_fraction=self._grad_share,
+        )
+        current = next(o for o in options if o.micro_batch == per_device)
+        best = options[0]
+
+        def what(o: Any) -> str:
+            return f"micro-batch {o.micro_batch} x accumulation {o.accumulation} ({o.plan.summary() if o.fits else 'nothing fits'})"
+
+        if best.micro_batch == per_device:
+            reason = (
+                f"The batch as set, {what(current)}, is predicted the fastest way to {effective} rows per device per "
+                f"optimizer step under the budget ({len(options)} micro-batches ranked)."
+            )
+        else:
+            gain = current.cost / best.cost if current.fits else float("inf")
+            reason = (
+                f"Predicted faster at the same effective batch ({effective} rows per device): {what(best)}, "
+                + (f"{gain:.2f}x the tokens per second of " if current.fits else "where nothing fits for ")
+                + f"the batch as set, {what(current)}. The plugin applies only the checkpointing plan: to take the "
+                f"advice, set per_device_train_batch_size={best.micro_batch} and "
+                f"gradient_accumulation_steps={best.accumulation} (a prediction of the cost model, not a measurement)."
+            )
+
+        def row(o: Any) -> dict[str, Any]:
+            return {
+                "micro_batch": o.micro_batch,
+                "accumulation": o.accumulation,
+                "plan": o.plan.name if o.fits else None,
+                "relative_speed": round(o.relative_speed, 4),
+            }
+
+        ranking = [row(o) for o in options]
+        after = {**row(best), "ranking": ranking}
+        self.session.record([runtime_decision(get_rule("batch-advice"), "none", row(current), after, reason)])
 
     def _grad_fraction(self, model: Any) -> float | None:
         """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 (gradients
@@ -319,6 +387,17 @@ def _call_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
         and not isinstance(v, torch.Tensor)
         and (v is None or isinstance(v, bool | int | float | str))
     }
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _device_kind(model: Any) -> str:
+    """`cuda` when the model's first parameter is on an accelerator (the cost constants), else `cpu`."""
+    for parameter in model.parameters():
+        return "cpu" if parameter.device.type == "cpu" else "cuda"
+    return "cpu"
 
 
 class _Once:

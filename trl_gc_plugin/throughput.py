@@ -19,6 +19,7 @@ torch and transformers are imported inside the functions only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,41 @@ def micro_batches(effective_batch: int, largest: int | None = None) -> list[int]
     return [m for m in range(1, top + 1) if effective_batch % m == 0]
 
 
+def at_rows(est: ActivationEstimate, rows: int) -> ActivationEstimate:
+    """`est` taken to `rows` rows of the same length: every figure that grows with the rows (activations, the loss
+    head's buffers, the gradient buffers of a block's backward, FLOPs, bytes written) in proportion; the parameters'
+    gradients and the number of ops stay. Free (no fake forward), so the run can rank micro-batches at the cost of
+    arithmetic. Exact where a tensor has a batch dimension (eager attention's scores and a padding mask included);
+    the rotary tables the blocks share are per sequence, not per row, and are scaled too: a few KiB per block, on the
+    safe side for a larger micro-batch."""
+    if rows == est.batch_size:
+        return est
+    k = rows / max(est.batch_size, 1)
+
+    def times(values: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(round(v * k) for v in values)
+
+    return dataclasses.replace(
+        est,
+        saved=times(est.saved),
+        inputs=times(est.inputs),
+        input_saved=times(est.input_saved),
+        selective=times(est.selective),
+        shared=round(est.shared * k),
+        kwargs_bytes=round(est.kwargs_bytes * k),
+        outside=round(est.outside * k),
+        logits_bytes=round(est.logits_bytes * k),
+        loss_buffer_bytes=round(est.loss_buffer_bytes * k),
+        transient_bytes=round(est.transient_bytes * k),
+        block_flops=times(est.block_flops),
+        matmul_flops=times(est.matmul_flops),
+        other_bytes=times(est.other_bytes),
+        outside_flops=round(est.outside_flops * k),
+        batch_size=rows,
+        method=f"{est.method}, scaled from {est.batch_size} to {rows} rows",
+    )
+
+
 def rank(
     estimate_at: Callable[[int], ActivationEstimate],
     effective_batch: int,
@@ -126,4 +162,4 @@ def rank(
     return sorted(ranked, key=lambda o: (-o.relative_speed, -o.micro_batch))
 
 
-__all__ = ["MICROSTEP_OVERHEAD", "Option", "micro_batches", "rank"]
+__all__ = ["MICROSTEP_OVERHEAD", "Option", "at_rows", "micro_batches", "rank"]
