@@ -23,6 +23,12 @@ from .session import Session, runtime_decision
 
 State = dict[str, Any]
 
+NOT_MODEL_STATE = frozenset({"applied_pre_backward_ref_cnt"})
+"""Number attributes other libraries keep on the modules for their own bookkeeping, which a recompute legitimately
+changes again (not the model's state). DeepSpeed ZeRO-3 counts its pre-backward hooks on every module it partitions
+(`deepspeed/runtime/zero/parameter_offload.py`, read in 0.19.8): without this, every ZeRO-3 run with checkpointing
+was warned of replayed state. Its other attributes start with `ds_`, skipped like private ones."""
+
 
 def read_state(base: Any) -> State:
     """Per checkpointing block: `<module>.<buffer>` -> (version, sum) and `<module>.<attribute>` -> number."""
@@ -39,7 +45,7 @@ def read_state(base: Any) -> State:
         for sub_name, module in block.named_modules():
             where = f"{prefix}.{sub_name}" if sub_name else prefix
             for key, value in vars(module).items():
-                if key.startswith(("_", "ds_")) or isinstance(value, bool):
+                if key.startswith(("_", "ds_")) or key in NOT_MODEL_STATE or isinstance(value, bool):
                     continue
                 if isinstance(value, numbers.Number):
                     state[f"{where}.{key}"] = value
