@@ -140,11 +140,6 @@ def first_sentence(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def decisions_path(output_dir: str | os.PathLike[str] | None) -> str | None:
-    """Where `write_decisions` puts the file for `output_dir`."""
-    return os.path.join(os.fspath(output_dir), DECISIONS_FILE) if output_dir else None
-
-
 def write_decisions(decisions: list[Decision], output_dir: str | os.PathLike[str] | None) -> str | None:
     """Write `decisions` to `<output_dir>/gc_decisions.json`; returns the path, or None when there is no output
     directory. The directory is never created here: the Trainer creates it on the process that saves, and where it

@@ -92,8 +92,6 @@ class Facts:
             sharing, `num_kv_shared_layers`); None unknown.
         deepspeed_activation_checkpointing: the DeepSpeed config's `activation_checkpointing` block sets one of
             DeepSpeed's keys to a truthy value (`_deepspeed`, the reading the check shares).
-        gc_running_blocks: how many blocks really checkpoint (live flags, train mode), None before checkpointing is
-            enabled.
         fsdp_wrapped: FSDP was asked for and accelerate's state says whether it is applied (True) or not (False:
             accelerate fell back to DDP, e.g. on CPU); None when FSDP is not asked for or the state is not known yet.
             When False, `fsdp` is False too: the run is treated as the DDP run it is.
@@ -161,7 +159,6 @@ class Facts:
     dropout: bool | None = None
     shared_state_layers: bool | None = None
     deepspeed_activation_checkpointing: bool = False
-    gc_running_blocks: int | None = None
     fsdp_wrapped: bool | None = None
     fsdp_version: int | None = None
     shared_block_params: bool | None = None

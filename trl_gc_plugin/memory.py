@@ -28,8 +28,6 @@ from typing import Any
 
 from . import ckpt, probe
 
-OUTSIDE = "<outside>"
-
 # --- the selective policy ----------------------------------------------------------------------------------------
 
 # aten packets whose outputs selective checkpointing keeps: the matmuls (nn.Linear lowers to mm/addmm below

@@ -224,20 +224,9 @@ def uninstall() -> None:
     unpatch_enable()
 
 
-def installed_budget() -> str | int | None:
-    """The memory budget `install()` was given (None when none, or not installed)."""
-    return _state["budget"]
-
-
 def installed_settings() -> dict[str, Any]:
     """What `install()` was given (the mode and the budget), for `GCSettings.resolve`; empty when not installed."""
     return {"mode": _state["mode"], "memory_budget": _state["budget"]} if is_installed() else {}
-
-
-def installed_mode() -> Mode | None:
-    """The mode `install()` (or `TRL_GC_PLUGIN=1`) was given, when installed: the callbacks it registers, and any
-    `SafeGCCallback(mode=None)`, use it."""
-    return _state["mode"]
 
 
 def is_installed() -> bool:

@@ -43,9 +43,11 @@ from .memory import ActivationEstimate, is_selective, selective_context
 RULE_ID = "memory-plan"
 
 # FLOP-equivalents per byte written by a memory-bound op, and per aten op run under the selective policy (a Python
-# call and a dispatch-mode round trip), by device type; fitted to the step times of `benchmarks/planner.py` (CPU:
-# Llama hidden 512; H100: hidden 512 and a 4-layer 7B-shaped Llama). See the module docstring.
-BALANCE = {"cpu": 170.0, "cuda": 500.0}
+# call and a dispatch-mode round trip), by device type. CPU balance: refitted by `benchmarks/fit_balance.py` (the
+# measured selective/full recompute ratio of the CPU benchmark model at 256, 512 and 1024 tokens: 18.5, 58.7 and
+# 21.9, median 21.9; the earlier 170 came from runs at a load average of 5-7, where memory-bound ops slow down most).
+# CUDA: fitted to the H100 step times of `benchmarks/planner.py` (hidden 512 and a 4-layer 7B-shaped Llama).
+BALANCE = {"cpu": 22.0, "cuda": 500.0}
 OP_OVERHEAD = {"cpu": 1e6, "cuda": 3e9}
 
 _UNITS = {

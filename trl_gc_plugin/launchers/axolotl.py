@@ -53,7 +53,6 @@ PLUGIN = "trl_gc_plugin.integrations.axolotl.SafeGCPlugin"
 """The `plugins:` entry of the plugin's Axolotl integration (`trl_gc_plugin/integrations/axolotl.py`)."""
 SRC = f"https://github.com/axolotl-ai-cloud/axolotl/blob/{COMMIT}/src/axolotl/"
 VALIDATION = SRC + "utils/schemas/validation.py"
-NORMALIZE = SRC + "utils/config/__init__.py"
 
 
 def _src(file: str, first: int, last: int, what: str) -> str:
