@@ -374,3 +374,16 @@ def test_importing_the_planner_imports_neither_torch_nor_transformers():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_zero3_gathered_parameters_add_to_every_phase_but_the_end():
+    """Under DeepSpeed ZeRO-3 a block's parameters are gathered whole while it computes (and the next block's are
+    prefetched): the run sets `gathered_bytes`, which every phase holds besides the activations, except the end of the
+    backward, when the gathered parameters are released."""
+    import dataclasses
+
+    est = memory.estimate(make_config(num_hidden_layers=LAYERS), BATCH, SEQ, dtype=torch.float32)
+    more = dataclasses.replace(est, gathered_bytes=12345)
+    for pattern in ((False,) * LAYERS, (True,) * LAYERS, planner.spread(1, LAYERS)):
+        before, after = planner.predict_peak(est, pattern)[2], planner.predict_peak(more, pattern)[2]
+        assert {k: after[k] - before[k] for k in before} == {k: 0 if k == "end" else 12345 for k in before}

@@ -51,6 +51,7 @@ Each rank appends one JSON line per scenario to OUTDIR/results-rank<R>.jsonl.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -246,7 +247,13 @@ def run_trainer(out: str, scenario: str) -> dict:
         from trl_gc_plugin import memory, planner
 
         est = memory.estimate(model, 2, 16)  # the Trainer's batch: 2 rows of the 16-token tokenized dataset
-        n, share = est.num_blocks, 1.0 / dist.get_world_size() if stage == "2" else 1.0
+        n, share = est.num_blocks, 1.0 / dist.get_world_size() if stage in ("2", "3") else 1.0
+        if stage == "3":  # the parameters ZeRO-3 gathers whole while a block or the head computes
+            from trl_gc_plugin.runtime_plan import gathered_bytes
+
+            whole = [sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in memory.named_blocks(model)]
+            head = sum(p.numel() * p.element_size() for p in model.get_output_embeddings().parameters())
+            est = dataclasses.replace(est, gathered_bytes=gathered_bytes(whole, head))
         peaks = [planner.predict_peak(est, (on,) * n, grad_fraction=share)[0] for on in (False, True)]
         callbacks = [SafeGCCallback(mode="strict", memory_budget=sum(peaks) // 2)]
     else:
@@ -280,6 +287,7 @@ def run_trainer(out: str, scenario: str) -> dict:
     result["running"] = model_use_reentrant(model)
     if callbacks:
         result["decisions"] = [[d.rule_id, d.action] for d in callbacks[0].decisions]
+        result["warnings"] = [d.reason for d in callbacks[0].decisions if d.level in ("warning", "error")]
         result["plans"] = [[d.after["plan"], d.after["estimate"]["grad_fraction"]] for d in callbacks[0].decisions
                            if d.rule_id == "memory-plan" and isinstance(d.after, dict) and "estimate" in d.after]
     if trainer is not None and result["outcome"] == "trained":

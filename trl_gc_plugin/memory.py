@@ -210,6 +210,14 @@ def _leaves(obj: Any) -> list[Any]:
     return [t for t in torch.utils._pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
+def _is_parameter(tensor: Any) -> bool:
+    """A parameter, or a view of one (`mm` saves `t(W)`): excluded by what it is as well as by storage, because
+    DeepSpeed ZeRO-3 gives a parameter a new storage each time it gathers it."""
+    import torch
+
+    return isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+
+
 class _Counter:
     """The shared state of one metering: where the forward is, what was seen, what was counted."""
 
@@ -241,7 +249,7 @@ class _Counter:
     def pack(self, tensor: Any) -> Any:
         import torch
 
-        if isinstance(tensor, torch.Tensor):
+        if isinstance(tensor, torch.Tensor) and not _is_parameter(tensor):
             key = storage_key(tensor)
             if key not in self.exclude and key not in self.seen:
                 self.seen[key] = tensor.untyped_storage()
@@ -365,7 +373,10 @@ def meter(model: Any, *, would_keep: bool = False) -> Iterator[SavedBytes]:
 
     base = probe.unwrap(model)
     blocks = named_blocks(base)
-    exclude = {storage_key(p) for p in base.parameters()} | {storage_key(b) for b in base.buffers()}
+    # a ZeRO-3 parameter (`ds_shape`) gets a new storage at every gather and release: its key now could be an
+    # activation's later (the address reused), so such parameters are excluded by what they are (`_is_parameter`) only
+    exclude = {storage_key(p) for p in base.parameters() if not hasattr(p, "ds_shape")}
+    exclude |= {storage_key(b) for b in base.buffers()}
     counter = _Counter([n for n, _ in blocks], exclude)
     handles = []
     selective = [b for _, b in blocks if getattr(b, ckpt.FLAG, False) and is_selective(getattr(b, ckpt.FUNC, None))]
@@ -513,6 +524,9 @@ class ActivationEstimate:
         method (`str`): `config` (two blocks built from the config, extrapolated) or `model` (fake copy of the live
             model); with the reason when the copy could not be made.
         measured_blocks (`int`): how many blocks the fake forward ran.
+        gathered_bytes (`int`): parameters held whole besides the activations while a block or the loss head
+            computes: 0, except under DeepSpeed ZeRO-3, which gathers each module's partitioned parameters for its
+            forward and backward (set by the run, `runtime_plan.zero3_gathered_bytes`).
     """
 
     blocks: tuple[str, ...]
@@ -540,6 +554,7 @@ class ActivationEstimate:
     attn_implementation: str
     method: str
     measured_blocks: int
+    gathered_bytes: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -814,6 +829,7 @@ def _fake_copy(base: Any, fake_mode: Any) -> Any:
     from torch._subclasses.fake_tensor import FakeCopyMode
 
     memo: dict[int, Any] = {}
+    _whole_partitioned(base, fake_mode, memo)
     for module in base.modules():
         for name in _HOOK_DICTS:
             hooks = getattr(module, name, None)
@@ -835,6 +851,20 @@ def _fake_copy(base: Any, fake_mode: Any) -> Any:
         if fake_embeddings is not None:
             fake_embeddings.register_forward_hook(_require_grad_hook)
     return fake
+
+
+def _whole_partitioned(base: Any, fake_mode: Any, memo: dict[int, Any]) -> None:
+    """Put in `memo` a fake parameter of the whole shape for each parameter DeepSpeed ZeRO-3 partitioned (`ds_shape`;
+    the rank holds an empty placeholder between gathers): the copy then runs the layout the real forward gathers."""
+    import torch
+
+    for p in base.parameters():
+        shape = getattr(p, "ds_shape", None)
+        if shape is None or tuple(p.shape) == tuple(shape):
+            continue
+        with fake_mode:
+            whole = torch.empty(tuple(shape), dtype=p.dtype, device=p.device)
+        memo[id(p)] = torch.nn.Parameter(whole, requires_grad=p.requires_grad)
 
 
 def _rebound(value: Any, memo: dict[int, Any], depth: int) -> Any:

@@ -255,7 +255,7 @@ def predict_peak(
     scale = 0.0 if grads_preallocated else grad_fraction
     grads = [round(g * scale) for g in est.grad_bytes]
     head = round(est.head_grad_bytes * scale)
-    phases = {"loss head": saved + alive + 2 * est.loss_buffer_bytes}
+    phases = {"loss head": saved + alive + 2 * est.loss_buffer_bytes + est.gathered_bytes}
     below = sum(kept)
     grads_after = head
     for i in reversed(range(n)):
@@ -266,7 +266,9 @@ def predict_peak(
                 rebuilt += est.inputs[i]
         else:
             rebuilt = 0
-        phases[f"block {i}"] = below + rebuilt + est.kwargs_bytes + grads_after + est.transient_bytes
+        phases[f"block {i}"] = (
+            below + rebuilt + est.kwargs_bytes + grads_after + est.transient_bytes + est.gathered_bytes
+        )
         below -= kept[i]
     phases["end"] = grads_after + round(est.embedding_grad_bytes * (0.0 if grads_preallocated else grad_fraction))
     where = max(phases, key=lambda k: phases[k])

@@ -95,6 +95,9 @@ class MemoryPlan:
         try:
             budget = budget_bytes(self.budget, model)
             estimate = memory.estimate(model, batch, seq, forward_kwargs=forward_kwargs)
+            gathered = zero3_gathered_bytes(model)
+            if gathered:
+                estimate = dataclasses.replace(estimate, gathered_bytes=gathered)
             plan = planner.plan(
                 estimate,
                 budget,
@@ -176,16 +179,17 @@ class MemoryPlan:
         self.session.record([runtime_decision(get_rule("batch-advice"), "none", row(current), after, reason)])
 
     def _grad_fraction(self, model: Any) -> float | None:
-        """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 (gradients
-        partitioned over the N ranks, parameters whole, so the estimate runs on the model as it is). None, with a
-        skipped decision, where the parameters themselves are partitioned (ZeRO-3, FSDP1): not planned."""
+        """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 and ZeRO-3
+        (gradients partitioned over the N ranks; under ZeRO-3 the estimate runs the parameters' whole shapes and the
+        peak adds those gathered while a block computes, `zero3_gathered_bytes`). None, with a skipped decision,
+        under FSDP1 (flat parameters sharded across ranks): not planned."""
         args = self.session.args
         sharded = verify.gradients_are_sharded(args, model)
         if not sharded:
             return 1.0
         stage = probe.zero_stage(args)
-        if stage in (1, 2) and probe.deepspeed_facts(args) is not None:
-            return 1.0 / report_world_size(args) if stage == 2 else 1.0
+        if stage in (1, 2, 3) and probe.deepspeed_facts(args) is not None:
+            return 1.0 / report_world_size(args) if stage in (2, 3) else 1.0
         self.session.record([self._skipped(f"not planned under sharding ({sharded})")])
         return None
 
@@ -387,6 +391,34 @@ def _call_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
         and not isinstance(v, torch.Tensor)
         and (v is None or isinstance(v, bool | int | float | str))
     }
+
+
+def zero3_gathered_bytes(model: Any) -> int:
+    """Under DeepSpeed ZeRO-3, the parameters held whole besides the activations: while a block computes, its own and
+    the next block's (DeepSpeed prefetches them); while the loss head does, the head's and the last block's. 0 for a
+    model without partitioned parameters (`ds_numel`)."""
+    from . import memory
+
+    base = probe.unwrap(model)
+
+    def whole(module: Any) -> int:
+        return sum(int(getattr(p, "ds_numel", 0) or 0) * p.element_size() for p in module.parameters())
+
+    blocks = [whole(block) for _, block in memory.named_blocks(base)]
+    if not any(blocks):
+        return 0
+    try:
+        head_module = base.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        head_module = None
+    return gathered_bytes(blocks, whole(head_module) if head_module is not None else 0)
+
+
+def gathered_bytes(blocks: list[int], head: int) -> int:
+    """The parameters ZeRO-3 holds whole at once, from each block's and the head's whole parameter bytes: a block's
+    and the next one's (prefetched), or the head's and the last block's. A model of DeepSpeed's prefetching
+    (`stage3_prefetch_bucket_size`), not a measurement: it bounds the common case from above."""
+    return max(2 * max(blocks), head + blocks[-1]) if blocks else 0
 
 
 def _positive_int(value: Any) -> bool:

@@ -27,10 +27,10 @@ from typing import Any
 from .memory import ActivationEstimate
 from .planner import BALANCE, Candidate, forward_cost, plan
 
-MICROSTEP_OVERHEAD = {"cpu": 6.7e9, "cuda": 1.2e13}
+MICROSTEP_OVERHEAD = {"cpu": 7.0e9, "cuda": 1.2e13}
 """FLOP-equivalents one micro-step costs besides its FLOPs (launches, Python, the data step), by device. CPU: fitted
 by least squares to `benchmarks/throughput.py`'s step times (micro-batches 1, 2, 4 of the CPU benchmark model at
-256 tokens, with and without checkpointing: 6.66e9, 37 ms a micro-step). CUDA: from the H100 figure of
+256 tokens, with and without checkpointing: 7.03e9 with the cost model's CPU balance of 22, 68 ms a micro-step). CUDA: from the H100 figure of
 `benchmarks/planner.py` (the benchmark model's step, 29 ms without checkpointing, is launch-bound: its FLOPs take about
 1 ms), not fitted across micro-batches: no GPU was lent for it."""
 
