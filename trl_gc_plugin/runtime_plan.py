@@ -116,67 +116,27 @@ class MemoryPlan:
         return estimate, plan
 
     def _advise_safely(self, model: Any, estimate: Any, plan: Any) -> None:
-        try:
-            self._advise(model, estimate, plan)
-        except Exception as exc:  # a plugin bug never stops training; the plan stands
-            why = f"No batch advice ({type(exc).__name__}: {exc}); the memory plan stands."
-            self.session.record([runtime_decision(get_rule("batch-advice"), "none", None, None, why, level="warning")])
-
-    def _advise(self, model: Any, estimate: Any, plan: Any) -> None:
-        """Rank every micro-batch that divides the effective batch per device under the plan's budget (rule
-        `batch-advice`; `throughput.rank` on the plan's estimate scaled to each micro-batch's rows, no new forward)
-        and record the ranking. Advice only: the batch is never changed. Skipped where the arguments give no batch
-        size and accumulation, or the planned rows are not a multiple of the batch size (packed rows)."""
+        """Record the batch advice for this plan (`throughput.advice_decision`); skipped where the arguments give no
+        batch size and accumulation, or the planned rows are not a multiple of the batch size (packed rows)."""
         from . import throughput
 
         args = self.session.args
-        per_device = getattr(args, "per_device_train_batch_size", None)
-        accumulation = getattr(args, "gradient_accumulation_steps", None)
-        if not (_positive_int(per_device) and _positive_int(accumulation)) or estimate.batch_size % per_device:
-            return
-        rows_per_example = estimate.batch_size // per_device
-        effective = per_device * accumulation
-        options = throughput.rank(
-            lambda mb: throughput.at_rows(estimate, mb * rows_per_example),
-            effective,
-            plan.budget,
-            allow_selective=self._selective_allowed(model),
-            allow_offload=probe.accelerator_available(),
-            device=_device_kind(model),
-            grad_fraction=self._grad_share,
-        )
-        current = next(o for o in options if o.micro_batch == per_device)
-        best = options[0]
-
-        def what(o: Any) -> str:
-            return f"micro-batch {o.micro_batch} x accumulation {o.accumulation} ({o.plan.summary() if o.fits else 'nothing fits'})"
-
-        if best.micro_batch == per_device:
-            reason = (
-                f"The batch as set, {what(current)}, is predicted the fastest way to {effective} rows per device per "
-                f"optimizer step under the budget ({len(options)} micro-batches ranked)."
+        try:
+            decision = throughput.advice_decision(
+                estimate,
+                plan.budget,
+                getattr(args, "per_device_train_batch_size", None),
+                getattr(args, "gradient_accumulation_steps", None),
+                allow_selective=self._selective_allowed(model),
+                allow_offload=probe.accelerator_available(),
+                device=_device_kind(model),
+                grad_fraction=self._grad_share,
             )
-        else:
-            gain = current.cost / best.cost if current.fits else float("inf")
-            reason = (
-                f"Predicted faster at the same effective batch ({effective} rows per device): {what(best)}, "
-                + (f"{gain:.2f}x the tokens per second of " if current.fits else "where nothing fits for ")
-                + f"the batch as set, {what(current)}. The plugin applies only the checkpointing plan: to take the "
-                f"advice, set per_device_train_batch_size={best.micro_batch} and "
-                f"gradient_accumulation_steps={best.accumulation} (a prediction of the cost model, not a measurement)."
-            )
-
-        def row(o: Any) -> dict[str, Any]:
-            return {
-                "micro_batch": o.micro_batch,
-                "accumulation": o.accumulation,
-                "plan": o.plan.name if o.fits else None,
-                "relative_speed": round(o.relative_speed, 4),
-            }
-
-        ranking = [row(o) for o in options]
-        after = {**row(best), "ranking": ranking}
-        self.session.record([runtime_decision(get_rule("batch-advice"), "none", row(current), after, reason)])
+            if decision is not None:
+                self.session.record([decision])
+        except Exception as exc:  # a plugin bug never stops training; the plan stands
+            why = f"No batch advice ({type(exc).__name__}: {exc}); the memory plan stands."
+            self.session.record([runtime_decision(get_rule("batch-advice"), "none", None, None, why, level="warning")])
 
     def _grad_fraction(self, model: Any) -> float | None:
         """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 and ZeRO-3
@@ -419,10 +379,6 @@ def gathered_bytes(blocks: list[int], head: int) -> int:
     and the next one's (prefetched), or the head's and the last block's. A model of DeepSpeed's prefetching
     (`stage3_prefetch_bucket_size`), not a measurement: it bounds the common case from above."""
     return max(2 * max(blocks), head + blocks[-1]) if blocks else 0
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _device_kind(model: Any) -> str:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .decisions import Decision
 from .memory import ActivationEstimate
 from .planner import BALANCE, Candidate, forward_cost, plan
 
@@ -162,4 +163,70 @@ def rank(
     return sorted(ranked, key=lambda o: (-o.relative_speed, -o.micro_batch))
 
 
-__all__ = ["MICROSTEP_OVERHEAD", "Option", "at_rows", "micro_batches", "rank"]
+def advice_decision(
+    estimate: ActivationEstimate,
+    budget_bytes: int,
+    per_device: Any,
+    accumulation: Any,
+    **rank_kwargs: Any,
+) -> Decision | None:
+    """The run's batch advice (rule `batch-advice`, info, never applied): every micro-batch that divides the effective
+    batch per device (`per_device` x `accumulation`), ranked under the plan's budget from the plan's `estimate` scaled
+    to each micro-batch's rows (`at_rows`: no new forward). `estimate.batch_size` may be a multiple of `per_device`
+    (DPO's chosen and rejected rows): micro-batches count examples, as the batch size does. None where the batch size
+    or the accumulation is not a positive integer, or the rows are not a multiple of the batch size (packed rows).
+
+    Args:
+        estimate (`ActivationEstimate`): what the plan was made from.
+        budget_bytes (`int`): the plan's budget.
+        per_device, accumulation: `per_device_train_batch_size` and `gradient_accumulation_steps`.
+        **rank_kwargs: `allow_selective`, `allow_offload`, `device`, `grad_fraction`, as `rank`'s.
+    """
+    from .rules import get_rule
+
+    if not (_positive_int(per_device) and _positive_int(accumulation)) or estimate.batch_size % per_device:
+        return None
+    rows = estimate.batch_size // per_device
+    effective = per_device * accumulation
+    options = rank(lambda mb: at_rows(estimate, mb * rows), effective, budget_bytes, **rank_kwargs)
+    current = next(o for o in options if o.micro_batch == per_device)
+    best = options[0]
+    if best.micro_batch == per_device:
+        reason = (
+            f"The batch as set, {_said(current)}, is predicted the fastest way to {effective} rows per device per "
+            f"optimizer step under the budget ({len(options)} micro-batches ranked)."
+        )
+    else:
+        reason = (
+            f"Predicted faster at the same effective batch ({effective} rows per device): {_said(best)}, "
+            + (
+                f"{current.cost / best.cost:.2f}x the tokens per second of "
+                if current.fits
+                else "where nothing fits for "
+            )
+            + f"the batch as set, {_said(current)}. The plugin applies only the checkpointing plan: to take the "
+            f"advice, set per_device_train_batch_size={best.micro_batch} and "
+            f"gradient_accumulation_steps={best.accumulation} (a prediction of the cost model, not a measurement)."
+        )
+    after = {**_row(best), "ranking": [_row(o) for o in options]}
+    return Decision.from_rule(get_rule("batch-advice"), "none", _row(current), after, "runtime", reason, "train")
+
+
+def _said(o: Option) -> str:
+    return f"micro-batch {o.micro_batch} x accumulation {o.accumulation} ({o.plan.summary() if o.plan else 'nothing fits'})"
+
+
+def _row(o: Option) -> dict[str, Any]:
+    return {
+        "micro_batch": o.micro_batch,
+        "accumulation": o.accumulation,
+        "plan": o.plan.name if o.plan else None,
+        "relative_speed": round(o.relative_speed, 4),
+    }
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+__all__ = ["MICROSTEP_OVERHEAD", "Option", "advice_decision", "at_rows", "micro_batches", "rank"]
