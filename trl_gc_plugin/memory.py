@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -584,6 +585,23 @@ class ActivationEstimate:
     def _check(self, pattern: tuple[bool, ...] | list[bool]) -> None:
         if len(pattern) != self.num_blocks:
             raise ValueError(f"a pattern for {self.num_blocks} blocks has {len(pattern)} entries")
+
+    def blocks_times(self, factor: float, **changes: Any) -> ActivationEstimate:
+        """This estimate with every per-block saved figure (and the bytes shared across blocks) times `factor`, and
+        `changes` (`dataclasses.replace` keywords)."""
+
+        def scale(values: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(round(v * factor) for v in values)
+
+        return dataclasses.replace(
+            self,
+            saved=scale(self.saved),
+            inputs=scale(self.inputs),
+            input_saved=scale(self.input_saved),
+            selective=scale(self.selective),
+            shared=round(self.shared * factor),
+            **changes,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able)."""

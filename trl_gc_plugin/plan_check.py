@@ -113,31 +113,13 @@ def scaled(est: ActivationEstimate, batch_size: int, seq_len: int) -> Activation
     activation with SDPA or flash attention), not for what grows with their square (eager attention's scores, a
     padding mask). A first, free prediction for the check; a miss is confirmed with a real estimate."""
     ratio = (batch_size * seq_len) / max(est.batch_size * est.seq_len, 1)
-    return _blocks_times(
-        est,
+    return est.blocks_times(
         ratio,
         kwargs_bytes=round(est.kwargs_bytes * ratio),
         outside=round(est.outside * ratio),
         batch_size=batch_size,
         seq_len=seq_len,
         method=f"{est.method}, scaled from {est.batch_size} x {est.seq_len} tokens",
-    )
-
-
-def _blocks_times(est: ActivationEstimate, factor: float, **changes: Any) -> ActivationEstimate:
-    """`est` with every per-block figure (and the bytes shared across blocks) times `factor`, and `changes`."""
-
-    def scale(values: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(round(v * factor) for v in values)
-
-    return dataclasses.replace(
-        est,
-        saved=scale(est.saved),
-        inputs=scale(est.inputs),
-        input_saved=scale(est.input_saved),
-        selective=scale(est.selective),
-        shared=round(est.shared * factor),
-        **changes,
     )
 
 
@@ -157,8 +139,7 @@ def corrected(planned: ActivationEstimate, comparison: Comparison) -> Activation
         if comparison.outside_predicted > 0
         else round(comparison.outside_measured * tokens)
     )
-    return _blocks_times(
-        planned,
+    return planned.blocks_times(
         blocks,
         outside=outside_bytes,
         method=f"{planned.method}, corrected by the first step (blocks x{blocks:.2f}, outside x{outside:.2f})",

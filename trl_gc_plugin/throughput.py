@@ -19,7 +19,6 @@ torch and transformers are imported inside the functions only.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -95,13 +94,8 @@ def at_rows(est: ActivationEstimate, rows: int) -> ActivationEstimate:
     def times(values: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(round(v * k) for v in values)
 
-    return dataclasses.replace(
-        est,
-        saved=times(est.saved),
-        inputs=times(est.inputs),
-        input_saved=times(est.input_saved),
-        selective=times(est.selective),
-        shared=round(est.shared * k),
+    return est.blocks_times(
+        k,
         kwargs_bytes=round(est.kwargs_bytes * k),
         outside=round(est.outside * k),
         logits_bytes=round(est.logits_bytes * k),
