@@ -26,7 +26,8 @@ A scenario is `<fsdp>-<model>-<gc>-<ac>-<cache>-<plugin>`:
   cache   `model.config.use_cache`: `0` | `1`; `2`: also `TrainingArguments(use_cache=True)` (transformers >= 5
           copies `args.use_cache` into the model config at the end of `Trainer.__init__`)
   plugin  `none` | `strict` | `fix` (SafeGCCallback) | `installed` | `installedfix` (trl_gc_plugin.installed()
-          around the arguments and the trainer)
+          around the arguments and the trainer) | `budget` (strict, a memory budget midway between the predicted
+          peaks of no and full checkpointing)
 
 Each rank appends one JSON line per scenario to OUTDIR/results-rank<R>.jsonl: where it stopped and the outcome,
 what `fsdp_wrapping()` sees at `on_init_end` and `on_train_begin`, the wrapper, the losses, how many trainable
@@ -140,6 +141,23 @@ def full_params(model) -> dict:
             for n, p in model.named_parameters()}
 
 
+def _midway_budget(model) -> int:
+    """Midway between the predicted peaks of no and full checkpointing for this rank under FSDP2 over 2 ranks: half
+    the gradients, and the parameters FSDP2 gathers whole while a block or the head computes (the whole model here:
+    it is wrapped later, by the Trainer)."""
+    import dataclasses
+
+    from trl_gc_plugin import memory, planner
+    from trl_gc_plugin.runtime_plan import gathered_bytes
+
+    est = memory.estimate(model, 2, 16)  # the Trainer's batch: 2 rows of the 16-token tokenized dataset
+    whole = [sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in memory.named_blocks(model)]
+    head = sum(p.numel() * p.element_size() for p in model.get_output_embeddings().parameters())
+    est = dataclasses.replace(est, gathered_bytes=gathered_bytes(whole, head))
+    n = est.num_blocks
+    return sum(planner.predict_peak(est, (on,) * n, grad_fraction=0.5)[0] for on in (False, True)) // 2
+
+
 def run(out: str, scenario: str) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -208,6 +226,8 @@ def run(out: str, scenario: str) -> dict:
     callbacks = [Look()]
     if plugin in ("strict", "fix"):
         callbacks.append(SafeGCCallback(mode=plugin))
+    if plugin == "budget":  # strict, a budget midway between the predicted peaks of no and full checkpointing
+        callbacks.append(SafeGCCallback(mode="strict", memory_budget=_midway_budget(model)))
     scope = contextlib.nullcontext()
     if plugin.startswith("installed"):
         scope = installed(mode="fix" if plugin == "installedfix" else "strict")
@@ -241,6 +261,9 @@ def run(out: str, scenario: str) -> dict:
     result["use_cache"] = model.config.use_cache if hasattr(model, "config") else None
     if len(callbacks) > 1:
         result["decisions"] = [[d.rule_id, d.action] for d in callbacks[1].decisions]
+        result["warnings"] = [d.reason for d in callbacks[1].decisions if d.level in ("warning", "error")]
+        result["plans"] = [[d.after["plan"], d.after["estimate"]["grad_fraction"]] for d in callbacks[1].decisions
+                           if d.rule_id == "memory-plan" and isinstance(d.after, dict) and "estimate" in d.after]
     if trainer is not None and result["outcome"] == "trained":
         result["wrapper"] = type(trainer.model_wrapped).__name__
         result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -59,6 +59,8 @@ PLUGIN = {
 }
 if TF5:
     PLUGIN["v2-full-off-1-2-strict"] = None
+# a memory plan under FSDP2 (issue 22), against the same run without the plugin (full checkpointing)
+PLANS = ["v2-full-false-0-0-budget"]
 PLANNED = ["ddp-full-off-1-0-strict", "ddp-lorahook-true-0-0-strict", "v2-dropout-off-1-0-strict"]
 SCENARIOS = {**UPSTREAM, **PLUGIN}
 FULL = [s for s in SCENARIOS if s.split("-")[1] == "full" and SCENARIOS[s] is None]
@@ -67,7 +69,7 @@ FULL = [s for s in SCENARIOS if s.split("-")[1] == "full" and SCENARIOS[s] is No
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    return out, run_scenarios("fsdp_scenarios.py", out, [*SCENARIOS, *PLANNED])
+    return out, run_scenarios("fsdp_scenarios.py", out, [*SCENARIOS, *PLANNED, *PLANS])
 
 
 def _check(ranks: dict, expected: str | None) -> None:
@@ -242,3 +244,19 @@ def test_what_a_gradient_audit_can_read(results):
     for rank in by["v2-frozenemb-true-0-0-none"].values():
         grads = rank["seen"]["grads"]
         assert grads["grad_none"] == (0 if TF5 else grads["layer_params"]), grads
+
+
+def test_a_memory_plan_under_fsdp2(results):
+    """FSDP2 shards the parameters (DTensors) and their gradients: the plan is made with half the gradients on each of
+    the 2 ranks and the parameters gathered while a block or the head computes (the estimate falls back to the config:
+    FSDP refuses a deep copy), the same on both ranks, with no warning from the first step's check, and the update is
+    that of the same run without the plugin (full checkpointing)."""
+    ranks, full = results[1]["v2-full-false-0-0-budget"], results[1]["v2-full-false-0-0-none"]
+    _check(ranks, None)
+    plans = [rank["plans"] for rank in ranks.values()]
+    assert plans[0] == plans[1] and len(plans[0]) == 1, plans
+    ((name, share),) = plans[0]
+    assert share == 0.5 and name not in ("none", "full"), plans
+    assert all(not rank["warnings"] for rank in ranks.values()), [rank["warnings"] for rank in ranks.values()]
+    for rank, other in zip(ranks.values(), full.values(), strict=True):
+        assert rank["checksums"][0] == rank["checksums"][1] == other["checksums"][0], (rank["checksums"], other)

@@ -526,8 +526,8 @@ class ActivationEstimate:
             model); with the reason when the copy could not be made.
         measured_blocks (`int`): how many blocks the fake forward ran.
         gathered_bytes (`int`): parameters held whole besides the activations while a block or the loss head
-            computes: 0, except under DeepSpeed ZeRO-3, which gathers each module's partitioned parameters for its
-            forward and backward (set by the run, `runtime_plan.zero3_gathered_bytes`).
+            computes: 0, except under DeepSpeed ZeRO-3 and FSDP2, which gather each module's sharded parameters for
+            its forward and backward (set by the run, `runtime_plan.gathered_parameter_bytes`).
     """
 
     blocks: tuple[str, ...]

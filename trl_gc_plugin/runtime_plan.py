@@ -95,7 +95,7 @@ class MemoryPlan:
         try:
             budget = budget_bytes(self.budget, model)
             estimate = memory.estimate(model, batch, seq, forward_kwargs=forward_kwargs)
-            gathered = zero3_gathered_bytes(model)
+            gathered = gathered_parameter_bytes(model)
             if gathered:
                 estimate = dataclasses.replace(estimate, gathered_bytes=gathered)
             plan = planner.plan(
@@ -139,11 +139,13 @@ class MemoryPlan:
             self.session.record([runtime_decision(get_rule("batch-advice"), "none", None, None, why, level="warning")])
 
     def _grad_fraction(self, model: Any) -> float | None:
-        """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 and ZeRO-3
-        (gradients partitioned over the N ranks; under ZeRO-3 the estimate runs the parameters' whole shapes and the
-        peak adds those gathered while a block computes, `zero3_gathered_bytes`). None, with a skipped decision,
-        under FSDP1 (flat parameters sharded across ranks): not planned."""
+        """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 and ZeRO-3 and
+        under FSDP2 (gradients sharded over the N ranks; where the parameters are sharded too, the estimate runs their
+        whole shapes and the peak adds those gathered while a block computes, `gathered_parameter_bytes`). None, with
+        a skipped decision, under FSDP1 (flat parameters sharded across ranks): not planned."""
         args = self.session.args
+        if _fsdp2_sharded(model):
+            return 1.0 / report_world_size(args)
         sharded = verify.gradients_are_sharded(args, model)
         if not sharded:
             return 1.0
@@ -353,16 +355,16 @@ def _call_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def zero3_gathered_bytes(model: Any) -> int:
-    """Under DeepSpeed ZeRO-3, the parameters held whole besides the activations: while a block computes, its own and
-    the next block's (DeepSpeed prefetches them); while the loss head does, the head's and the last block's. 0 for a
-    model without partitioned parameters (`ds_numel`)."""
+def gathered_parameter_bytes(model: Any) -> int:
+    """Under DeepSpeed ZeRO-3 or FSDP2, the parameters held whole besides the activations: while a block computes,
+    its own and the next block's (both prefetch them); while the loss head does, the head's and the last block's. 0 for
+    a model without sharded parameters (ZeRO-3's `ds_numel`, FSDP2's DTensors, whose `numel()` is the whole one)."""
     from . import memory
 
     base = probe.unwrap(model)
 
     def whole(module: Any) -> int:
-        return sum(int(getattr(p, "ds_numel", 0) or 0) * p.element_size() for p in module.parameters())
+        return sum(_sharded_numel(p) * p.element_size() for p in module.parameters())
 
     blocks = [whole(block) for _, block in memory.named_blocks(base)]
     if not any(blocks):
@@ -372,6 +374,27 @@ def zero3_gathered_bytes(model: Any) -> int:
     except (AttributeError, NotImplementedError):
         head_module = None
     return gathered_bytes(blocks, whole(head_module) if head_module is not None else 0)
+
+
+def _sharded_numel(p: Any) -> int:
+    """The whole number of elements of a sharded parameter (ZeRO-3, FSDP2's DTensor), 0 for a whole one."""
+    numel = getattr(p, "ds_numel", None)
+    if numel is not None:
+        return int(numel)
+    return int(p.numel()) if _is_dtensor(p) else 0
+
+
+def _is_dtensor(p: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(p, DTensor)
+
+
+def _fsdp2_sharded(model: Any) -> bool:
+    """FSDP2 (`fully_shard`) shards the parameters as DTensors, and their gradients with them."""
+    return any(_is_dtensor(p) for p in probe.unwrap(model).parameters())
 
 
 def gathered_bytes(blocks: list[int], head: int) -> int:
