@@ -1018,7 +1018,34 @@ def estimate(
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
-    torch_dtype = _dtype_of(dtype)
+    with _quiet_fake_kernels():
+        return _estimate(model_or_config, batch_size, seq_len, _dtype_of(dtype), attn_implementation, forward_kwargs)
+
+
+@contextlib.contextmanager
+def _quiet_fake_kernels() -> Iterator[None]:
+    """torch logs a traceback at error level when a kernel cannot run on fake tensors (`_grouped_mm` takes bf16 only
+    on meta in torch 2.13: Mixtral, Qwen3-MoE in float32), before it raises; the estimate catches the error and says
+    why in one line, so the user's log gets no traceback. The logger's level is restored after."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _estimate(
+    model_or_config: Any,
+    batch_size: int,
+    seq_len: int,
+    torch_dtype: Any,
+    attn_implementation: str | None,
+    forward_kwargs: Mapping[str, Any] | None,
+) -> ActivationEstimate:
     if _is_config(model_or_config):
         config = model_or_config
         if torch_dtype is None:
@@ -1035,6 +1062,6 @@ def estimate(
         fallback = _dtype_of(torch_dtype or (params[0].dtype if params else "float32"))
         attn = attn_implementation or getattr(base.config, "_attn_implementation", None) or "sdpa"
         result = _estimate_config(base.config, batch_size, seq_len, fallback, attn)
-        from dataclasses import replace
-
-        return replace(result, method=f"config (the fake copy of the model failed: {type(exc).__name__}: {exc})")
+        return dataclasses.replace(
+            result, method=f"config (the fake copy of the model failed: {type(exc).__name__}: {exc})"
+        )
