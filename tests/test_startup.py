@@ -72,8 +72,9 @@ HOOK = "['trl_gc_plugin', 'trl_gc_plugin._flags', 'trl_gc_plugin._startup']"
 
 @pytest.mark.parametrize(("value", "expected"), [
     (None, "[] []"),  # the .pth line tests the variable and imports nothing
-    *[(off, f"{HOOK} []") for off in ("", "0", "false", "OFF", "no")],  # the hook reads the value and returns
-    *[(on, f"{HOOK} ['_TransformersFinder']") for on in ("1", "true", "YES", "on")],
+    ("", "['trl_gc_plugin', 'trl_gc_plugin._startup'] []"),  # empty: off before any spelling is read
+    *[(off, f"{HOOK} []") for off in ("0", "false", "OFF", "no", "n")],  # the hook reads the value and returns
+    *[(on, f"{HOOK} ['_TransformersFinder']") for on in ("1", "true", "YES", "on", "y")],
     ("maybe", f"{HOOK} ['_TransformersFinder']"),  # armed to warn, if training code is ever imported
 ])
 def test_start_up_imports_nothing_heavy_and_arms_only_when_set(venv_python, tmp_path, value, expected):

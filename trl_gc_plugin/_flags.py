@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-ON = frozenset({"1", "true", "yes", "on"})
-OFF = frozenset({"", "0", "false", "no", "off"})
+ON = frozenset({"1", "true", "yes", "on", "t", "y"})
+OFF = frozenset({"0", "false", "no", "off", "f", "n"})
+FORMS = "True/False, 1/0, or a string yes/no, true/false, t/f, y/n, 1/0, on/off (any case)"
 
 
 def parse_flag(value: object) -> bool | None:
-    """True/False for a bool, 0/1, or a string in ON/OFF (any case, surrounding blanks ignored); None otherwise."""
+    """True/False for a bool, 0/1, or a string in ON/OFF (any case, surrounding blanks ignored); None otherwise
+    (an empty string included: the caller says what empty means). The one spelling of every on/off setting: the
+    environment variables, `SafeGCCallback`'s and `install()`'s arguments, the launchers' plugin keys."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):

@@ -37,8 +37,8 @@ __all__ = ["ENABLE_ENV", "enabled", "run"]
 
 
 def enabled(value: str | None) -> bool | None:
-    """True for 1/true/yes/on, False for unset/empty/0/false/no/off (any case), None for anything else."""
-    if value is None:
+    """True for 1/true/yes/on/t/y, False for unset/empty/0/false/no/off/f/n (any case), None for anything else."""
+    if value is None or not value.strip():
         return False
     from ._flags import parse_flag  # here, not at the top: Python 3.15's `.start` imports this module every start-up
 

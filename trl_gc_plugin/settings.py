@@ -27,27 +27,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ._flags import FORMS, parse_flag
 from .errors import GCConfigError
 from .modes import MODES, Mode
 
-TRUE_WORDS = frozenset({"yes", "true", "t", "y", "1", "on"})
-FALSE_WORDS = frozenset({"no", "false", "f", "n", "0", "off"})
-BOOL_FORMS = "True/False, 1/0, or a string yes/no, true/false, t/f, y/n, 1/0, on/off (any case)"
+BOOL_FORMS = FORMS
 
 
 def parse_bool(value: Any) -> bool:
-    """`value` as a bool (see the module docstring for the accepted forms); `ValueError` for anything else."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in TRUE_WORDS:
-            return True
-        if text in FALSE_WORDS:
-            return False
-    raise ValueError(f"expected {BOOL_FORMS}")
+    """`value` as a bool (`_flags.parse_flag`'s forms); `ValueError` for anything else."""
+    flag = parse_flag(value)
+    if flag is None:
+        raise ValueError(f"expected {BOOL_FORMS}")
+    return flag
 
 
 def parse_mode(value: Any) -> Mode:
