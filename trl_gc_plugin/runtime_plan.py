@@ -398,9 +398,10 @@ def _fsdp2_sharded(model: Any) -> bool:
 
 
 def gathered_bytes(blocks: list[int], head: int) -> int:
-    """The parameters ZeRO-3 holds whole at once, from each block's and the head's whole parameter bytes: a block's
-    and the next one's (prefetched), or the head's and the last block's. A model of DeepSpeed's prefetching
-    (`stage3_prefetch_bucket_size`), not a measurement: it bounds the common case from above."""
+    """The parameters ZeRO-3 or FSDP2 holds whole at once, from each block's and the head's whole parameter bytes: a
+    block's and the next one's (prefetched), or the head's and the last block's. A model of their prefetching
+    (DeepSpeed's `stage3_prefetch_bucket_size`, FSDP2's one-module backward prefetch), not a measurement: it bounds
+    the common case from above."""
     return max(2 * max(blocks), head + blocks[-1]) if blocks else 0
 
 
