@@ -403,7 +403,8 @@ def mixed_candidate(
             for i in range(n)
         ]
     )
-    fixed = est.outside + est.kwargs_bytes + 2 * est.loss_buffer_bytes  # the loss head besides the blocks
+    # the loss head besides the blocks (and the parameters ZeRO-3 / FSDP2 hold gathered there)
+    fixed = est.outside + est.kwargs_bytes + 2 * est.loss_buffer_bytes + est.gathered_bytes
     room = budget_bytes - fixed
     for _ in range(8):
         if room <= 0:
