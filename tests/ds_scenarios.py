@@ -15,6 +15,7 @@ import sys
 
 import torch
 from peft import LoraConfig
+from torchrun import finish
 from trl import SFTConfig, SFTTrainer
 
 from trl_gc_plugin import SafeGCCallback
@@ -71,6 +72,7 @@ def main() -> None:
         for plugin in sys.argv[2:]:
             fh.write(json.dumps(run(out, plugin), default=repr) + "\n")
             fh.flush()
+    finish()
 
 
 if __name__ == "__main__":

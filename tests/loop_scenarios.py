@@ -66,8 +66,6 @@ def run(out: str, scenario: str) -> dict:
 def main() -> None:
     out, scenarios = sys.argv[1], sys.argv[2:]
     write_results(out, scenarios, run)
-    if dist.is_initialized():  # a gloo group left to the interpreter's exit can abort it ("terminate called ...")
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

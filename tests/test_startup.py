@@ -224,6 +224,8 @@ with open(os.path.join(sys.argv[1] + "-results", f"rank{rank}.json"), "w") as fh
                "args": args.gradient_checkpointing_kwargs,
                "decisions": [[d.stage, d.rule_id, d.action, repr(d.after)] for d in cb[0].decisions] if cb else None},
               fh)
+if dist.is_initialized():  # a gloo group left to the exit can abort the rank (pytorch #190489)
+    dist.destroy_process_group()
 """
 
 

@@ -34,7 +34,10 @@ def run_scenarios(script: str, out: Path, scenarios: list[str], port: int | None
         capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
     lines = [json.loads(line) for f in sorted(out.glob("results-rank*.jsonl")) for line in f.read_text().splitlines()]
-    assert proc.returncode == 0 and len(lines) == 2 * len(scenarios), proc.stderr[-4000:]
+    done = {(item["scenario"], item["rank"]) for item in lines}
+    missing = [f"{s}@{r}" for s in scenarios for r in (0, 1) if (s, r) not in done]
+    assert proc.returncode == 0 and not missing, (
+        f"exit code {proc.returncode}; no result for {missing or 'none'}\n{proc.stderr[-4000:]}")
     by: dict[str, dict[int, Any]] = {}
     for item in lines:
         by.setdefault(item["scenario"], {})[item["rank"]] = item
@@ -44,7 +47,7 @@ def run_scenarios(script: str, out: Path, scenarios: list[str], port: int | None
 def write_results(out: str, scenarios: list[str], run: Callable[[str, str], Any]) -> None:
     """Rank side: `run(out, scenario)` for each scenario, one JSON line each in `out/results-rank<RANK>.jsonl`;
     `os.environ` restored after each (TrainingArguments and the Accelerator write ACCELERATE_*, FSDP_* variables),
-    ranks kept in step once a process group exists."""
+    ranks kept in step once a process group exists; then the rank ends (`finish`)."""
     import torch.distributed as dist
 
     with open(os.path.join(out, f"results-rank{os.environ['RANK']}.jsonl"), "a", encoding="utf-8") as fh:
@@ -58,3 +61,18 @@ def write_results(out: str, scenarios: list[str], run: Callable[[str, str], Any]
             fh.flush()
             if dist.is_initialized():
                 dist.barrier()
+    finish()
+
+
+def finish() -> None:
+    """End the rank with exit code 0 once its results are written, without the interpreter's teardown: there, C++
+    threads of gloo / DeepSpeed left running abort the process now and then ("terminate called without an active
+    exception", SIGABRT, pytorch #190489; seen in CI and here after every result was written, with or without
+    `destroy_process_group`). Ranks first wait for each other, so that no collective is still in flight."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -16,6 +16,7 @@ import sys
 
 from safetensors import safe_open
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+from torchrun import finish
 from transformers import Trainer, TrainingArguments
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -66,6 +67,7 @@ def main() -> None:
         for scenario in sys.argv[2:]:
             fh.write(json.dumps(run(out, scenario), default=repr) + "\n")
             fh.flush()
+    finish()
 
 
 if __name__ == "__main__":
