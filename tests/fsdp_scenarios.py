@@ -20,7 +20,7 @@ A scenario is `<fsdp>-<model>-<gc>-<ac>-<cache>-<plugin>`:
           users get on a CPU-only machine)
   model   `full` | `frozenemb` (input embeddings frozen) | `lora` (LoRA q/v, no input hook) | `lorahook` (LoRA +
           `enable_input_require_grads()`) | `dropout` (attention_dropout=0.1, one step only) | `loradrop` (LoRA
-          with lora_dropout=0.1, one step only)
+          with lora_dropout=0.1, one step only) | `tied` (input and output embeddings tied)
   gc      the Trainer's checkpointing: `off` | `unset` (on, kwargs None) | `true` | `false` (use_reentrant)
   ac      FSDP's own activation checkpointing (`fsdp_config["activation_checkpointing"]`): `0` | `1`
   cache   `model.config.use_cache`: `0` | `1`; `2`: also `TrainingArguments(use_cache=True)` (transformers >= 5
@@ -143,17 +143,24 @@ def full_params(model) -> dict:
 
 def _midway_budget(model) -> int:
     """Midway between the predicted peaks of no and full checkpointing for this rank under FSDP2 over 2 ranks: half
-    the gradients, and the parameters FSDP2 gathers whole while a block or the head computes (the whole model here:
-    it is wrapped later, by the Trainer)."""
+    the gradients, and the parameters FSDP2 gathers whole while a block or the head computes (from the whole model
+    here: it is wrapped later, by the Trainer): two blocks, or the head and the last block; with tied embeddings,
+    accelerate's group of the embeddings, the final norm and the head besides two blocks, whole from the start."""
     import dataclasses
 
     from trl_gc_plugin import memory, planner
     from trl_gc_plugin.runtime_plan import gathered_bytes
 
+    def size(module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
     est = memory.estimate(model, 2, 16)  # the Trainer's batch: 2 rows of the 16-token tokenized dataset
-    whole = [sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in memory.named_blocks(model)]
-    head = sum(p.numel() * p.element_size() for p in model.get_output_embeddings().parameters())
-    est = dataclasses.replace(est, gathered_bytes=gathered_bytes(whole, head))
+    whole = [size(b) for _, b in memory.named_blocks(model)]
+    if model.config.tie_word_embeddings:
+        gathered = size(model.get_input_embeddings()) + size(model.model.norm) + gathered_bytes(whole, 0)
+    else:
+        gathered = gathered_bytes(whole, size(model.get_output_embeddings()))
+    est = dataclasses.replace(est, gathered_bytes=gathered)
     n = est.num_blocks
     return sum(planner.predict_peak(est, (on,) * n, grad_fraction=0.5)[0] for on in (False, True)) // 2
 
@@ -171,7 +178,8 @@ def run(out: str, scenario: str) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     result: dict = {"scenario": scenario, "rank": rank}
 
-    model = make_model(attention_dropout=0.1) if model_kind == "dropout" else make_model()
+    model = (make_model(attention_dropout=0.1) if model_kind == "dropout" else
+             make_model(tie_word_embeddings=True) if model_kind == "tied" else make_model())
     model.config.use_cache = cache in ("1", "2")
     if model_kind == "frozenemb":
         model.get_input_embeddings().weight.requires_grad_(False)
@@ -192,6 +200,7 @@ def run(out: str, scenario: str) -> dict:
     hook = first_layer.register_forward_pre_hook(first_input, with_kwargs=True)
 
     seen: dict = {}
+    held_off: list = []
 
     class Look(TrainerCallback):
         def on_init_end(self, args, state, control, model=None, **kwargs):
@@ -199,6 +208,11 @@ def run(out: str, scenario: str) -> dict:
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             seen["train_begin"] = fsdp_wrapping(model, args)
+            if plugin == "budget":  # what FSDP2 really holds whole, against the plan's gathered-parameter term
+                from held import fsdp2_whole, watch
+
+                seen["held"], remove = watch(model, fsdp2_whole)
+                held_off.append(remove)
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             if "grads" in seen:
@@ -228,6 +242,7 @@ def run(out: str, scenario: str) -> dict:
         callbacks.append(SafeGCCallback(mode=plugin))
     if plugin == "budget":  # strict, a budget midway between the predicted peaks of no and full checkpointing
         callbacks.append(SafeGCCallback(mode="strict", memory_budget=_midway_budget(model)))
+        result["block_bytes"] = sum(p.numel() * p.element_size() for p in first_layer.parameters())
     scope = contextlib.nullcontext()
     if plugin.startswith("installed"):
         scope = installed(mode="fix" if plugin == "installedfix" else "strict")
@@ -255,6 +270,8 @@ def run(out: str, scenario: str) -> dict:
         result["in_backward"] = any(f.name == "backward" for f in frames)
         result["raised_at"] = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-3:]]
     hook.remove()
+    for remove in held_off:
+        remove()
     result["seconds"] = round(time.time() - started, 2)
     result["seen"] = seen
     result["running"] = model_use_reentrant(model)
@@ -264,6 +281,9 @@ def run(out: str, scenario: str) -> dict:
         result["warnings"] = [d.reason for d in callbacks[1].decisions if d.level in ("warning", "error")]
         result["plans"] = [[d.after["plan"], d.after["estimate"]["grad_fraction"]] for d in callbacks[1].decisions
                            if d.rule_id == "memory-plan" and isinstance(d.after, dict) and "estimate" in d.after]
+        result["gathered_predicted"] = [d.after["estimate"]["gathered_bytes"] for d in callbacks[1].decisions
+                                        if d.rule_id == "memory-plan" and isinstance(d.after, dict)
+                                        and "estimate" in d.after]
     if trainer is not None and result["outcome"] == "trained":
         result["wrapper"] = type(trainer.model_wrapped).__name__
         result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]

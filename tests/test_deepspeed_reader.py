@@ -201,3 +201,13 @@ def test_real_training_arguments(name, tmp_path, monkeypatch):
     path = write(tmp_path, {**config, **batch})
     args = TrainingArguments(**common_args(str(tmp_path), gradient_checkpointing=True, deepspeed=path, use_cpu=False))
     assert runtime(args) == expected
+
+
+@pytest.mark.parametrize(("zero", "window"), [
+    ({"stage": 3}, 1_050_000_000),  # DeepSpeed's defaults: reuse distance 1e9, prefetch bucket 5e7
+    ({"stage": 3, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1000}, 1000),
+    ({"stage": 3, "stage3_max_reuse_distance": 1e8, "stage3_prefetch_bucket_size": "auto"}, 150_000_000),
+    ({"stage": 3, "stage3_max_reuse_distance": -1, "stage3_prefetch_bucket_size": True}, 1_050_000_000),
+])
+def test_the_zero3_gather_window_is_the_reuse_distance_and_prefetch_bucket(zero, window):
+    assert deepspeed_facts({"zero_optimization": zero}).gather_window == window

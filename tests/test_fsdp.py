@@ -60,7 +60,7 @@ PLUGIN = {
 if TF5:
     PLUGIN["v2-full-off-1-2-strict"] = None
 # a memory plan under FSDP2 (issue 22), against the same run without the plugin (full checkpointing)
-PLANS = ["v2-full-false-0-0-budget"]
+PLANS = ["v2-full-false-0-0-budget", "v2-tied-false-0-0-budget", "v2-tied-false-0-0-none"]
 PLANNED = ["ddp-full-off-1-0-strict", "ddp-lorahook-true-0-0-strict", "v2-dropout-off-1-0-strict"]
 SCENARIOS = {**UPSTREAM, **PLUGIN}
 FULL = [s for s in SCENARIOS if s.split("-")[1] == "full" and SCENARIOS[s] is None]
@@ -260,3 +260,23 @@ def test_a_memory_plan_under_fsdp2(results):
     assert all(not rank["warnings"] for rank in ranks.values()), [rank["warnings"] for rank in ranks.values()]
     for rank, other in zip(ranks.values(), full.values(), strict=True):
         assert rank["checksums"][0] == rank["checksums"][1] == other["checksums"][0], (rank["checksums"], other)
+
+
+@pytest.mark.parametrize("model", ["full", "tied"])
+def test_the_plans_gathered_parameters_cover_what_fsdp2_holds_whole(results, model):
+    """What FSDP2 really holds whole at the start of every module's forward (recomputed ones too), read on each rank
+    from the parameters registered then (`held.watch`: whole ones are plain tensors, sharded ones DTensors), against
+    the plan's gathered-parameter term. With tied embeddings, accelerate's group of the embeddings, the final norm and
+    the head does not reshard after forward, so it is whole through the blocks; the plan counts it
+    (`runtime_plan._fsdp2_held`). The plan also allows the next block, which FSDP2 prefetches on a GPU; on CPU nothing
+    is prefetched, so the term is what was measured plus one block. The update is that of the plugin-free run."""
+    ranks = results[1][f"v2-{model}-false-0-0-budget"]
+    _check(ranks, None)
+    for rank in ranks.values():
+        held, (predicted,) = rank["seen"]["held"], rank["gathered_predicted"]
+        assert held["max"] <= predicted == held["max"] + rank["block_bytes"], (held, predicted)
+        assert ("model.embed_tokens.weight" in held["whole"]) == (model == "tied"), held
+        assert not rank["warnings"], rank["warnings"]
+    if model == "tied":
+        for rank, other in zip(ranks.values(), results[1]["v2-tied-false-0-0-none"].values(), strict=True):
+            assert rank["checksums"][0] == other["checksums"][0], (rank["checksums"], other["checksums"])

@@ -59,6 +59,7 @@ import time
 import torch
 import torch.distributed as dist
 from torchrun import write_results
+from transformers import TrainerCallback
 
 ZERO_CPU = {"zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9}
@@ -248,14 +249,13 @@ def run_trainer(out: str, scenario: str) -> dict:
 
         est = memory.estimate(model, 2, 16)  # the Trainer's batch: 2 rows of the 16-token tokenized dataset
         n, share = est.num_blocks, 1.0 / dist.get_world_size() if stage in ("2", "3") else 1.0
-        if stage == "3":  # the parameters ZeRO-3 gathers whole while a block or the head computes
-            from trl_gc_plugin.runtime_plan import gathered_bytes
-
-            whole = [sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in memory.named_blocks(model)]
-            head = sum(p.numel() * p.element_size() for p in model.get_output_embeddings().parameters())
-            est = dataclasses.replace(est, gathered_bytes=gathered_bytes(whole, head))
+        if stage == "3":  # ZeRO-3 keeps what it uses again within 1e9 elements (its default reuse distance): all here
+            whole = sum(p.numel() * p.element_size() for p in model.parameters())
+            est = dataclasses.replace(est, gathered_bytes=whole)
         peaks = [planner.predict_peak(est, (on,) * n, grad_fraction=share)[0] for on in (False, True)]
         callbacks = [SafeGCCallback(mode="strict", memory_budget=sum(peaks) // 2)]
+        if stage == "3":  # what ZeRO-3 really holds whole, against the plan's gathered-parameter term
+            callbacks.append(_Held())
     else:
         callbacks = [SafeGCCallback(mode=plugin)] if plugin != "none" else []
     gc_kwargs = None if gc == "unset" else {"use_reentrant": gc == "true"}
@@ -283,6 +283,9 @@ def run_trainer(out: str, scenario: str) -> dict:
     except Exception as exc:  # reported, not raised: the test reads the outcome
         result["outcome"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     hook.remove()
+    for held in [c for c in callbacks if isinstance(c, _Held)]:
+        held.remove()
+        result["held"] = held.record
     result["seconds"] = round(time.time() - started, 2)
     result["running"] = model_use_reentrant(model)
     if callbacks:
@@ -290,6 +293,9 @@ def run_trainer(out: str, scenario: str) -> dict:
         result["warnings"] = [d.reason for d in callbacks[0].decisions if d.level in ("warning", "error")]
         result["plans"] = [[d.after["plan"], d.after["estimate"]["grad_fraction"]] for d in callbacks[0].decisions
                            if d.rule_id == "memory-plan" and isinstance(d.after, dict) and "estimate" in d.after]
+        result["gathered_predicted"] = [d.after["estimate"]["gathered_bytes"] for d in callbacks[0].decisions
+                                        if d.rule_id == "memory-plan" and isinstance(d.after, dict)
+                                        and "estimate" in d.after]
     if trainer is not None and result["outcome"] == "trained":
         with _gathered(model, stage == "3"):
             total = torch.stack([p.detach().double().sum() for p in model.parameters() if p.requires_grad]).sum()
@@ -297,6 +303,18 @@ def run_trainer(out: str, scenario: str) -> dict:
         dist.all_gather(gathered, total.reshape(1))
         result["checksums"] = [float(g) for g in gathered]
     return result
+
+
+class _Held(TrainerCallback):
+    """Measures what ZeRO-3 holds whole (`held.watch`), from the start of training, after DeepSpeed's hooks."""
+
+    record: dict | None = None
+    remove = staticmethod(lambda: None)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from held import watch, zero3_whole
+
+        self.record, self.remove = watch(model, zero3_whole)
 
 
 def _two_forward_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

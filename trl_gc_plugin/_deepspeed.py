@@ -31,6 +31,14 @@ are inside the installed packages):
   None. So the block asks for something when one of the six keys holds a truthy value: `"false"` (a non-empty
   string) counts, as DeepSpeed would partition with it; `number_checkpoints: 0` does not, 4 does; an unknown key
   alone does not.
+- `stage3_max_reuse_distance`, `stage3_prefetch_bucket_size` (numbers of elements, defaults 1e9 and 5e7 in
+  `deepspeed/runtime/zero/config.py`): after a submodule's forward or backward, ZeRO-3 releases its gathered
+  parameters except those used again within the reuse distance of the module trace ahead
+  (`partitioned_param_coordinator.py` `__params_to_release`), and it gathers ahead up to the prefetch bucket. So
+  besides the module computing, at most their sum (`gather_window`) is held whole: on a model smaller than 1e9
+  elements, every parameter once the trace is complete (measured: `tests/test_zero12.py`). A value that is not a
+  number >= 0 (`"auto"`, which transformers fills for the prefetch bucket at run time) reads as the default; this
+  fact only sizes a memory plan, and DeepSpeed reports a bad value itself.
 
 `problems` are messages about values the run would fail on (DeepSpeed or accelerate raise); the check turns them
 into its `ConfigError`, the runtime logs them and reads the rest. A fact a problem hides is None (stage, and then
@@ -55,6 +63,9 @@ ACTIVATION_CHECKPOINTING_KEYS = (
 )
 """The keys DeepSpeed's `DeepSpeedActivationCheckpointingConfig` reads (`ACT_CHKPT_DEFAULT`)."""
 
+ZERO3_WINDOW_DEFAULTS = {"stage3_max_reuse_distance": 1_000_000_000, "stage3_prefetch_bucket_size": 50_000_000}
+"""DeepSpeed's defaults of the two keys that bound what ZeRO-3 holds gathered (`DeepSpeedZeroConfig`, 0.19.8)."""
+
 ACCELERATE_DEFAULT_STAGE = 2
 """The stage accelerate's `DeepSpeedPlugin` puts in place of `"auto"` without `ACCELERATE_DEEPSPEED_ZERO_STAGE`."""
 
@@ -71,6 +82,8 @@ class DeepSpeedFacts:
             problem hides it.
         problems: messages about values the run would fail on, each starting with the key (`key 'x': ...`).
         stage_auto: the stage was `"auto"`, read as the stage accelerate fills in.
+        gather_window: under ZeRO-3, the most parameter elements held gathered besides the module computing (reuse
+            distance + prefetch bucket).
     """
 
     stage: int | None
@@ -78,6 +91,17 @@ class DeepSpeedFacts:
     overlap_comm: bool | None
     problems: tuple[str, ...] = ()
     stage_auto: bool = False
+    gather_window: int = sum(ZERO3_WINDOW_DEFAULTS.values())
+
+
+def _gather_window(zero: Mapping[str, Any] | None) -> int:
+    """`stage3_max_reuse_distance` + `stage3_prefetch_bucket_size`, each DeepSpeed's default unless a number >= 0."""
+    total = 0
+    for key, default in ZERO3_WINDOW_DEFAULTS.items():
+        value = zero.get(key) if zero is not None else None
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+        total += int(value) if ok else default
+    return total
 
 
 def _short(value: Any) -> str:
@@ -146,5 +170,10 @@ def deepspeed_facts(config: Mapping[str, Any], auto_stage: int = ACCELERATE_DEFA
     else:
         problems.append(f"key 'activation_checkpointing': expected a mapping, got {_got(block)}")
     return DeepSpeedFacts(
-        stage=stage, activation_checkpointing=ac, overlap_comm=overlap, problems=tuple(problems), stage_auto=stage_auto
+        stage=stage,
+        activation_checkpointing=ac,
+        overlap_comm=overlap,
+        problems=tuple(problems),
+        stage_auto=stage_auto,
+        gather_window=_gather_window(zero),
     )

@@ -188,7 +188,8 @@ class Plan:
         budget (`int`): the budget in bytes.
         fits (`bool`): whether `chosen` exists.
         lowest (`Candidate`): the allowed candidate with the lowest predicted peak (what fix mode falls back to).
-        estimate (`dict`): what was estimated (batch size, sequence length, dtype, attention, method, blocks).
+        estimate (`dict`): what was estimated (batch size, sequence length, dtype, attention, method, blocks, the
+            parameters held gathered under ZeRO-3 / FSDP2).
     """
 
     chosen: Candidate | None
@@ -541,6 +542,7 @@ def plan(
         "op_overhead": op_overhead,
         "grads_preallocated": grads_preallocated,
         "grad_fraction": grad_fraction,
+        "gathered_bytes": estimate.gathered_bytes,
     }
     return Plan(chosen, tuple(table), budget_bytes, chosen is not None, lowest, summary)
 

@@ -95,7 +95,7 @@ class MemoryPlan:
         try:
             budget = budget_bytes(self.budget, model)
             estimate = memory.estimate(model, batch, seq, forward_kwargs=forward_kwargs)
-            gathered = gathered_parameter_bytes(model)
+            gathered = gathered_parameter_bytes(model, self._zero3_window())
             if gathered:
                 estimate = dataclasses.replace(estimate, gathered_bytes=gathered)
             plan = planner.plan(
@@ -137,6 +137,13 @@ class MemoryPlan:
         except Exception as exc:  # a plugin bug never stops training; the plan stands
             why = f"No batch advice ({type(exc).__name__}: {exc}); the memory plan stands."
             self.session.record([runtime_decision(get_rule("batch-advice"), "none", None, None, why, level="warning")])
+
+    def _zero3_window(self) -> int | None:
+        """Under DeepSpeed ZeRO-3, the parameter elements it may keep gathered besides the module computing (the
+        config's reuse distance and prefetch bucket); None otherwise."""
+        args = self.session.args
+        facts = probe.deepspeed_facts(args) if probe.zero_stage(args) == 3 else None
+        return facts.gather_window if facts is not None else None
 
     def _grad_fraction(self, model: Any) -> float | None:
         """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 and ZeRO-3 and
@@ -355,25 +362,79 @@ def _call_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def gathered_parameter_bytes(model: Any) -> int:
-    """Under DeepSpeed ZeRO-3 or FSDP2, the parameters held whole besides the activations: while a block computes,
-    its own and the next block's (both prefetch them); while the loss head does, the head's and the last block's. 0 for
-    a model without sharded parameters (ZeRO-3's `ds_numel`, FSDP2's DTensors, whose `numel()` is the whole one)."""
+def gathered_parameter_bytes(model: Any, zero3_window: int | None = None) -> int:
+    """Under DeepSpeed ZeRO-3 or FSDP2, the parameters held whole besides the activations while a block or the loss
+    head computes; 0 for a model without sharded parameters (ZeRO-3's `ds_numel`, FSDP2's DTensors, whose `numel()` is
+    the whole one).
+
+    - Both gather a block's parameters and prefetch the next block's; the loss head needs its own and the last
+      block's (`gathered_bytes`).
+    - ZeRO-3 also keeps what it will use again within `zero3_window` elements (its reuse distance and prefetch
+      bucket, `_deepspeed.DeepSpeedFacts.gather_window`) and its persistent parameters (`ds_persist`): the whole of
+      a model smaller than the window.
+    - FSDP2 keeps whole through the blocks the groups that do not reshard after forward and run before them (the
+      root's own parameters; tied input embeddings in accelerate's group of the output embeddings: `_fsdp2_held`)."""
     from . import memory
 
     base = probe.unwrap(model)
 
-    def whole(module: Any) -> int:
-        return sum(_sharded_numel(p) * p.element_size() for p in module.parameters())
+    def whole(params: Any) -> int:
+        return sum(_sharded_numel(p) * p.element_size() for p in params)
 
-    blocks = [whole(block) for _, block in memory.named_blocks(base)]
-    if not any(blocks):
+    named = [block for _, block in memory.named_blocks(base)]
+    if not any(whole(block.parameters()) for block in named):
         return 0
+    held_ids = _fsdp2_held(base)
+    held = whole(p for p in base.parameters() if id(p) in held_ids)
+    blocks = [whole(p for p in block.parameters() if id(p) not in held_ids) for block in named]
     try:
         head_module = base.get_output_embeddings()
     except (AttributeError, NotImplementedError):
         head_module = None
-    return gathered_bytes(blocks, whole(head_module) if head_module is not None else 0)
+    head = whole(p for p in head_module.parameters() if id(p) not in held_ids) if head_module is not None else 0
+    gathered = held + gathered_bytes(blocks, head)
+    if zero3_window is not None and any(hasattr(p, "ds_numel") for p in base.parameters()):
+        itemsize = max(p.element_size() for p in base.parameters())
+        persistent = whole(p for p in base.parameters() if getattr(p, "ds_persist", False))
+        window = max(gathered, max(blocks) + zero3_window * itemsize) + persistent
+        gathered = min(whole(base.parameters()), window)
+    return gathered
+
+
+def _fsdp2_held(base: Any) -> set[int]:
+    """The ids of the parameters FSDP2 keeps whole while every block computes: a group that does not reshard after
+    forward stays whole from its forward to its backward, so through the blocks when its forward runs before them: the
+    root's own parameters when left to torch's default, which keeps the root whole (`_auto_reshard_after_forward`, read
+    in torch 2.13's `_fully_shard/_fsdp_state.py`), and a kept group holding the input embeddings (accelerate puts tied
+    embeddings in its group of the final norm and output embeddings, `reshard_after_forward=False`). A kept group of
+    the output embeddings alone is whole at the loss head only, where the head counts anyway. Read from FSDP2's state
+    (private attributes); when it cannot be read, every parameter outside the blocks counts as held (a bound)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return set()
+    modules = [m for m in base.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        return set()
+    try:
+        embeddings = {id(p) for p in base.get_input_embeddings().parameters()}
+    except (AttributeError, NotImplementedError):
+        embeddings = set()
+    held: set[int] = set()
+    try:
+        for i, module in enumerate(modules):
+            state = module._get_fsdp_state()
+            for group in state._fsdp_param_groups:
+                ids = {id(fsdp_param.sharded_param) for fsdp_param in group.fsdp_params}
+                kept = group.post_forward_mesh_info is None
+                if (i == 0 and state._auto_reshard_after_forward) or (kept and ids & embeddings):
+                    held |= ids
+    except AttributeError:  # another torch's FSDP2 internals: bound from above
+        from . import memory
+
+        inside = {id(p) for _, block in memory.named_blocks(base) for p in block.parameters()}
+        return {id(p) for p in base.parameters() if id(p) not in inside}
+    return held
 
 
 def _sharded_numel(p: Any) -> int:
