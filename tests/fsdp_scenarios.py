@@ -141,22 +141,26 @@ def full_params(model) -> dict:
             for n, p in model.named_parameters()}
 
 
-def _midway_budget(model) -> int:
+def _midway_budget(model, version: int = 2) -> int:
     """Midway between the predicted peaks of no and full checkpointing for this rank under FSDP2 over 2 ranks: half
     the gradients, and the parameters FSDP2 gathers whole while a block or the head computes (from the whole model
     here: it is wrapped later, by the Trainer): two blocks, or the head and the last block; with tied embeddings,
-    accelerate's group of the embeddings, the final norm and the head besides two blocks, whole from the start."""
+    accelerate's group of the embeddings, the final norm and the head besides two blocks, whole from the start. Under
+    FSDP1, the root unit (everything outside the blocks), which FSDP1 keeps whole, and two blocks."""
     import dataclasses
 
     from trl_gc_plugin import memory, planner
-    from trl_gc_plugin.runtime_plan import gathered_bytes
+    from trl_gc_plugin.planner import gathered_bytes
 
     def size(module) -> int:
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
     est = memory.estimate(model, 2, 16)  # the Trainer's batch: 2 rows of the 16-token tokenized dataset
     whole = [size(b) for _, b in memory.named_blocks(model)]
-    if model.config.tie_word_embeddings:
+    if version == 1:
+        outside = size(model) - sum(whole)
+        gathered = outside + gathered_bytes(whole, 0)
+    elif model.config.tie_word_embeddings:
         gathered = size(model.get_input_embeddings()) + size(model.model.norm) + gathered_bytes(whole, 0)
     else:
         gathered = gathered_bytes(whole, size(model.get_output_embeddings()))
@@ -208,10 +212,10 @@ def run(out: str, scenario: str) -> dict:
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             seen["train_begin"] = fsdp_wrapping(model, args)
-            if plugin == "budget":  # what FSDP2 really holds whole, against the plan's gathered-parameter term
-                from held import fsdp2_whole, watch
+            if plugin == "budget":  # what FSDP really holds whole, against the plan's gathered-parameter term
+                from held import fsdp1_whole, fsdp2_whole, watch
 
-                seen["held"], remove = watch(model, fsdp2_whole)
+                seen["held"], remove = watch(model, fsdp1_whole if version == 1 else fsdp2_whole)
                 held_off.append(remove)
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
@@ -241,7 +245,7 @@ def run(out: str, scenario: str) -> dict:
     if plugin in ("strict", "fix"):
         callbacks.append(SafeGCCallback(mode=plugin))
     if plugin == "budget":  # strict, a budget midway between the predicted peaks of no and full checkpointing
-        callbacks.append(SafeGCCallback(mode="strict", memory_budget=_midway_budget(model)))
+        callbacks.append(SafeGCCallback(mode="strict", memory_budget=_midway_budget(model, 1 if kind == "v1" else 2)))
         result["block_bytes"] = sum(p.numel() * p.element_size() for p in first_layer.parameters())
     scope = contextlib.nullcontext()
     if plugin.startswith("installed"):

@@ -60,7 +60,7 @@ PLUGIN = {
 if TF5:
     PLUGIN["v2-full-off-1-2-strict"] = None
 # a memory plan under FSDP2 (issue 22), against the same run without the plugin (full checkpointing)
-PLANS = ["v2-full-false-0-0-budget", "v2-tied-false-0-0-budget", "v2-tied-false-0-0-none"]
+PLANS = ["v2-full-false-0-0-budget", "v2-tied-false-0-0-budget", "v2-tied-false-0-0-none", "v1-full-false-0-0-budget"]
 PLANNED = ["ddp-full-off-1-0-strict", "ddp-lorahook-true-0-0-strict", "v2-dropout-off-1-0-strict"]
 SCENARIOS = {**UPSTREAM, **PLUGIN}
 FULL = [s for s in SCENARIOS if s.split("-")[1] == "full" and SCENARIOS[s] is None]
@@ -246,12 +246,13 @@ def test_what_a_gradient_audit_can_read(results):
         assert grads["grad_none"] == (0 if TF5 else grads["layer_params"]), grads
 
 
-def test_a_memory_plan_under_fsdp2(results):
-    """FSDP2 shards the parameters (DTensors) and their gradients: the plan is made with half the gradients on each of
-    the 2 ranks and the parameters gathered while a block or the head computes (the estimate falls back to the config:
-    FSDP refuses a deep copy), the same on both ranks, with no warning from the first step's check, and the update is
-    that of the same run without the plugin (full checkpointing)."""
-    ranks, full = results[1]["v2-full-false-0-0-budget"], results[1]["v2-full-false-0-0-none"]
+@pytest.mark.parametrize("fsdp", ["v2", "v1"])
+def test_a_memory_plan_under_fsdp(results, fsdp):
+    """FSDP2 shards the parameters (DTensors) and their gradients, FSDP1 its flat parameters and theirs: the plan is
+    made with half the gradients on each of the 2 ranks and the parameters gathered while a block or the head computes
+    (the estimate falls back to the config: FSDP refuses a deep copy), the same on both ranks, with no warning from the
+    first step's check, and the update is that of the same run without the plugin (full checkpointing)."""
+    ranks, full = results[1][f"{fsdp}-full-false-0-0-budget"], results[1][f"{fsdp}-full-false-0-0-none"]
     _check(ranks, None)
     plans = [rank["plans"] for rank in ranks.values()]
     assert plans[0] == plans[1] and len(plans[0]) == 1, plans
@@ -262,20 +263,24 @@ def test_a_memory_plan_under_fsdp2(results):
         assert rank["checksums"][0] == rank["checksums"][1] == other["checksums"][0], (rank["checksums"], other)
 
 
-@pytest.mark.parametrize("model", ["full", "tied"])
-def test_the_plans_gathered_parameters_cover_what_fsdp2_holds_whole(results, model):
-    """What FSDP2 really holds whole at the start of every module's forward (recomputed ones too), read on each rank
-    from the parameters registered then (`held.watch`: whole ones are plain tensors, sharded ones DTensors), against
-    the plan's gathered-parameter term. With tied embeddings, accelerate's group of the embeddings, the final norm and
-    the head does not reshard after forward, so it is whole through the blocks; the plan counts it
-    (`runtime_plan._fsdp2_held`). The plan also allows the next block, which FSDP2 prefetches on a GPU; on CPU nothing
-    is prefetched, so the term is what was measured plus one block. The update is that of the plugin-free run."""
-    ranks = results[1][f"v2-{model}-false-0-0-budget"]
+@pytest.mark.parametrize("scenario", ["v2-full", "v2-tied", "v1-full"])
+def test_the_plans_gathered_parameters_cover_what_fsdp_holds_whole(results, scenario):
+    """What FSDP really holds whole at the start of every module's forward (recomputed ones too), read on each rank
+    (`held.watch`: FSDP2's whole parameters are plain tensors, sharded ones DTensors; FSDP1's gathered units have the
+    storage of their padded whole flat parameter), against the plan's gathered-parameter term. With tied embeddings,
+    accelerate's FSDP2 group of the embeddings, the final norm and the head does not reshard after forward, so it is
+    whole through the blocks; FSDP1 never frees its root unit (everything outside the blocks here) after forward; the
+    plan counts both (`runtime_plan._fsdp2_held`, `fsdp1_layout`). The plan also allows the next block, which FSDP
+    prefetches on a GPU; on CPU nothing is prefetched, so the term is what was measured plus one block. The update is
+    that of the plugin-free run."""
+    model = scenario.split("-")[1]
+    ranks = results[1][f"{scenario}-false-0-0-budget"]
     _check(ranks, None)
     for rank in ranks.values():
         held, (predicted,) = rank["seen"]["held"], rank["gathered_predicted"]
         assert held["max"] <= predicted == held["max"] + rank["block_bytes"], (held, predicted)
-        assert ("model.embed_tokens.weight" in held["whole"]) == (model == "tied"), held
+        before_blocks = "root" if scenario == "v1-full" else "model.embed_tokens.weight"
+        assert (before_blocks in held["whole"]) == (scenario != "v2-full"), held
         assert not rank["warnings"], rank["warnings"]
     if model == "tied":
         for rank, other in zip(ranks.values(), results[1]["v2-tied-false-0-0-none"].values(), strict=True):

@@ -226,6 +226,7 @@ class _Counter:
         self.names = names
         self.index = {n: i for i, n in enumerate(names)}
         self.exclude = exclude
+        self.held: list[Any] = []  # the excluded storages, alive while metering (their keys stay theirs)
         self.stack: list[int] = []
         self.seen: dict[int, Any] = {}  # storage key -> storage, kept alive so keys are not reused
         self.kept_seen: dict[int, Any] = {}
@@ -294,6 +295,7 @@ class _Counter:
             self.stack.pop()
 
     def clear(self) -> None:
+        self.held.clear()
         self.seen.clear()
         self.kept_seen.clear()
         self.shared_keys.clear()
@@ -375,10 +377,13 @@ def meter(model: Any, *, would_keep: bool = False) -> Iterator[SavedBytes]:
     base = probe.unwrap(model)
     blocks = named_blocks(base)
     # a ZeRO-3 parameter (`ds_shape`) gets a new storage at every gather and release: its key now could be an
-    # activation's later (the address reused), so such parameters are excluded by what they are (`_is_parameter`) only
-    exclude = {storage_key(p) for p in base.parameters() if not hasattr(p, "ds_shape")}
-    exclude |= {storage_key(b) for b in base.buffers()}
-    counter = _Counter([n for n, _ in blocks], exclude)
+    # activation's later (the address reused), so such parameters are excluded by what they are (`_is_parameter`) only.
+    # The other storages are held while metering: FSDP1 swaps a parameter's data between forwards (an empty placeholder
+    # for a shard on another rank), and a freed storage's address, so its key, went to an activation (the logits,
+    # uncounted, on 2 CPU ranks)
+    storages = [t.untyped_storage() for t in (*base.parameters(), *base.buffers()) if not hasattr(t, "ds_shape")]
+    counter = _Counter([n for n, _ in blocks], {int(s._cdata) for s in storages})
+    counter.held = storages
     handles = []
     selective = [b for _, b in blocks if getattr(b, ckpt.FLAG, False) and is_selective(getattr(b, ckpt.FUNC, None))]
     saved = ckpt.snapshot(base, flags=False, only=selective)  # put back exactly what is swapped, nothing else

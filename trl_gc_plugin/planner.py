@@ -231,6 +231,21 @@ def _every_n(pattern: tuple[bool, ...]) -> int | None:
     return None
 
 
+def gathered_bytes(blocks: list[int], head: int, held: int = 0) -> int:
+    """The parameters ZeRO-3 or FSDP holds whole at once besides `held` (what it keeps whole through the blocks),
+    from each block's and the head's whole parameter bytes: a block's and the next one's (prefetched), or the head's
+    and the last block's. Measured on CPU (`tests/test_fsdp.py`, `tests/test_zero12.py`), where nothing is prefetched:
+    what was held plus one block."""
+    return held + (max(2 * max(blocks), head + blocks[-1]) if blocks else 0)
+
+
+def zero3_gathered(gathered: int, blocks: list[int], total: int, window: int, persistent: int = 0) -> int:
+    """Under ZeRO-3, `gathered` (`gathered_bytes`) widened to what DeepSpeed keeps for reuse: besides the block
+    computing, up to `window` bytes (its reuse distance and prefetch bucket, `_deepspeed.DeepSpeedFacts.gather_window`
+    elements), and its persistent parameters; at most the whole model, `total`."""
+    return min(total, max(gathered, max(blocks, default=0) + window) + persistent)
+
+
 def predict_peak(
     est: ActivationEstimate,
     pattern: tuple[bool, ...],

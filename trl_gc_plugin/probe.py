@@ -385,14 +385,18 @@ def compiled(args: Any, model: Any) -> str | None:
     return None
 
 
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+"""Wrappers whose `.module` is the model they wrap (FSDP1's root wrapper is what a Trainer's callbacks get)."""
+
+
 def unwrap(model: Any) -> Any:
-    """The underlying transformers model of a PEFT / DDP / accelerate wrapper."""
+    """The underlying transformers model of a PEFT / DDP / FSDP1 / accelerate wrapper."""
     seen = 0
     while seen < 8:
         seen += 1
         if hasattr(model, "get_base_model") and callable(model.get_base_model):
             inner = model.get_base_model()
-        elif hasattr(model, "module") and type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
+        elif hasattr(model, "module") and type(model).__name__ in _WRAPPERS:
             inner = model.module
         else:
             return model

@@ -146,13 +146,21 @@ class MemoryPlan:
         return facts.gather_window if facts is not None else None
 
     def _grad_fraction(self, model: Any) -> float | None:
-        """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 and ZeRO-3 and
-        under FSDP2 (gradients sharded over the N ranks; where the parameters are sharded too, the estimate runs their
-        whole shapes and the peak adds those gathered while a block computes, `gathered_parameter_bytes`). None, with
-        a skipped decision, under FSDP1 (flat parameters sharded across ranks): not planned."""
+        """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 and ZeRO-3, and
+        under FSDP2 and FSDP1 the rank's share of the sharded parameters (their gradients are sharded alike; the peak
+        adds the parameters gathered while a block computes, `gathered_parameter_bytes`). None, with a skipped
+        decision, under tensor parallelism (DTensor parameters without FSDP2: activations are sharded too, which the
+        estimate does not model) and any other sharding it cannot read."""
         args = self.session.args
-        if _fsdp2_sharded(model):
-            return 1.0 / report_world_size(args)
+        fsdp2 = _fsdp2_share(model)
+        if fsdp2 is not None:
+            return fsdp2
+        if any(_is_dtensor(p) for p in probe.unwrap(model).parameters()):
+            self.session.record([self._skipped("not planned under tensor parallelism (DTensor parameters, no FSDP2)")])
+            return None
+        fsdp1 = fsdp1_layout(model)
+        if fsdp1 is not None:
+            return fsdp1.grad_fraction
         sharded = verify.gradients_are_sharded(args, model)
         if not sharded:
             return 1.0
@@ -375,8 +383,13 @@ def gathered_parameter_bytes(model: Any, zero3_window: int | None = None) -> int
     - FSDP2 keeps whole through the blocks the groups that do not reshard after forward and run before them (the
       root's own parameters; tied input embeddings in accelerate's group of the output embeddings: `_fsdp2_held`)."""
     from . import memory
+    from .planner import gathered_bytes, zero3_gathered
 
     base = probe.unwrap(model)
+    fsdp1 = fsdp1_layout(model)
+    if fsdp1 is not None:  # the units kept whole, and two blocks' units (the next one prefetched)
+        blocks = [fsdp1.unit_bytes.get(id(block), 0) for _, block in memory.named_blocks(base)]
+        return gathered_bytes(blocks, 0, held=fsdp1.held_bytes)
 
     def whole(params: Any) -> int:
         return sum(_sharded_numel(p) * p.element_size() for p in params)
@@ -392,13 +405,63 @@ def gathered_parameter_bytes(model: Any, zero3_window: int | None = None) -> int
     except (AttributeError, NotImplementedError):
         head_module = None
     head = whole(p for p in head_module.parameters() if id(p) not in held_ids) if head_module is not None else 0
-    gathered = held + gathered_bytes(blocks, head)
+    gathered = gathered_bytes(blocks, head, held=held)
     if zero3_window is not None and any(hasattr(p, "ds_numel") for p in base.parameters()):
         itemsize = max(p.element_size() for p in base.parameters())
         persistent = whole(p for p in base.parameters() if getattr(p, "ds_persist", False))
-        window = max(gathered, max(blocks) + zero3_window * itemsize) + persistent
-        gathered = min(whole(base.parameters()), window)
+        gathered = zero3_gathered(gathered, blocks, whole(base.parameters()), zero3_window * itemsize, persistent)
     return gathered
+
+
+@dataclasses.dataclass(frozen=True)
+class Fsdp1Layout:
+    """How FSDP1 (`FullyShardedDataParallel`) holds a model on this rank, read from its flat parameters.
+
+    Args:
+        grad_fraction (`float`): the rank's share of the flat parameters, and so of their gradients.
+        held_bytes (`int`): the whole bytes of the units FSDP1 keeps whole from their forward to their backward: the
+            root (FSDP1 does not free the root after forward) and every unit whose strategy does not reshard after
+            forward (`SHARD_GRAD_OP`, `NO_SHARD`).
+        unit_bytes (`dict[int, int]`): the whole bytes of each other unit, by the id of the module it wraps.
+    """
+
+    grad_fraction: float
+    held_bytes: int
+    unit_bytes: dict[int, int]
+
+
+def fsdp1_layout(model: Any) -> Fsdp1Layout | None:
+    """The FSDP1 layout of `model` (the root wrapper, or a model holding wrapped units), None without FSDP1 units or
+    when torch's flat parameters cannot be read (private attributes of `torch.distributed.fsdp`, read in torch 2.13:
+    `_flat_param`, its `_sharded_size` and `_unpadded_unsharded_size`, the handle's `_sharding_strategy`; the strategies that reshard after
+    forward are `_runtime_utils.RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES`)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp._runtime_utils import RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES
+    except ImportError:  # torch without distributed, or another torch's layout
+        return None
+    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    if not units:
+        return None
+    nested = {id(m) for unit in units for m in unit.modules() if m is not unit}
+    local = whole = held = 0
+    unit_bytes: dict[int, int] = {}
+    try:
+        for unit in units:
+            flat = unit._flat_param
+            if flat is None:  # a unit without parameters of its own
+                continue
+            size = int(flat._unpadded_unsharded_size.numel())
+            local, whole = local + int(flat._sharded_size.numel()), whole + size  # numel(): as gathered now
+            root = id(unit) not in nested
+            kept = root or unit._handle._sharding_strategy not in RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES
+            if kept:
+                held += size * flat.element_size()
+            else:
+                unit_bytes[id(unit.module)] = size * flat.element_size()
+    except AttributeError:
+        return None
+    return Fsdp1Layout(min(1.0, local / whole) if whole else 1.0, held, unit_bytes)
 
 
 def _fsdp2_held(base: Any) -> set[int]:
@@ -453,17 +516,20 @@ def _is_dtensor(p: Any) -> bool:
     return isinstance(p, DTensor)
 
 
-def _fsdp2_sharded(model: Any) -> bool:
-    """FSDP2 (`fully_shard`) shards the parameters as DTensors, and their gradients with them."""
-    return any(_is_dtensor(p) for p in probe.unwrap(model).parameters())
-
-
-def gathered_bytes(blocks: list[int], head: int) -> int:
-    """The parameters ZeRO-3 or FSDP2 holds whole at once, from each block's and the head's whole parameter bytes: a
-    block's and the next one's (prefetched), or the head's and the last block's. A model of their prefetching
-    (DeepSpeed's `stage3_prefetch_bucket_size`, FSDP2's one-module backward prefetch), not a measurement: it bounds
-    the common case from above."""
-    return max(2 * max(blocks), head + blocks[-1]) if blocks else 0
+def _fsdp2_share(model: Any) -> float | None:
+    """Under FSDP2 (`fully_shard`: modules of type `FSDPModule`), the rank's share of the parameters it shards as
+    DTensors, and so of their gradients (1/N over the shard dimension; a replicated dimension, HSDP, keeps whole
+    copies); None without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return None
+    base = probe.unwrap(model)
+    if not any(isinstance(m, FSDPModule) for m in base.modules()):
+        return None
+    sharded = [p for p in base.parameters() if _is_dtensor(p)]
+    whole = sum(p.numel() for p in sharded)
+    return sum(p.to_local().numel() for p in sharded) / whole if whole else 1.0
 
 
 def _device_kind(model: Any) -> str:
