@@ -179,6 +179,7 @@ def test_generated_configs_never_crash(capsys, config):
 
 
 TOKENS = [TINY, "llama-7b-typo", "--batch-size", "--seq-len", "--budget", "--dtype", "--attn", "--grad-shards",
+          "--sharded-params", "zero3", "fsdp2",
           "--json", "--all", "--reentrant", "--accelerator", "1", "2", "0", "-1", "x", "1MiB", "2GB", "nan", "bf16",
           "fp8", "sdpa", "eager", ""]
 
@@ -195,3 +196,34 @@ def test_generated_command_lines_never_crash(capsys, argv):
         assert err == ""
         return
     _check_outcome(code, out, err)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_sharded_params_count_what_the_run_counts(capsys, tmp_path, tied):
+    """`--sharded-params` adds the parameters held whole as the run does on the live model (`runtime_plan`, whose
+    terms tests/test_zero12.py and tests/test_fsdp.py measure on 2 CPU ranks with this model): ZeRO-3 keeps the whole
+    of a model under its 1e9-element reuse distance; FSDP1 its root unit (everything outside the blocks) and two
+    blocks; FSDP2 two blocks or the head and the last block, and with tied embeddings accelerate's group of the
+    embeddings, the final norm and the head besides two blocks."""
+    from trl_gc_plugin.testing import make_config, make_model
+
+    make_config(tie_word_embeddings=tied).to_json_file(tmp_path / "config.json")
+    model = make_model(tie_word_embeddings=tied)
+
+    def size(module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    block, total = size(model.model.layers[0]), size(model)
+    head, norm, embed = size(model.lm_head), size(model.model.norm), size(model.model.embed_tokens)
+    expected = {
+        None: 0,
+        "zero3": total,
+        "fsdp1": (total - 2 * block) + 2 * block,  # the root unit (all but the two blocks), two blocks
+        "fsdp2": embed + norm + 2 * block if tied else max(2 * block, head + block),
+    }
+    for layout, gathered in expected.items():
+        extra = [] if layout is None else ["--sharded-params", layout]
+        code, out, err = run(capsys, str(tmp_path), "--batch-size", "2", "--seq-len", "16", "--budget", "1GiB",
+                             "--dtype", "fp32", "--grad-shards", "2", "--json", *extra)
+        assert code == 0 and err == "", err
+        assert json.loads(out)["estimate"]["gathered_bytes"] == gathered, layout

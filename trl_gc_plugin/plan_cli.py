@@ -4,7 +4,8 @@ CONFIG_OR_LAYOUT is a model `config.json` (or a directory holding one) or a name
 `llama3-70b`, ...: configs written from the published numbers). No weight is loaded and no tensor memory is
 allocated: two blocks run one training forward on fake tensors (`memory.estimate`) and the rest is extrapolated.
 The plan is for full fine-tuning with the model's own language-modelling loss (every parameter gets a gradient;
-`--grad-shards N` when ZeRO-2/3 or FSDP shards the gradients over N devices). For LoRA or a partly frozen model, plan
+`--grad-shards N` when ZeRO-2/3 or FSDP shards the gradients over N devices, `--sharded-params zero3|fsdp1|fsdp2` when
+the parameters are sharded too). For LoRA or a partly frozen model, plan
 from the live model (`memory.estimate(model, ...)`), which copies its layout.
 
 Exit status: 0 a plan fits, 1 nothing fits (the lowest-memory plan is printed), 2 unreadable input or an invalid
@@ -109,6 +110,13 @@ def _parser() -> _Parser:
         help="parameter gradients sharded over N devices (ZeRO-2/3, FSDP); default 1",
     )
     parser.add_argument(
+        "--sharded-params",
+        choices=["zero3", "fsdp1", "fsdp2"],
+        default=None,
+        help="the parameters are sharded too: count those held whole while a block or the head computes, as the run "
+        "does (ZeRO-3 with DeepSpeed's default reuse distance and prefetch bucket; FSDP with accelerate's wrapping)",
+    )
+    parser.add_argument(
         "--effective-batch",
         type=int,
         default=None,
@@ -208,6 +216,11 @@ def render(plan: Any, label: str, show_all: bool = False) -> str:
         f"{e['attn_implementation']} attention; budget {format_bytes(plan.budget)} (activations, gradients and "
         "loss buffers above the weights and optimizer state)"
     )
+    if e.get("grad_fraction", 1.0) != 1.0 or e.get("gathered_bytes"):
+        head += (
+            f"; {e.get('grad_fraction', 1.0):.3g} of the gradients on this device, "
+            f"{format_bytes(e.get('gathered_bytes', 0))} of parameters held whole (sharded)"
+        )
     rows = [("candidate", "blocks", "saved", "peak", "peak at", "recompute", "fits", "")]
     for c in _shown(plan, show_all):
         fits = "yes" if c.peak_bytes <= plan.budget else "no"
@@ -241,6 +254,19 @@ def render(plan: Any, label: str, show_all: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _with_gathered(est: Any, layout: str | None) -> Any:
+    """`est` with the parameters `layout` holds whole (`planner.layout_gathered`), as the run adds them."""
+    if layout is None:
+        return est
+    import dataclasses
+
+    from ._deepspeed import ZERO3_WINDOW_DEFAULTS
+    from .planner import layout_gathered
+
+    gathered = layout_gathered(est, layout, sum(ZERO3_WINDOW_DEFAULTS.values()))
+    return dataclasses.replace(est, gathered_bytes=gathered)
+
+
 def run(argv: list[str] | None) -> tuple[int, str]:
     """Parse, estimate, plan. Returns (exit status, stdout text); raises `InputError` for exit status 2."""
     ns = _parser().parse_args(argv)
@@ -270,6 +296,7 @@ def run(argv: list[str] | None) -> tuple[int, str]:
         est = estimate(config, ns.batch_size, ns.seq_len, dtype=dtype, attn_implementation=ns.attn)
     except Exception as exc:
         raise InputError(f"{label}: cannot run the model's layout: {type(exc).__name__}: {_one_line(exc)}") from None
+    est = _with_gathered(est, ns.sharded_params)
     result = plan(
         est,
         budget,
@@ -287,7 +314,9 @@ def run(argv: list[str] | None) -> tuple[int, str]:
             return (
                 est
                 if mb == ns.batch_size
-                else estimate(config, mb, ns.seq_len, dtype=dtype, attn_implementation=ns.attn)
+                else _with_gathered(
+                    estimate(config, mb, ns.seq_len, dtype=dtype, attn_implementation=ns.attn), ns.sharded_params
+                )
             )
 
         options = rank(

@@ -246,6 +246,36 @@ def zero3_gathered(gathered: int, blocks: list[int], total: int, window: int, pe
     return min(total, max(gathered, max(blocks, default=0) + window) + persistent)
 
 
+SHARDED_LAYOUTS = ("zero3", "fsdp1", "fsdp2")
+"""Parameter sharding `layout_gathered` models for a full fine-tune planned from a config (`trl-gc-plan`)."""
+
+
+def layout_gathered(est: ActivationEstimate, layout: str, zero3_window: int) -> int:
+    """The parameters held whole under `layout` for a full fine-tune planned from a config, from the estimate's
+    parameter bytes (every parameter trains, so its gradient bytes are its bytes), as the run reads them off the live
+    model (`runtime_plan.gathered_parameter_bytes`) with accelerate's wrapping: ZeRO-3 keeps what it reuses within
+    `zero3_window` elements; FSDP1 keeps its root unit (everything outside the blocks) whole; FSDP2 keeps accelerate's
+    group of the final norm and head whole from its forward, from the start of the forward when it holds the tied
+    input embeddings."""
+    blocks, head, embeddings = list(est.grad_bytes), est.head_grad_bytes, est.embedding_grad_bytes
+    if layout == "zero3":
+        itemsize = _itemsize(est.dtype)
+        total = sum(blocks) + head + embeddings
+        return zero3_gathered(gathered_bytes(blocks, head), blocks, total, zero3_window * itemsize)
+    if layout == "fsdp1":
+        return gathered_bytes(blocks, 0, held=head + embeddings)
+    if layout == "fsdp2":
+        tied = embeddings == 0
+        return gathered_bytes(blocks, 0, held=head) if tied else gathered_bytes(blocks, head)
+    raise ValueError(f"unknown sharded layout {layout!r}: one of {', '.join(SHARDED_LAYOUTS)}")
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return int(getattr(torch, dtype.removeprefix("torch.")).itemsize)
+
+
 def predict_peak(
     est: ActivationEstimate,
     pattern: tuple[bool, ...],
