@@ -16,11 +16,11 @@ FSDP1 refuses `device_id=cpu:0` against compute device `cpu`). Everything else (
 with the DeepSpeed gloo shim (shared/upstream-facts.md), this is a test-only workaround, never plugin code.
 
 A scenario is `<fsdp>-<model>-<gc>-<ac>-<cache>-<plugin>`:
-  fsdp    `v1` or `v2` (FSDP version; through the shim), `ddp` / `ddp1` (FSDP2 / FSDP1 asked for, no shim: what
-          users get on a CPU-only machine)
+  fsdp    `v1` or `v2` (FSDP version; through the shim), `v1g` / `v2g` (the same with `shard_grad_op`: no reshard
+          after forward), `ddp` / `ddp1` (FSDP2 / FSDP1 asked for, no shim: what users get on a CPU-only machine)
   model   `full` | `frozenemb` (input embeddings frozen) | `lora` (LoRA q/v, no input hook) | `lorahook` (LoRA +
           `enable_input_require_grads()`) | `dropout` (attention_dropout=0.1, one step only) | `loradrop` (LoRA
-          with lora_dropout=0.1, one step only) | `tied` (input and output embeddings tied)
+          with lora_dropout=0.1, one step only) | `tied` (input and output embeddings tied) | `deep` (4 layers)
   gc      the Trainer's checkpointing: `off` | `unset` (on, kwargs None) | `true` | `false` (use_reentrant)
   ac      FSDP's own activation checkpointing (`fsdp_config["activation_checkpointing"]`): `0` | `1`
   cache   `model.config.use_cache`: `0` | `1`; `2`: also `TrainingArguments(use_cache=True)` (transformers >= 5
@@ -141,12 +141,13 @@ def full_params(model) -> dict:
             for n, p in model.named_parameters()}
 
 
-def _midway_budget(model, version: int = 2) -> int:
+def _midway_budget(model, version: int = 2, kept: bool = False) -> int:
     """Midway between the predicted peaks of no and full checkpointing for this rank under FSDP2 over 2 ranks: half
     the gradients, and the parameters FSDP2 gathers whole while a block or the head computes (from the whole model
     here: it is wrapped later, by the Trainer): two blocks, or the head and the last block; with tied embeddings,
     accelerate's group of the embeddings, the final norm and the head besides two blocks, whole from the start. Under
-    FSDP1, the root unit (everything outside the blocks), which FSDP1 keeps whole, and two blocks."""
+    FSDP1, the root unit (everything outside the blocks), which FSDP1 keeps whole, and two blocks. With no reshard
+    after forward (`kept`: `shard_grad_op`), every unit stays whole until its backward: the whole model."""
     import dataclasses
 
     from trl_gc_plugin import memory, planner
@@ -157,7 +158,9 @@ def _midway_budget(model, version: int = 2) -> int:
 
     est = memory.estimate(model, 2, 16)  # the Trainer's batch: 2 rows of the 16-token tokenized dataset
     whole = [size(b) for _, b in memory.named_blocks(model)]
-    if version == 1:
+    if kept:
+        gathered = size(model)
+    elif version == 1:
         outside = size(model) - sum(whole)
         gathered = outside + gathered_bytes(whole, 0)
     elif model.config.tie_word_embeddings:
@@ -178,12 +181,13 @@ def run(out: str, scenario: str) -> dict:
     from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
 
     kind, model_kind, gc, ac, cache, plugin = scenario.split("-")
-    _SHIM_ON["on"] = kind in ("v1", "v2")
+    _SHIM_ON["on"] = kind in ("v1", "v2", "v1g", "v2g")
     rank = int(os.environ.get("RANK", "0"))
     result: dict = {"scenario": scenario, "rank": rank}
 
     model = (make_model(attention_dropout=0.1) if model_kind == "dropout" else
-             make_model(tie_word_embeddings=True) if model_kind == "tied" else make_model())
+             make_model(tie_word_embeddings=True) if model_kind == "tied" else
+             make_model(num_hidden_layers=4) if model_kind == "deep" else make_model())
     model.config.use_cache = cache in ("1", "2")
     if model_kind == "frozenemb":
         model.get_input_embeddings().weight.requires_grad_(False)
@@ -229,11 +233,15 @@ def run(out: str, scenario: str) -> dict:
                              "grad_zero": sum(g is not None and g.numel() > 0 and not bool(g.abs().sum()) for g in local),
                              "grad_empty": sum(g is not None and g.numel() == 0 for g in local)}
 
-    version = 1 if kind in ("v1", "ddp1") else 2
+    version = 1 if kind in ("v1", "v1g", "ddp1") else 2
     fsdp_config = {"version": version, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
     os.environ["FSDP_VERSION"] = str(version)  # transformers 4.x leaves the version to accelerate's environment
     if version == 1:
         fsdp_config["sync_module_states"] = False  # accelerate's sync needs an accelerator; the ranks start equal
+    if kind == "v1g":  # accelerate 1.x's FSDP1 plugin takes its strategy from here, not from reshard_after_forward
+        os.environ["FSDP_SHARDING_STRATEGY"] = "SHARD_GRAD_OP"
+    if kind == "v2g":  # transformers 4.x passes no reshard_after_forward: accelerate reads it from here
+        os.environ["FSDP_RESHARD_AFTER_FORWARD"] = "false"
     if ac == "1":
         fsdp_config["activation_checkpointing"] = True
     gc_kwargs = {}
@@ -245,7 +253,7 @@ def run(out: str, scenario: str) -> dict:
     if plugin in ("strict", "fix"):
         callbacks.append(SafeGCCallback(mode=plugin))
     if plugin == "budget":  # strict, a budget midway between the predicted peaks of no and full checkpointing
-        callbacks.append(SafeGCCallback(mode="strict", memory_budget=_midway_budget(model, 1 if kind == "v1" else 2)))
+        callbacks.append(SafeGCCallback(mode="strict", memory_budget=_midway_budget(model, version, kind.endswith("g"))))
         result["block_bytes"] = sum(p.numel() * p.element_size() for p in first_layer.parameters())
     scope = contextlib.nullcontext()
     if plugin.startswith("installed"):
@@ -259,7 +267,8 @@ def run(out: str, scenario: str) -> dict:
                 output_dir=os.path.join(out, scenario), max_steps=1 if model_kind in ("dropout", "loradrop") else 2,
                 per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True, ddp_backend="gloo",
                 report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
-                fsdp="full_shard auto_wrap", fsdp_config=fsdp_config, **gc_kwargs,
+                fsdp=f"{'shard_grad_op' if kind.endswith('g') else 'full_shard'} auto_wrap", fsdp_config=fsdp_config,
+                **gc_kwargs,
                 **({"use_cache": True} if cache == "2" else {}))
             result["where"] = "Trainer"
             trainer = Trainer(model=model, args=args, train_dataset=tokenized_dataset(make_tokenizer()),

@@ -380,8 +380,9 @@ def gathered_parameter_bytes(model: Any, zero3_window: int | None = None) -> int
     - ZeRO-3 also keeps what it will use again within `zero3_window` elements (its reuse distance and prefetch
       bucket, `_deepspeed.DeepSpeedFacts.gather_window`) and its persistent parameters (`ds_persist`): the whole of
       a model smaller than the window.
-    - FSDP2 keeps whole through the blocks the groups that do not reshard after forward and run before them (the
-      root's own parameters; tied input embeddings in accelerate's group of the output embeddings: `_fsdp2_held`)."""
+    - FSDP2 keeps whole the groups that do not reshard after forward and run before the loss head (the root's own
+      parameters, blocks' groups with `reshard_after_forward=False`, tied input embeddings in accelerate's group of the
+      output embeddings: `_fsdp2_held`); FSDP1 its root unit and every unit that does not reshard after forward."""
     from . import memory
     from .planner import gathered_bytes, zero3_gathered
 
@@ -397,14 +398,14 @@ def gathered_parameter_bytes(model: Any, zero3_window: int | None = None) -> int
     named = [block for _, block in memory.named_blocks(base)]
     if not any(whole(block.parameters()) for block in named):
         return 0
-    held_ids = _fsdp2_held(base)
+    held_ids, after_ids = _fsdp2_held(base)
     held = whole(p for p in base.parameters() if id(p) in held_ids)
     blocks = [whole(p for p in block.parameters() if id(p) not in held_ids) for block in named]
     try:
-        head_module = base.get_output_embeddings()
+        head_ids = {id(p) for p in base.get_output_embeddings().parameters()}
     except (AttributeError, NotImplementedError):
-        head_module = None
-    head = whole(p for p in head_module.parameters() if id(p) not in held_ids) if head_module is not None else 0
+        head_ids = set()
+    head = whole(p for p in base.parameters() if id(p) in (head_ids | after_ids) and id(p) not in held_ids)
     gathered = gathered_bytes(blocks, head, held=held)
     if zero3_window is not None and any(hasattr(p, "ds_numel") for p in base.parameters()):
         itemsize = max(p.element_size() for p in base.parameters())
@@ -464,40 +465,44 @@ def fsdp1_layout(model: Any) -> Fsdp1Layout | None:
     return Fsdp1Layout(min(1.0, local / whole) if whole else 1.0, held, unit_bytes)
 
 
-def _fsdp2_held(base: Any) -> set[int]:
-    """The ids of the parameters FSDP2 keeps whole while every block computes: a group that does not reshard after
-    forward stays whole from its forward to its backward, so through the blocks when its forward runs before them: the
-    root's own parameters when left to torch's default, which keeps the root whole (`_auto_reshard_after_forward`, read
-    in torch 2.13's `_fully_shard/_fsdp_state.py`), and a kept group holding the input embeddings (accelerate puts tied
-    embeddings in its group of the final norm and output embeddings, `reshard_after_forward=False`). A kept group of
-    the output embeddings alone is whole at the loss head only, where the head counts anyway. Read from FSDP2's state
+def _fsdp2_held(base: Any) -> tuple[set[int], set[int]]:
+    """The ids of the parameters FSDP2 keeps whole while the blocks compute. A group that does not reshard after
+    forward stays whole from its forward to its backward: the root's own parameters when left to torch's default,
+    which keeps the root whole (`_auto_reshard_after_forward`, read in torch 2.13's `_fully_shard/_fsdp_state.py`);
+    every block's group with `reshard_after_forward=False` (they accumulate: all are whole at the end of the forward);
+    a kept group holding the input embeddings (accelerate puts tied embeddings in its group of the final norm and
+    output embeddings, `reshard_after_forward=False`). A kept group of the final norm and output embeddings alone is
+    whole from the loss head on: its ids are returned second, counted with the head. Read from FSDP2's state
     (private attributes); when it cannot be read, every parameter outside the blocks counts as held (a bound)."""
+    from . import memory
+
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
-        return set()
+        return set(), set()
     modules = [m for m in base.modules() if isinstance(m, FSDPModule)]
     if not modules:
-        return set()
+        return set(), set()
+    inside = {id(p) for _, block in memory.named_blocks(base) for p in block.parameters()}
     try:
-        embeddings = {id(p) for p in base.get_input_embeddings().parameters()}
+        before = inside | {id(p) for p in base.get_input_embeddings().parameters()}
     except (AttributeError, NotImplementedError):
-        embeddings = set()
+        before = inside
     held: set[int] = set()
+    after: set[int] = set()
     try:
         for i, module in enumerate(modules):
             state = module._get_fsdp_state()
             for group in state._fsdp_param_groups:
                 ids = {id(fsdp_param.sharded_param) for fsdp_param in group.fsdp_params}
                 kept = group.post_forward_mesh_info is None
-                if (i == 0 and state._auto_reshard_after_forward) or (kept and ids & embeddings):
+                if (i == 0 and state._auto_reshard_after_forward) or (kept and ids & before):
                     held |= ids
+                elif kept:
+                    after |= ids
     except AttributeError:  # another torch's FSDP2 internals: bound from above
-        from . import memory
-
-        inside = {id(p) for _, block in memory.named_blocks(base) for p in block.parameters()}
-        return {id(p) for p in base.parameters() if id(p) not in inside}
-    return held
+        return {id(p) for p in base.parameters() if id(p) not in inside}, set()
+    return held, after - held
 
 
 def _sharded_numel(p: Any) -> int:
