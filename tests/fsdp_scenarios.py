@@ -27,7 +27,8 @@ A scenario is `<fsdp>-<model>-<gc>-<ac>-<cache>-<plugin>`:
           copies `args.use_cache` into the model config at the end of `Trainer.__init__`)
   plugin  `none` | `strict` | `fix` (SafeGCCallback) | `installed` | `installedfix` (trl_gc_plugin.installed()
           around the arguments and the trainer) | `budget` (strict, a memory budget midway between the predicted
-          peaks of no and full checkpointing)
+          peaks of no and full checkpointing) | `unshard` (the same, and a callback unshards every FSDP2 group
+          at train begin)
 
 Each rank appends one JSON line per scenario to OUTDIR/results-rank<R>.jsonl: where it stopped and the outcome,
 what `fsdp_wrapping()` sees at `on_init_end` and `on_train_begin`, the wrapper, the losses, how many trainable
@@ -216,6 +217,12 @@ def run(out: str, scenario: str) -> dict:
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             seen["train_begin"] = fsdp_wrapping(model, args)
+            if plugin == "unshard":  # a user's callback that gathers every FSDP2 group before the first step
+                from torch.distributed.fsdp import FSDPModule
+
+                for module in model.modules():
+                    if isinstance(module, FSDPModule):
+                        module.unshard()
             if plugin == "budget":  # what FSDP really holds whole, against the plan's gathered-parameter term
                 from held import fsdp1_whole, fsdp2_whole, watch
 
@@ -252,9 +259,10 @@ def run(out: str, scenario: str) -> dict:
     callbacks = [Look()]
     if plugin in ("strict", "fix"):
         callbacks.append(SafeGCCallback(mode=plugin))
-    if plugin == "budget":  # strict, a budget midway between the predicted peaks of no and full checkpointing
+    if plugin in ("budget", "unshard"):  # strict, a budget midway between the predicted peaks of none and full
         callbacks.append(SafeGCCallback(mode="strict", memory_budget=_midway_budget(model, version, kind.endswith("g"))))
         result["block_bytes"] = sum(p.numel() * p.element_size() for p in first_layer.parameters())
+        result["model_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     scope = contextlib.nullcontext()
     if plugin.startswith("installed"):
         scope = installed(mode="fix" if plugin == "installedfix" else "strict")

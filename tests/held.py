@@ -1,5 +1,5 @@
 """What sharded training holds whole at once, measured on the live model: the test side of the plan's
-gathered-parameter term (`runtime_plan.gathered_parameter_bytes`). Each `*_whole(model)` says, for what the sharding
+gathered-parameter term (`sharding.gathered_parameter_bytes`). Each `*_whole(model)` says, for what the sharding
 holds now, the whole bytes by name (parameters, or FSDP1 units)."""
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ if TF5:
     PLUGIN["v2-full-off-1-2-strict"] = None
 # a memory plan under FSDP2 (issue 22), against the same run without the plugin (full checkpointing)
 PLANS = ["v2-full-false-0-0-budget", "v2-tied-false-0-0-budget", "v2-tied-false-0-0-none", "v1-full-false-0-0-budget",
-         "v1g-deep-false-0-0-budget", "v2g-deep-false-0-0-budget"]
+         "v1g-deep-false-0-0-budget", "v2g-deep-false-0-0-budget", "v2-deep-false-0-0-unshard"]
 PLANNED = ["ddp-full-off-1-0-strict", "ddp-lorahook-true-0-0-strict", "v2-dropout-off-1-0-strict"]
 SCENARIOS = {**UPSTREAM, **PLUGIN}
 FULL = [s for s in SCENARIOS if s.split("-")[1] == "full" and SCENARIOS[s] is None]
@@ -271,7 +271,7 @@ def test_the_plans_gathered_parameters_cover_what_fsdp_holds_whole(results, scen
     storage of their padded whole flat parameter), against the plan's gathered-parameter term. With tied embeddings,
     accelerate's FSDP2 group of the embeddings, the final norm and the head does not reshard after forward, so it is
     whole through the blocks; FSDP1 never frees its root unit (everything outside the blocks here) after forward; the
-    plan counts both (`runtime_plan._fsdp2_held`, `fsdp1_layout`). The plan also allows the next block, which FSDP
+    plan counts both (`sharding.fsdp2_layout`, `sharding.fsdp1_layout`). The plan also allows the next block, which FSDP
     prefetches on a GPU; on CPU nothing is prefetched, so the term is what was measured plus one block. With
     `shard_grad_op` (no reshard after forward; 4 layers, so that it differs from two blocks) every unit stays whole
     until its backward: the whole model, measured and planned."""
@@ -289,3 +289,18 @@ def test_the_plans_gathered_parameters_cover_what_fsdp_holds_whole(results, scen
     if scenario == "v2-tied":
         for rank, other in zip(ranks.values(), results[1]["v2-tied-false-0-0-none"].values(), strict=True):
             assert rank["checksums"][0] == other["checksums"][0], (rank["checksums"], other["checksums"])
+
+
+def test_the_first_step_says_when_more_parameters_are_held_whole_than_planned(results):
+    """The first training forward also reads what the sharding holds whole (`sharding.watch_held`, one flag per
+    parameter at each module with parameters of its own) and says so when it is more than the plan counted: here a
+    user's callback unshards every FSDP2 group at train begin, so the first forward starts with the whole model
+    gathered (4 layers), where the plan counted two blocks. A warning with both figures on each rank, the plan stands,
+    training goes on; the other planned runs above (ZeRO-3, FSDP1, FSDP2 tied, kept and untied) get no warning."""
+    for rank in results[1]["v2-deep-false-0-0-unshard"].values():
+        assert rank["outcome"] == "trained", rank
+        (warning,) = rank["warnings"]
+        (predicted,) = rank["gathered_predicted"]
+        assert "sharded parameters held whole" in warning, warning
+        assert f"({predicted} bytes)" in warning and f"({rank['model_bytes']} bytes) at once" in warning, warning
+        assert predicted < rank["model_bytes"], (predicted, rank["model_bytes"])

@@ -532,7 +532,7 @@ class ActivationEstimate:
         measured_blocks (`int`): how many blocks the fake forward ran.
         gathered_bytes (`int`): parameters held whole besides the activations while a block or the loss head
             computes: 0, except under DeepSpeed ZeRO-3 and FSDP2, which gather each module's sharded parameters for
-            its forward and backward (set by the run, `runtime_plan.gathered_parameter_bytes`).
+            its forward and backward (set by the run, `sharding.gathered_parameter_bytes`).
     """
 
     blocks: tuple[str, ...]

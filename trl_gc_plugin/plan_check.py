@@ -144,3 +144,20 @@ def corrected(planned: ActivationEstimate, comparison: Comparison) -> Activation
         outside=outside_bytes,
         method=f"{planned.method}, corrected by the first step (blocks x{blocks:.2f}, outside x{outside:.2f})",
     )
+
+
+def held_miss(predicted: int, measured: int) -> str | None:
+    """The warning when the parameters ZeRO-3 / FSDP held whole in the first training forward (`measured`,
+    `sharding.watch_held`) exceed what the plan counted (`predicted`, `ActivationEstimate.gathered_bytes`) by more
+    than `TOLERANCE`; None otherwise. The plan counts the next block as prefetched, which a forward on CPU does not
+    do, so a measurement below the prediction is the rule there."""
+    if measured <= predicted * (1 + TOLERANCE):
+        return None
+    from .planner import format_bytes
+
+    return (
+        f"The memory plan counted {format_bytes(predicted)} ({predicted} bytes) of sharded parameters held whole while "
+        f"a block or the loss head computes; the first training forward held {format_bytes(measured)} ({measured} "
+        "bytes) at once. Something keeps more of the model gathered than the plan knows (a wrapping or a sharding "
+        "setting it does not read, a hook that gathers parameters): the plan may not fit its budget; the plan stands."
+    )

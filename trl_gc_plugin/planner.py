@@ -253,7 +253,7 @@ SHARDED_LAYOUTS = ("zero3", "fsdp1", "fsdp2")
 def layout_gathered(est: ActivationEstimate, layout: str, zero3_window: int) -> int:
     """The parameters held whole under `layout` for a full fine-tune planned from a config, from the estimate's
     parameter bytes (every parameter trains, so its gradient bytes are its bytes), as the run reads them off the live
-    model (`runtime_plan.gathered_parameter_bytes`) with accelerate's wrapping: ZeRO-3 keeps what it reuses within
+    model (`sharding.gathered_parameter_bytes`) with accelerate's wrapping: ZeRO-3 keeps what it reuses within
     `zero3_window` elements; FSDP1 keeps its root unit (everything outside the blocks) whole; FSDP2 keeps accelerate's
     group of the final norm and head whole from its forward, from the start of the forward when it holds the tied
     input embeddings."""

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from . import _hooks, probe, report, verify
+from . import _hooks, probe, report, sharding, verify
 from .decisions import Decision, first_sentence
 from .errors import GCConfigError
 from .first_step import report_world_size
@@ -95,7 +95,7 @@ class MemoryPlan:
         try:
             budget = budget_bytes(self.budget, model)
             estimate = memory.estimate(model, batch, seq, forward_kwargs=forward_kwargs)
-            gathered = gathered_parameter_bytes(model, self._zero3_window())
+            gathered = sharding.gathered_parameter_bytes(model, sharding.zero3_window(self.session.args))
             if gathered:
                 estimate = dataclasses.replace(estimate, gathered_bytes=gathered)
             plan = planner.plan(
@@ -138,13 +138,6 @@ class MemoryPlan:
             why = f"No batch advice ({type(exc).__name__}: {exc}); the memory plan stands."
             self.session.record([runtime_decision(get_rule("batch-advice"), "none", None, None, why, level="warning")])
 
-    def _zero3_window(self) -> int | None:
-        """Under DeepSpeed ZeRO-3, the parameter elements it may keep gathered besides the module computing (the
-        config's reuse distance and prefetch bucket); None otherwise."""
-        args = self.session.args
-        facts = probe.deepspeed_facts(args) if probe.zero_stage(args) == 3 else None
-        return facts.gather_window if facts is not None else None
-
     def _grad_fraction(self, model: Any) -> float | None:
         """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 and ZeRO-3, and
         under FSDP2 and FSDP1 the rank's share of the sharded parameters (their gradients are sharded alike; the peak
@@ -152,13 +145,17 @@ class MemoryPlan:
         decision, under tensor parallelism (DTensor parameters without FSDP2: activations are sharded too, which the
         estimate does not model) and any other sharding it cannot read."""
         args = self.session.args
-        fsdp2 = _fsdp2_share(model)
+        try:
+            fsdp2 = sharding.fsdp2_layout(model)
+        except AttributeError as exc:  # another torch's FSDP2 internals
+            self.session.record([self._skipped(f"FSDP2's state could not be read ({exc})")])
+            return None
         if fsdp2 is not None:
-            return fsdp2
-        if any(_is_dtensor(p) for p in probe.unwrap(model).parameters()):
+            return fsdp2.grad_fraction
+        if any(sharding.is_dtensor(p) for p in probe.unwrap(model).parameters()):
             self.session.record([self._skipped("not planned under tensor parallelism (DTensor parameters, no FSDP2)")])
             return None
-        fsdp1 = fsdp1_layout(model)
+        fsdp1 = sharding.fsdp1_layout(model)
         if fsdp1 is not None:
             return fsdp1.grad_fraction
         sharded = verify.gradients_are_sharded(args, model)
@@ -202,16 +199,20 @@ class MemoryPlan:
         shape: tuple[int, int],
         keywords: dict[str, Any],
     ) -> None:
-        """Measure the forward that is starting (`memory.meter`: bytes autograd saves, per block) and, when it ends,
-        compare them with the prediction for its own batch shape (a one-shot post-hook, gone after it ran)."""
-        from . import memory
+        """Measure the forward that is starting (`memory.meter`: bytes autograd saves, per block; under ZeRO-3 / FSDP
+        also the parameters held whole, `sharding.watch_held`) and, when it ends, compare them with the prediction for
+        its own batch shape (a one-shot post-hook, gone after it ran)."""
+        from . import memory, plan_check
 
         metering = memory.meter(model)
         measured = metering.__enter__()
+        sample = sharding.held_sampler(model) if planned[0].gathered_bytes else None
+        held, stop_held = sharding.watch_held(model, sample) if sample is not None else (None, lambda: None)
 
         def finish() -> None:
             hook.remove()
             self._hook = None
+            stop_held()
             metering.__exit__(None, None, None)
 
         def after(module: Any, f_args: Any, output: Any) -> None:
@@ -220,6 +221,10 @@ class MemoryPlan:
                 return
             try:
                 self._check(model, planned, measured, shape, keywords)
+                miss = plan_check.held_miss(planned[0].gathered_bytes, held["max"]) if held is not None else None
+                if miss is not None:
+                    rule = get_rule("memory-plan")
+                    self.session.record([runtime_decision(rule, "warn", None, None, miss, setting="memory_plan_check")])
             except GCConfigError:
                 raise
             except Exception as exc:  # a plugin bug never stops training
@@ -368,173 +373,6 @@ def _call_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
         and not isinstance(v, torch.Tensor)
         and (v is None or isinstance(v, bool | int | float | str))
     }
-
-
-def gathered_parameter_bytes(model: Any, zero3_window: int | None = None) -> int:
-    """Under DeepSpeed ZeRO-3 or FSDP2, the parameters held whole besides the activations while a block or the loss
-    head computes; 0 for a model without sharded parameters (ZeRO-3's `ds_numel`, FSDP2's DTensors, whose `numel()` is
-    the whole one).
-
-    - Both gather a block's parameters and prefetch the next block's; the loss head needs its own and the last
-      block's (`gathered_bytes`).
-    - ZeRO-3 also keeps what it will use again within `zero3_window` elements (its reuse distance and prefetch
-      bucket, `_deepspeed.DeepSpeedFacts.gather_window`) and its persistent parameters (`ds_persist`): the whole of
-      a model smaller than the window.
-    - FSDP2 keeps whole the groups that do not reshard after forward and run before the loss head (the root's own
-      parameters, blocks' groups with `reshard_after_forward=False`, tied input embeddings in accelerate's group of the
-      output embeddings: `_fsdp2_held`); FSDP1 its root unit and every unit that does not reshard after forward."""
-    from . import memory
-    from .planner import gathered_bytes, zero3_gathered
-
-    base = probe.unwrap(model)
-    fsdp1 = fsdp1_layout(model)
-    if fsdp1 is not None:  # the units kept whole, and two blocks' units (the next one prefetched)
-        blocks = [fsdp1.unit_bytes.get(id(block), 0) for _, block in memory.named_blocks(base)]
-        return gathered_bytes(blocks, 0, held=fsdp1.held_bytes)
-
-    def whole(params: Any) -> int:
-        return sum(_sharded_numel(p) * p.element_size() for p in params)
-
-    named = [block for _, block in memory.named_blocks(base)]
-    if not any(whole(block.parameters()) for block in named):
-        return 0
-    held_ids, after_ids = _fsdp2_held(base)
-    held = whole(p for p in base.parameters() if id(p) in held_ids)
-    blocks = [whole(p for p in block.parameters() if id(p) not in held_ids) for block in named]
-    try:
-        head_ids = {id(p) for p in base.get_output_embeddings().parameters()}
-    except (AttributeError, NotImplementedError):
-        head_ids = set()
-    head = whole(p for p in base.parameters() if id(p) in (head_ids | after_ids) and id(p) not in held_ids)
-    gathered = gathered_bytes(blocks, head, held=held)
-    if zero3_window is not None and any(hasattr(p, "ds_numel") for p in base.parameters()):
-        itemsize = max(p.element_size() for p in base.parameters())
-        persistent = whole(p for p in base.parameters() if getattr(p, "ds_persist", False))
-        gathered = zero3_gathered(gathered, blocks, whole(base.parameters()), zero3_window * itemsize, persistent)
-    return gathered
-
-
-@dataclasses.dataclass(frozen=True)
-class Fsdp1Layout:
-    """How FSDP1 (`FullyShardedDataParallel`) holds a model on this rank, read from its flat parameters.
-
-    Args:
-        grad_fraction (`float`): the rank's share of the flat parameters, and so of their gradients.
-        held_bytes (`int`): the whole bytes of the units FSDP1 keeps whole from their forward to their backward: the
-            root (FSDP1 does not free the root after forward) and every unit whose strategy does not reshard after
-            forward (`SHARD_GRAD_OP`, `NO_SHARD`).
-        unit_bytes (`dict[int, int]`): the whole bytes of each other unit, by the id of the module it wraps.
-    """
-
-    grad_fraction: float
-    held_bytes: int
-    unit_bytes: dict[int, int]
-
-
-def fsdp1_layout(model: Any) -> Fsdp1Layout | None:
-    """The FSDP1 layout of `model` (the root wrapper, or a model holding wrapped units), None without FSDP1 units or
-    when torch's flat parameters cannot be read (private attributes of `torch.distributed.fsdp`, read in torch 2.13:
-    `_flat_param`, its `_sharded_size` and `_unpadded_unsharded_size`, the handle's `_sharding_strategy`; the strategies that reshard after
-    forward are `_runtime_utils.RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES`)."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp._runtime_utils import RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES
-    except ImportError:  # torch without distributed, or another torch's layout
-        return None
-    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
-    if not units:
-        return None
-    nested = {id(m) for unit in units for m in unit.modules() if m is not unit}
-    local = whole = held = 0
-    unit_bytes: dict[int, int] = {}
-    try:
-        for unit in units:
-            flat = unit._flat_param
-            if flat is None:  # a unit without parameters of its own
-                continue
-            size = int(flat._unpadded_unsharded_size.numel())
-            local, whole = local + int(flat._sharded_size.numel()), whole + size  # numel(): as gathered now
-            root = id(unit) not in nested
-            kept = root or unit._handle._sharding_strategy not in RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES
-            if kept:
-                held += size * flat.element_size()
-            else:
-                unit_bytes[id(unit.module)] = size * flat.element_size()
-    except AttributeError:
-        return None
-    return Fsdp1Layout(min(1.0, local / whole) if whole else 1.0, held, unit_bytes)
-
-
-def _fsdp2_held(base: Any) -> tuple[set[int], set[int]]:
-    """The ids of the parameters FSDP2 keeps whole while the blocks compute. A group that does not reshard after
-    forward stays whole from its forward to its backward: the root's own parameters when left to torch's default,
-    which keeps the root whole (`_auto_reshard_after_forward`, read in torch 2.13's `_fully_shard/_fsdp_state.py`);
-    every block's group with `reshard_after_forward=False` (they accumulate: all are whole at the end of the forward);
-    a kept group holding the input embeddings (accelerate puts tied embeddings in its group of the final norm and
-    output embeddings, `reshard_after_forward=False`). A kept group of the final norm and output embeddings alone is
-    whole from the loss head on: its ids are returned second, counted with the head. Read from FSDP2's state
-    (private attributes); when it cannot be read, every parameter outside the blocks counts as held (a bound)."""
-    from . import memory
-
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return set(), set()
-    modules = [m for m in base.modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        return set(), set()
-    inside = {id(p) for _, block in memory.named_blocks(base) for p in block.parameters()}
-    try:
-        before = inside | {id(p) for p in base.get_input_embeddings().parameters()}
-    except (AttributeError, NotImplementedError):
-        before = inside
-    held: set[int] = set()
-    after: set[int] = set()
-    try:
-        for i, module in enumerate(modules):
-            state = module._get_fsdp_state()
-            for group in state._fsdp_param_groups:
-                ids = {id(fsdp_param.sharded_param) for fsdp_param in group.fsdp_params}
-                kept = group.post_forward_mesh_info is None
-                if (i == 0 and state._auto_reshard_after_forward) or (kept and ids & before):
-                    held |= ids
-                elif kept:
-                    after |= ids
-    except AttributeError:  # another torch's FSDP2 internals: bound from above
-        return {id(p) for p in base.parameters() if id(p) not in inside}, set()
-    return held, after - held
-
-
-def _sharded_numel(p: Any) -> int:
-    """The whole number of elements of a sharded parameter (ZeRO-3, FSDP2's DTensor), 0 for a whole one."""
-    numel = getattr(p, "ds_numel", None)
-    if numel is not None:
-        return int(numel)
-    return int(p.numel()) if _is_dtensor(p) else 0
-
-
-def _is_dtensor(p: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without distributed
-        return False
-    return isinstance(p, DTensor)
-
-
-def _fsdp2_share(model: Any) -> float | None:
-    """Under FSDP2 (`fully_shard`: modules of type `FSDPModule`), the rank's share of the parameters it shards as
-    DTensors, and so of their gradients (1/N over the shard dimension; a replicated dimension, HSDP, keeps whole
-    copies); None without FSDP2."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return None
-    base = probe.unwrap(model)
-    if not any(isinstance(m, FSDPModule) for m in base.modules()):
-        return None
-    sharded = [p for p in base.parameters() if _is_dtensor(p)]
-    whole = sum(p.numel() for p in sharded)
-    return sum(p.to_local().numel() for p in sharded) / whole if whole else 1.0
 
 
 def _device_kind(model: Any) -> str:
