@@ -11,7 +11,7 @@ import pytest
 import torch
 from trainers import make_trainer
 
-from trl_gc_plugin import SafeGCCallback, memory, planner
+from trl_gc_plugin import SafeGCCallback, memory, plan_check, planner
 from trl_gc_plugin.decisions import read_decisions
 from trl_gc_plugin.testing import make_model
 
@@ -212,3 +212,28 @@ def test_a_wrapper_that_closes_over_the_forward_is_followed_by_the_estimate(tmp_
     comparison = callback.plan_check
     assert comparison.batch_shape == (2, 16) and not checks(callback)
     assert abs(comparison.predicted - comparison.measured) <= 0.10 * comparison.measured, comparison
+
+
+def test_the_held_check_warns_above_the_tolerance_and_when_it_could_not_read():
+    assert plan_check.held_miss(1000, {"max": 1150, "failed": None}) is None
+    warning = plan_check.held_miss(1000, {"max": 1151, "failed": None})
+    assert warning is not None and "(1000 bytes)" in warning and "(1151 bytes) at once" in warning
+    assert "could not be read (KeyError: 'x')" in plan_check.held_miss(1000, {"max": 0, "failed": "KeyError: 'x'"})
+
+
+def test_a_failing_held_reading_never_stops_the_forward():
+    """`sharding.watch_held` samples inside the user's forward: a reading that raises (another release's internals)
+    stops the sampling and is said after the forward, never raised into it."""
+    from trl_gc_plugin import sharding
+
+    model = make_model().train()
+    calls = []
+
+    def broken() -> int:
+        calls.append(1)
+        raise KeyError("x")
+
+    record, remove = sharding.watch_held(model, broken)
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    remove()
+    assert len(calls) == 1 and record["failed"] == "KeyError: 'x'" and record["max"] == 0

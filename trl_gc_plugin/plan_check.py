@@ -146,11 +146,16 @@ def corrected(planned: ActivationEstimate, comparison: Comparison) -> Activation
     )
 
 
-def held_miss(predicted: int, measured: int) -> str | None:
-    """The warning when the parameters ZeRO-3 / FSDP held whole in the first training forward (`measured`,
+def held_miss(predicted: int, record: dict[str, Any]) -> str | None:
+    """The warning when the parameters ZeRO-3 / FSDP held whole in the first training forward (`record`, from
     `sharding.watch_held`) exceed what the plan counted (`predicted`, `ActivationEstimate.gathered_bytes`) by more
-    than `TOLERANCE`; None otherwise. The plan counts the next block as prefetched, which a forward on CPU does not
-    do, so a measurement below the prediction is the rule there."""
+    than `TOLERANCE`, or when they could not be read; None otherwise. The plan counts the next block as prefetched,
+    which a forward on CPU does not do, so a measurement below the prediction is the rule there."""
+    if record["failed"] is not None:
+        return (
+            f"What the sharding held whole in the first step could not be read ({record['failed']}); the plan stands."
+        )
+    measured = int(record["max"])
     if measured <= predicted * (1 + TOLERANCE):
         return None
     from .planner import format_bytes

@@ -221,7 +221,7 @@ class MemoryPlan:
                 return
             try:
                 self._check(model, planned, measured, shape, keywords)
-                miss = plan_check.held_miss(planned[0].gathered_bytes, held["max"]) if held is not None else None
+                miss = plan_check.held_miss(planned[0].gathered_bytes, held) if held is not None else None
                 if miss is not None:
                     rule = get_rule("memory-plan")
                     self.session.record([runtime_decision(rule, "warn", None, None, miss, setting="memory_plan_check")])
