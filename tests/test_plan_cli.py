@@ -179,7 +179,7 @@ def test_generated_configs_never_crash(capsys, config):
 
 
 TOKENS = [TINY, "llama-7b-typo", "--batch-size", "--seq-len", "--budget", "--dtype", "--attn", "--grad-shards",
-          "--sharded-params", "zero3", "fsdp2",
+          "--sharded-params", "zero3", "fsdp2", "--deepspeed",
           "--json", "--all", "--reentrant", "--accelerator", "1", "2", "0", "-1", "x", "1MiB", "2GB", "nan", "bf16",
           "fp8", "sdpa", "eager", ""]
 
@@ -227,3 +227,25 @@ def test_sharded_params_count_what_the_run_counts(capsys, tmp_path, tied):
                              "--dtype", "fp32", "--grad-shards", "2", "--json", *extra)
         assert code == 0 and err == "", err
         assert json.loads(out)["estimate"]["gathered_bytes"] == gathered, layout
+
+
+def test_a_deepspeed_config_plans_what_the_run_reads(capsys, tmp_path):
+    """`--deepspeed CONFIG` reads the run's config through the one DeepSpeed reader: ZeRO-3 shards the parameters, and
+    its reuse distance and prefetch bucket bound what stays gathered (a window of 0 leaves the two blocks the run
+    counts anyway); ZeRO-2 does not shard them; a disagreeing `--sharded-params` or an unreadable config exits 2."""
+    def gathered(zero: dict | None, *extra: str) -> tuple[int, int | None, str]:
+        argv = [TINY, "--batch-size", "2", "--seq-len", "16", "--budget", "1GiB", "--json", *extra]
+        if zero is not None:
+            (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": zero}))
+            argv += ["--deepspeed", str(tmp_path / "ds.json")]
+        code, out, err = run(capsys, *argv)
+        return code, json.loads(out)["estimate"]["gathered_bytes"] if code == 0 else None, err
+
+    assert gathered({"stage": 3})[1] == gathered(None, "--sharded-params", "zero3")[1] > 0
+    small = gathered({"stage": 3, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0})[1]
+    assert 0 < small < gathered({"stage": 3})[1]
+    assert gathered({"stage": 2})[1] == 0
+    code, _, err = gathered({"stage": 2}, "--sharded-params", "zero3")
+    assert code == 2 and "disagrees" in err
+    code, _, err = gathered({"stage": "x"})
+    assert code == 2 and "zero_optimization.stage" in err

@@ -117,6 +117,13 @@ def _parser() -> _Parser:
         "does (ZeRO-3 with DeepSpeed's default reuse distance and prefetch bucket; FSDP with accelerate's wrapping)",
     )
     parser.add_argument(
+        "--deepspeed",
+        default=None,
+        metavar="CONFIG",
+        help="the run's DeepSpeed JSON config: under ZeRO-3 its parameters are sharded, with its reuse distance and "
+        "prefetch bucket (read as the run reads them)",
+    )
+    parser.add_argument(
         "--effective-batch",
         type=int,
         default=None,
@@ -254,17 +261,41 @@ def render(plan: Any, label: str, show_all: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _with_gathered(est: Any, layout: str | None) -> Any:
-    """`est` with the parameters `layout` holds whole (`planner.layout_gathered`), as the run adds them."""
+def _sharding(ns: argparse.Namespace) -> tuple[str | None, int]:
+    """The parameter sharding to plan for and ZeRO-3's window (elements): from `--sharded-params`, or from the
+    `--deepspeed` config through the reader the run and `trl-gc-check` use (`_deepspeed.deepspeed_facts`)."""
+    from ._deepspeed import ZERO3_WINDOW_DEFAULTS, deepspeed_facts
+
+    if ns.deepspeed is None:
+        return ns.sharded_params, sum(ZERO3_WINDOW_DEFAULTS.values())
+    try:
+        with open(ns.deepspeed, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"--deepspeed {ns.deepspeed}: {_one_line(exc)}") from None
+    if not isinstance(config, dict):
+        raise InputError(f"--deepspeed {ns.deepspeed}: expected a JSON object")
+    facts = deepspeed_facts(config)
+    if facts.problems:
+        raise InputError(f"--deepspeed {ns.deepspeed}: {facts.problems[0]}")
+    layout = "zero3" if facts.stage == 3 else None
+    if ns.sharded_params not in (None, layout):
+        raise InputError(
+            f"--sharded-params {ns.sharded_params} disagrees with --deepspeed {ns.deepspeed} (ZeRO stage {facts.stage})"
+        )
+    return layout, facts.gather_window
+
+
+def _with_gathered(est: Any, layout: str | None, window: int) -> Any:
+    """`est` with the parameters `layout` holds whole (`planner.layout_gathered`; ZeRO-3 keeps up to `window`
+    elements for reuse), as the run adds them."""
     if layout is None:
         return est
     import dataclasses
 
-    from ._deepspeed import ZERO3_WINDOW_DEFAULTS
     from .planner import layout_gathered
 
-    gathered = layout_gathered(est, layout, sum(ZERO3_WINDOW_DEFAULTS.values()))
-    return dataclasses.replace(est, gathered_bytes=gathered)
+    return dataclasses.replace(est, gathered_bytes=layout_gathered(est, layout, window))
 
 
 def run(argv: list[str] | None) -> tuple[int, str]:
@@ -282,6 +313,7 @@ def run(argv: list[str] | None) -> tuple[int, str]:
         raise InputError("--grad-shards must be a positive integer")
     if ns.batch_size * ns.seq_len > MAX_TOKENS:
         raise InputError(f"--batch-size x --seq-len must be at most {MAX_TOKENS} tokens")
+    layout, window = _sharding(ns)
     config, label = load_config(ns.model)
     from .memory import _dtype_of, config_dtype, estimate
 
@@ -296,7 +328,7 @@ def run(argv: list[str] | None) -> tuple[int, str]:
         est = estimate(config, ns.batch_size, ns.seq_len, dtype=dtype, attn_implementation=ns.attn)
     except Exception as exc:
         raise InputError(f"{label}: cannot run the model's layout: {type(exc).__name__}: {_one_line(exc)}") from None
-    est = _with_gathered(est, ns.sharded_params)
+    est = _with_gathered(est, layout, window)
     result = plan(
         est,
         budget,
@@ -315,7 +347,7 @@ def run(argv: list[str] | None) -> tuple[int, str]:
                 est
                 if mb == ns.batch_size
                 else _with_gathered(
-                    estimate(config, mb, ns.seq_len, dtype=dtype, attn_implementation=ns.attn), ns.sharded_params
+                    estimate(config, mb, ns.seq_len, dtype=dtype, attn_implementation=ns.attn), layout, window
                 )
             )
 
