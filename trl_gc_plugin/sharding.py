@@ -81,8 +81,8 @@ class Fsdp1Layout:
 def fsdp1_layout(model: Any) -> Fsdp1Layout | None:
     """The FSDP1 layout of `model` (the root wrapper, or a model holding wrapped units), None without FSDP1 units or
     when torch's flat parameters cannot be read (private attributes of `torch.distributed.fsdp`, read in torch 2.13:
-    `_flat_param`, its `_sharded_size` and `_unpadded_unsharded_size`, the handle's `_sharding_strategy`; the strategies that reshard after
-    forward are `_runtime_utils.RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES`)."""
+    `_flat_param`, its `_sharded_size` and `_unpadded_unsharded_size`, the handle's `_sharding_strategy`; the
+    strategies that reshard after forward are `_runtime_utils.RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES`)."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp._runtime_utils import RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES
