@@ -89,6 +89,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> _Parser:
+    from .planner import SHARDED_LAYOUTS
+
     parser = _Parser(
         prog="trl-gc-plan",
         description="Plan the cheapest gradient checkpointing that fits an activation-memory budget.",
@@ -111,7 +113,7 @@ def _parser() -> _Parser:
     )
     parser.add_argument(
         "--sharded-params",
-        choices=["zero3", "fsdp1", "fsdp2"],
+        choices=SHARDED_LAYOUTS,
         default=None,
         help="the parameters are sharded too: count those held whole while a block or the head computes, as the run "
         "does (ZeRO-3 with DeepSpeed's default reuse distance and prefetch bucket; FSDP with accelerate's wrapping)",
