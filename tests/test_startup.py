@@ -224,8 +224,11 @@ with open(os.path.join(sys.argv[1] + "-results", f"rank{rank}.json"), "w") as fh
                "args": args.gradient_checkpointing_kwargs,
                "decisions": [[d.stage, d.rule_id, d.action, repr(d.after)] for d in cb[0].decisions] if cb else None},
               fh)
-if dist.is_initialized():  # a gloo group left to the exit can abort the rank (pytorch #190489)
-    dist.destroy_process_group()
+if dist.is_initialized():  # the interpreter's teardown aborts a gloo rank now and then (pytorch #190489; seen in CI
+    dist.barrier()  # with destroy_process_group too): end after the results are written, as tests/torchrun.py does
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
