@@ -1,7 +1,8 @@
-"""Exceptions raised by trl_gc_plugin."""
+"""The one deliberate error of trl_gc_plugin, `GCConfigError`, and its message (what to change, and why)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -22,3 +23,30 @@ class GCConfigError(ValueError):
     def __init__(self, message: str, decisions: list[Decision] | None = None) -> None:
         super().__init__(message)
         self.decisions: list[Decision] = list(decisions or [])
+
+
+def raise_for_errors(decisions: Sequence[Decision], mode: str) -> None:
+    """Raise `GCConfigError` for the `error` decisions (never in warn mode): each rule, the setting to change, the
+    evidence, and how to let the plugin change it instead."""
+    bad = [d for d in decisions if d.action == "error"]
+    if not bad or mode == "warn":
+        return
+    lines = [f"trl_gc_plugin refused this gradient-checkpointing setup (mode={mode}):"]
+    for d in bad:
+        lines.append(f"- [{d.rule_id}] {d.reason}")
+        if d.setting == "use_reentrant" and isinstance(d.after, bool):
+            lines.append(
+                f"  Change: gradient_checkpointing_kwargs={{'use_reentrant': {d.after!r}}} "
+                "(activation_checkpointing_kwargs on transformers >= 5.23)."
+            )
+        elif d.setting == "activation_checkpointing" and isinstance(d.after, bool):
+            lines.append(
+                f"  Change: gradient_checkpointing={d.after!r} (activation_checkpointing on transformers >= 5.23)."
+            )
+        if d.evidence:
+            lines.append("  Evidence: " + "; ".join(d.evidence))
+    lines.append(
+        "To let the plugin change such values instead of refusing, use SafeGCCallback(mode='fix') or "
+        "TRL_GC_PLUGIN_MODE=fix; `python -m trl_gc_plugin rules` lists every rule."
+    )
+    raise GCConfigError("\n".join(lines), bad)

@@ -20,10 +20,10 @@ from typing import Any
 
 from . import probe, report
 from ._flags import parse_flag
-from .apply import apply
-from .engine import decide, errors, final_use_reentrant
+from .engine import decide
 from .errors import GCConfigError
 from .modes import Mode
+from .session import Session
 
 logger = logging.getLogger("trl_gc_plugin")
 
@@ -47,44 +47,21 @@ def _user_use_reentrant(args: Any) -> tuple[bool, Any]:
 
 
 def post_init_decide(args: Any, mode: Mode, user_given: bool, user_value: Any) -> list[Any]:
-    """What the patched `__post_init__` runs once the original has: decide on the arguments alone, apply, record."""
-    probe.start_record(args, user_given, user_value)
+    """What the patched `__post_init__` runs once the original has: a `Session` on the arguments alone (stage
+    `post_init`) decides, refuses or applies and logs, as the callback's stages do; its decisions stay in the
+    arguments' record (`probe.PostInitRecord`, outside the object) for the callback to carry on from."""
+    record = probe.start_record(args, user_given, user_value)
     facts = probe.facts_from_args(args, stage="post_init")
     if not facts.gc_enabled:
         return []
-    decisions = decide(facts, mode)
     report.follow_trainer(args)
-    report.log_decisions(decisions, report.is_main_process())
-    raise_for_errors(decisions, mode)
-    apply(decisions, args)
-    probe.remember(args, *final_use_reentrant(decisions, facts.use_reentrant, facts.use_reentrant_source), decisions)
+    # the distributed state is not read here (`args.process_index` would set it up): the launcher's rank decides
+    session = Session(mode, write_json=False, main_process=report.is_main_process())
+    session.args, session.final = args, (facts.use_reentrant, facts.use_reentrant_source)
+    decisions = decide(facts, mode)
+    session.take(decisions, None)
+    record.decisions.extend(decisions)
     return decisions
-
-
-def raise_for_errors(decisions: list[Any], mode: str) -> None:
-    """Raise `GCConfigError` for the `error` decisions (never in warn mode)."""
-    bad = errors(decisions)
-    if not bad or mode == "warn":
-        return
-    lines = [f"trl_gc_plugin refused this gradient-checkpointing setup (mode={mode}):"]
-    for d in bad:
-        lines.append(f"- [{d.rule_id}] {d.reason}")
-        if d.setting == "use_reentrant" and isinstance(d.after, bool):
-            lines.append(
-                f"  Change: gradient_checkpointing_kwargs={{'use_reentrant': {d.after!r}}} "
-                "(activation_checkpointing_kwargs on transformers >= 5.23)."
-            )
-        elif d.setting == "activation_checkpointing" and isinstance(d.after, bool):
-            lines.append(
-                f"  Change: gradient_checkpointing={d.after!r} (activation_checkpointing on transformers >= 5.23)."
-            )
-        if d.evidence:
-            lines.append("  Evidence: " + "; ".join(d.evidence))
-    lines.append(
-        "To let the plugin change such values instead of refusing, use SafeGCCallback(mode='fix') or "
-        "TRL_GC_PLUGIN_MODE=fix; `python -m trl_gc_plugin rules` lists every rule."
-    )
-    raise GCConfigError("\n".join(lines), bad)
 
 
 def _wrap(original: Any) -> Any:

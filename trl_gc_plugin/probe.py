@@ -85,7 +85,7 @@ def start_record(args: Any, user_given: bool, user_value: Any) -> PostInitRecord
     return record
 
 
-def remember(args: Any, value: Any, source: str, decisions: list[Any] | None = None) -> PostInitRecord:
+def remember(args: Any, value: Any, source: str) -> PostInitRecord:
     """Record the `use_reentrant` now in force for `args` and who chose it, and which objects the kwargs fields
     hold, so a later look (the callback, the next event) can tell who set a value and see later reassignments."""
     record = get_record(args)
@@ -95,8 +95,6 @@ def remember(args: Any, value: Any, source: str, decisions: list[Any] | None = N
     record.value, record.value_source = value, source
     record.new_id = id(getattr(args, NEW_KWARGS, None))
     record.old_id = id(getattr(args, OLD_KWARGS, None))
-    if decisions is not None:
-        record.decisions.extend(decisions)
     return record
 
 

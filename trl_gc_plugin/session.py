@@ -15,10 +15,9 @@ from . import probe, report
 from .apply import CacheSwitch, apply, remove_input_hook, set_args_use_reentrant, set_model_use_reentrant
 from .decisions import Action, Decision, Level, write_decisions
 from .engine import final_use_reentrant
-from .errors import GCConfigError
+from .errors import GCConfigError, raise_for_errors
 from .keep import EnableGuard
 from .modes import Mode
-from .patching import raise_for_errors
 from .rules import RULES, Rule
 from .verify import Watch
 
@@ -52,11 +51,14 @@ class Session:
     Args:
         mode (`Mode`): strict, fix or warn.
         write_json (`bool`): rewrite `<output_dir>/gc_decisions.json` with every new decision (main process).
+        main_process (`bool`, *optional*): whether this is the main process, when the arguments must not be asked
+            (in `__post_init__`, before the distributed state is set up); else read from the arguments.
     """
 
-    def __init__(self, mode: Mode, write_json: bool = True) -> None:
+    def __init__(self, mode: Mode, write_json: bool = True, main_process: bool | None = None) -> None:
         self.mode = mode
         self.write_json = write_json
+        self.main_process = main_process
         self.args: Any = None
         self.model: Any = None
         self.decisions: list[Decision] = []
@@ -115,7 +117,7 @@ class Session:
 
     def publish(self, new: list[Decision]) -> None:
         """Log the new decisions (main process) and rewrite `gc_decisions.json` when checkpointing is involved."""
-        main = report.is_main_process(self.args)
+        main = self.main_process if self.main_process is not None else report.is_main_process(self.args)
         report.log_decisions(new, main)
         worth_a_file = any(d.rule_id != "checkpointing-off" for d in self.decisions)
         if main and self.write_json and worth_a_file:
