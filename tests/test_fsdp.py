@@ -5,6 +5,8 @@ under real FSDP today; and what it should do (xfail)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from torchrun import run_scenarios
 from trainers import TF5
@@ -289,6 +291,26 @@ def test_the_plans_gathered_parameters_cover_what_fsdp_holds_whole(results, scen
     if scenario == "v2-tied":
         for rank, other in zip(ranks.values(), results[1]["v2-tied-false-0-0-none"].values(), strict=True):
             assert rank["checksums"][0] == other["checksums"][0], (rank["checksums"], other["checksums"])
+
+
+@pytest.mark.parametrize(("scenario", "layout"), [("v1g-deep", "fsdp1-shard-grad-op"), ("v2g-deep", "fsdp2-no-reshard")])
+def test_trl_gc_plan_counts_what_shard_grad_op_held(results, tmp_path, capsys, scenario, layout):
+    """`trl-gc-plan --sharded-params fsdp1-shard-grad-op / fsdp2-no-reshard`, on the config of the 4-layer model these
+    ranks trained, counts as held whole what the run measured on each rank (the whole model), where the fully sharded
+    layout counts less."""
+    from trl_gc_plugin import plan_cli
+    from trl_gc_plugin.testing import make_config
+
+    make_config(num_hidden_layers=4).to_json_file(tmp_path / "config.json")
+
+    def planned(*extra: str) -> int:
+        argv = [str(tmp_path), "--batch-size", "2", "--seq-len", "16", "--budget", "1GiB", "--dtype", "fp32", "--json"]
+        assert plan_cli.main([*argv, *extra]) == 0
+        return json.loads(capsys.readouterr().out)["estimate"]["gathered_bytes"]
+
+    held = {rank["seen"]["held"]["max"] for rank in results[1][f"{scenario}-false-0-0-budget"].values()}
+    assert held == {planned("--sharded-params", layout)}, held
+    assert planned("--sharded-params", layout.split("-")[0]) < min(held)
 
 
 def test_the_first_step_says_when_more_parameters_are_held_whole_than_planned(results):

@@ -220,6 +220,8 @@ def test_sharded_params_count_what_the_run_counts(capsys, tmp_path, tied):
         "zero3": total,
         "fsdp1": (total - 2 * block) + 2 * block,  # the root unit (all but the two blocks), two blocks
         "fsdp2": embed + norm + 2 * block if tied else max(2 * block, head + block),
+        "fsdp1-shard-grad-op": total,  # every unit whole from its forward to its backward (measured: test_fsdp.py)
+        "fsdp2-no-reshard": total,
     }
     for layout, gathered in expected.items():
         extra = [] if layout is None else ["--sharded-params", layout]

@@ -5,7 +5,8 @@ CONFIG_OR_LAYOUT is a model `config.json` (or a directory holding one) or a name
 allocated: two blocks run one training forward on fake tensors (`memory.estimate`) and the rest is extrapolated.
 The plan is for full fine-tuning with the model's own language-modelling loss (every parameter gets a gradient;
 `--grad-shards N` when ZeRO-2/3 or FSDP shards the gradients over N devices, `--sharded-params zero3|fsdp1|fsdp2` when
-the parameters are sharded too). For LoRA or a partly frozen model, plan
+the parameters are sharded too, `fsdp1-shard-grad-op|fsdp2-no-reshard` when FSDP keeps them whole between forward and
+backward). For LoRA or a partly frozen model, plan
 from the live model (`memory.estimate(model, ...)`), which copies its layout.
 
 Exit status: 0 a plan fits, 1 nothing fits (the lowest-memory plan is printed), 2 unreadable input or an invalid
@@ -116,7 +117,9 @@ def _parser() -> _Parser:
         choices=SHARDED_LAYOUTS,
         default=None,
         help="the parameters are sharded too: count those held whole while a block or the head computes, as the run "
-        "does (ZeRO-3 with DeepSpeed's default reuse distance and prefetch bucket; FSDP with accelerate's wrapping)",
+        "does (ZeRO-3 with DeepSpeed's default reuse distance and prefetch bucket; FSDP with accelerate's wrapping; "
+        "fsdp1-shard-grad-op / fsdp2-no-reshard: transformers' fsdp='shard_grad_op', every unit whole until its "
+        "backward)",
     )
     parser.add_argument(
         "--deepspeed",

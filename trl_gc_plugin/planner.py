@@ -246,8 +246,10 @@ def zero3_gathered(gathered: int, blocks: list[int], total: int, window: int, pe
     return min(total, max(gathered, max(blocks, default=0) + window) + persistent)
 
 
-SHARDED_LAYOUTS = ("zero3", "fsdp1", "fsdp2")
-"""Parameter sharding `layout_gathered` models for a full fine-tune planned from a config (`trl-gc-plan`)."""
+SHARDED_LAYOUTS = ("zero3", "fsdp1", "fsdp2", "fsdp1-shard-grad-op", "fsdp2-no-reshard")
+"""Parameter sharding `layout_gathered` models for a full fine-tune planned from a config (`trl-gc-plan`): ZeRO-3,
+FSDP1 and FSDP2 fully sharded, and FSDP1's `SHARD_GRAD_OP` / FSDP2's `reshard_after_forward=False` (transformers'
+`fsdp="shard_grad_op"`), which keep every unit whole from its forward to its backward."""
 
 
 def layout_gathered(est: ActivationEstimate, layout: str, zero3_window: int) -> int:
@@ -256,17 +258,19 @@ def layout_gathered(est: ActivationEstimate, layout: str, zero3_window: int) -> 
     model (`sharding.gathered_parameter_bytes`) with accelerate's wrapping: ZeRO-3 keeps what it reuses within
     `zero3_window` elements; FSDP1 keeps its root unit (everything outside the blocks) whole; FSDP2 keeps accelerate's
     group of the final norm and head whole from its forward, from the start of the forward when it holds the tied
-    input embeddings."""
+    input embeddings; without resharding after forward every unit stays whole until its backward: at the loss head,
+    the whole model."""
     blocks, head, embeddings = list(est.grad_bytes), est.head_grad_bytes, est.embedding_grad_bytes
+    total = sum(blocks) + head + embeddings
     if layout == "zero3":
-        itemsize = _itemsize(est.dtype)
-        total = sum(blocks) + head + embeddings
-        return zero3_gathered(gathered_bytes(blocks, head), blocks, total, zero3_window * itemsize)
+        return zero3_gathered(gathered_bytes(blocks, head), blocks, total, zero3_window * _itemsize(est.dtype))
     if layout == "fsdp1":
         return gathered_bytes(blocks, 0, held=head + embeddings)
     if layout == "fsdp2":
         tied = embeddings == 0
         return gathered_bytes(blocks, 0, held=head) if tied else gathered_bytes(blocks, head)
+    if layout in ("fsdp1-shard-grad-op", "fsdp2-no-reshard"):
+        return total
     raise ValueError(f"unknown sharded layout {layout!r}: one of {', '.join(SHARDED_LAYOUTS)}")
 
 
