@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from trainers import block_params, make_trainer, unchanged_block_params
 
 import trl_gc_plugin
-from trl_gc_plugin import GCConfigError, SafeGCCallback, probe
+from trl_gc_plugin import GCConfigError, SafeGCCallback, ckpt, probe
 from trl_gc_plugin.settings import SETTINGS, GCSettings, markdown_table, unknown_checkpoint_keys
 from trl_gc_plugin.testing import make_model
 
@@ -225,7 +225,7 @@ def test_an_unknown_key_is_silently_ignored_without_the_plugin_and_named_with_it
     kwargs = {"use_reentrant": False, "preserve_rng_stat": False}  # a typo of preserve_rng_state
     trainer = make_trainer("trainer", make_model(), str(tmp_path / "plain"), gc_kwargs=kwargs, max_steps=1)
     trainer.train()  # trains; nothing says the setting did nothing
-    funcs = [f for _, f in probe.checkpoint_functions(trainer.model)]
+    funcs = [f for _, f in ckpt.functions(trainer.model)]
     assert funcs and all("preserve_rng_state" not in getattr(f, "keywords", {}) for f in funcs)
 
     callback = SafeGCCallback()
@@ -251,7 +251,7 @@ def test_an_unknown_key_with_reentrant_crashes_the_first_forward_refused_or_remo
     trainer.train()
     assert probe.read_kwargs(trainer.args) == {"use_reentrant": True}
     assert all(getattr(f, "keywords", {}).get("use_reentrant") is True and "preserve_rng" not in f.keywords
-               for _, f in probe.checkpoint_functions(trainer.model))
+               for _, f in ckpt.functions(trainer.model))
     assert any(d.rule_id == "checkpointing-kwargs-unknown-reentrant" and d.action == "override"
                for d in callback.decisions)
     with pytest.raises(ValueError, match="Unexpected keyword arguments"):
@@ -370,3 +370,27 @@ def test_the_callback_named_as_an_axolotl_plugin_says_which_line_to_write():
     AttributeError."""
     with pytest.raises(GCConfigError, match=r"plugins: \[trl_gc_plugin.integrations.axolotl.SafeGCPlugin\]"):
         SafeGCCallback().register({})
+
+
+def test_the_startup_route_reads_its_mode_through_the_settings_layer(monkeypatch, plugin_log):
+    """`TRL_GC_PLUGIN=1` patches the arguments class before any argument exists (no mode given): the mode is
+    `$TRL_GC_PLUGIN_MODE` read by the settings layer, as every other route reads it; a bad value is said in its words
+    and `strict` used."""
+    from trl_gc_plugin import patching
+
+    class Args:
+        def __post_init__(self) -> None:
+            pass
+
+    original = Args.__dict__["__post_init__"]
+    for value, mode in (("WARN", "warn"), ("bogus-at-startup", "strict"), ("", "strict")):
+        monkeypatch.setenv("TRL_GC_PLUGIN_MODE", value)
+        try:
+            patching.patch_training_args(Args)
+            assert patching.installed_settings()["mode"] == mode, value
+        finally:
+            patching.uninstall()
+        assert Args.__dict__["__post_init__"] is original
+    said = [r.getMessage() for r in plugin_log.records if r.levelno == logging.WARNING]
+    assert said == ["TRL_GC_PLUGIN_MODE: got 'bogus-at-startup'; mode accepts strict, fix or warn (any case); using the "
+                    "default."], said

@@ -116,7 +116,6 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
     from .check import Launch
     from .launchers.accelerate import trl_bundled
     from .launchers.detect import FORMATS
-    from .modes import parse_mode
 
     nproc = None
     if ns.nproc is not None:
@@ -129,10 +128,13 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
     trainer = ns.trainer
     if trainer is not None and trainer not in trainer_kinds():
         raise OptionError(f"--trainer {trainer!r}: not a trainer TRL has; one of {', '.join(trainer_kinds())}")
-    from .settings import BY_NAME, GCSettings
+    from .settings import BY_NAME, GCSettings, parse_mode
 
-    if ns.mode is not None and parse_mode(ns.mode) is None:
-        raise OptionError(f"--mode {ns.mode!r}: mode accepts {BY_NAME['mode'].accepted}")
+    try:
+        if ns.mode is not None:
+            parse_mode(ns.mode)
+    except ValueError:
+        raise OptionError(f"--mode {ns.mode!r}: mode accepts {BY_NAME['mode'].accepted}") from None
     resolved = GCSettings.resolve({"mode": ns.mode}, caller="trl-gc-check --mode")  # the run's precedence
     for line in resolved.problems:
         sys.stderr.write(f"trl-gc-check: {line}; using the default.\n")

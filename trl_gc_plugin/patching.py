@@ -78,12 +78,20 @@ def _wrap(original: Any) -> Any:
     return __post_init__
 
 
-def patch_training_args(cls: Any, mode: str | None = None) -> None:
-    """Wrap `cls.__post_init__` (`transformers.TrainingArguments`); a second call only updates the mode."""
-    from .modes import resolve_mode
+def patch_training_args(cls: Any, mode: Mode | None = None) -> None:
+    """Wrap `cls.__post_init__` (`transformers.TrainingArguments`); a second call only updates the mode. Without a
+    mode (the `TRL_GC_PLUGIN=1` route), the settings layer reads `$TRL_GC_PLUGIN_MODE` alone: a bad value is said
+    once and `strict` used."""
+    if mode is None:
+        from .settings import BY_NAME, GCSettings
 
+        env = BY_NAME["mode"].env
+        resolved = GCSettings.resolve({}, environ={env: os.environ.get(env, "")}, caller="TRL_GC_PLUGIN=1")
+        for line in resolved.problems:
+            report.note(f"{line}; using the default.", "warning")
+        mode = resolved.mode
     with _lock:
-        _state["mode"] = resolve_mode(mode)
+        _state["mode"] = mode
         current = cls.__dict__["__post_init__"]
         if not getattr(current, _MARK, False):
             _state["original"] = (cls, current)
