@@ -178,7 +178,7 @@ def run(out: str, scenario: str) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from trl_gc_plugin import SafeGCCallback, installed
-    from trl_gc_plugin.probe import model_use_reentrant
+    from trl_gc_plugin.ckpt import model_use_reentrant
     from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
 
     kind, model_kind, gc, ac, cache, plugin = scenario.split("-")

@@ -133,7 +133,7 @@ def test_apply_writes_behind_the_observer() -> None:
     assert ckpt.function_of(block) is observer  # it stays in front
     assert ckpt.keywords(observer)["use_reentrant"] is True
     ckpt.set_keyword(model, "use_reentrant", False)
-    assert ckpt.function_of(block) is not observer  # set_keyword replaces it, as apply.set_model_kwarg always did
+    assert ckpt.function_of(block) is not observer  # set_keyword replaces it
 
 
 def test_snapshot_restore_round_trips() -> None:

@@ -11,7 +11,7 @@ import torch
 from trainers import make_trainer
 from transformers import TrainerCallback
 
-from trl_gc_plugin import SafeGCCallback, _hooks
+from trl_gc_plugin import SafeGCCallback, _hooks, ckpt
 from trl_gc_plugin.testing import make_model
 
 EVENTS = ("on_train_begin", "on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end")
@@ -69,7 +69,7 @@ def test_a_copy_of_a_guarded_model_enables_its_own_checkpointing_and_nothing_sta
 
     model = make_model(num_hidden_layers=4)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for block, on in zip(probe.checkpointed_blocks(model), (True, False, True, False), strict=True):
+    for block, on in zip(ckpt.blocks(model), (True, False, True, False), strict=True):
         block.gradient_checkpointing = on
     guard = EnableGuard(model, frozenset())
     guard.install()

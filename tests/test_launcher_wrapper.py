@@ -11,7 +11,8 @@ import torch
 from trainers import block_params, make_trainer, unchanged_block_params
 
 from trl_gc_plugin import SafeGCCallback, ckpt
-from trl_gc_plugin.probe import checkpoint_functions, model_use_reentrant
+from trl_gc_plugin.ckpt import functions as checkpoint_functions
+from trl_gc_plugin.ckpt import model_use_reentrant
 from trl_gc_plugin.testing import make_model
 
 FALSE_ALARMS = (

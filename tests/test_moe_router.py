@@ -12,7 +12,7 @@ import transformers
 from zoo import LLAMA_LIKE, Arch, _causal, lm_batch
 from zoo_run import run
 
-from trl_gc_plugin import probe
+from trl_gc_plugin import ckpt, probe
 
 MOE = {
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
@@ -31,7 +31,7 @@ def arch(name: str) -> Arch:
 
 def recorded(name: str) -> bool:
     model = arch(name).build()
-    return probe.records_router_logits_in_blocks(model, probe.checkpointed_blocks(model))
+    return probe.records_router_logits_in_blocks(model, ckpt.blocks(model))
 
 
 def router_grads(name: str, use_reentrant: bool | None) -> dict[str, torch.Tensor]:

@@ -12,8 +12,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from zoo_run import build, run
 
 from trl_gc_plugin import GCConfigError, SafeGCCallback, _hooks
+from trl_gc_plugin.ckpt import functions as checkpoint_functions
 from trl_gc_plugin.observe import Observation, _Observer
-from trl_gc_plugin.probe import checkpoint_functions
 
 
 def hooks(model):

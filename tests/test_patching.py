@@ -15,7 +15,8 @@ from transformers import TrainingArguments
 import trl_gc_plugin
 from trl_gc_plugin import GCConfigError, SafeGCCallback
 from trl_gc_plugin.callback import AutoSafeGCCallback
-from trl_gc_plugin.probe import checkpoint_functions, get_record
+from trl_gc_plugin.ckpt import functions as checkpoint_functions
+from trl_gc_plugin.probe import get_record
 from trl_gc_plugin.testing import make_model
 
 
@@ -56,7 +57,7 @@ def test_unpatched_default_differs_by_transformers_version(tmp_path):
     assert args.gradient_checkpointing_kwargs is None
     model = make_model()
     model.gradient_checkpointing_enable()
-    from trl_gc_plugin.probe import model_use_reentrant
+    from trl_gc_plugin.ckpt import model_use_reentrant
 
     assert model_use_reentrant(model) is (not TF5)
 

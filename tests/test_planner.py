@@ -129,7 +129,7 @@ def test_live_estimate_follows_the_models_layout():
     for candidate in runnable(est):
         planner.apply_plan(model, candidate, use_reentrant=False)
         assert memory.measure(model, inputs).total == candidate.saved_bytes, candidate.name
-    assert memory.probe.checkpoint_functions(memory.probe.unwrap(model))  # the live model was not touched
+    assert memory.ckpt.functions(memory.probe.unwrap(model))  # the live model was not touched
 
 
 def test_estimate_of_a_7b_layout_allocates_no_tensor_memory():

@@ -12,10 +12,10 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from zoo_run import run
 
 from trl_gc_plugin import GCConfigError, SafeGCCallback, capabilities
-from trl_gc_plugin.probe import block_pattern, reads_layer_kwargs
+from trl_gc_plugin.probe import block_pattern
 from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
 
-READS = reads_layer_kwargs(capabilities.installed())
+READS = capabilities.installed().layer_kwargs()
 """The layer kwargs the installed transformers reads itself: every_n_layers from 5.16, offload from 5.17."""
 
 

@@ -88,4 +88,4 @@ def test_the_planner_leaves_selective_out_where_it_is_not_exact(kind, tmp_path):
     assert bool(said) is (kind != "lora")
     if said:
         assert {"bdlora": "BdLoraLinearVariant", "alora": "ALoraLinearVariant"}[kind] in said[0].reason
-    assert not any(is_selective(f) for _, f in probe.checkpoint_functions(trainer.model))
+    assert not any(is_selective(f) for _, f in ckpt.functions(trainer.model))

@@ -218,7 +218,7 @@ def run_trainer(out: str, scenario: str) -> dict:
     from transformers import Trainer
 
     from trl_gc_plugin import SafeGCCallback
-    from trl_gc_plugin.probe import model_use_reentrant
+    from trl_gc_plugin.ckpt import model_use_reentrant
 
     _, stage, model_kind, gc, plugin = scenario.split("-")
     rank = dist.get_rank()

@@ -47,7 +47,7 @@ class Outcome:
 
     def settle(self, params: dict[str, Any], before: dict[str, Any], model: Any, exc: BaseException | None = None) -> None:
         """Record what changed (and what was raised, if anything) once the run is over."""
-        from trl_gc_plugin.probe import model_use_reentrant
+        from trl_gc_plugin.ckpt import model_use_reentrant
 
         changed = frozenset(n for n, p in params.items() if not torch.equal(p.detach(), before[n]))
         if exc is None:

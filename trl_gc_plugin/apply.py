@@ -37,26 +37,6 @@ def set_args_kwarg(args: Any, key: str, value: Any) -> None:
     write_kwargs(args, kwargs)
 
 
-def set_args_use_reentrant(args: Any, value: bool | None) -> None:
-    """Set `use_reentrant` in the kwargs the Trainer reads, keeping every other key (`every_n_layers`, ...)."""
-    set_args_kwarg(args, "use_reentrant", value)
-
-
-def set_model_kwarg(model: Any, key: str, value: Any) -> int:
-    """Rewrite the checkpoint function of every checkpointing module of `model` to run with `key=value` (`None`
-    removes the keyword).
-
-    The `functools.partial` transformers stores is rebuilt with the same function and other keywords, so offloading
-    and any torch kwargs survive, and no hook is added. Returns how many modules changed.
-    """
-    return ckpt.set_keyword(model, key, value)
-
-
-def set_model_use_reentrant(model: Any, value: bool) -> int:
-    """Rewrite the checkpoint function of every checkpointing module of `model` to run with `use_reentrant=value`."""
-    return set_model_kwarg(model, "use_reentrant", value)
-
-
 def switch_fsdp_checkpointing_off(args: Any) -> None:
     """Replace FSDP's own activation checkpointing with the Trainer's, non-reentrant: in the arguments, and in
     accelerate's FSDP plugin when the Trainer already built it (it is read when the model is prepared, in train())."""
@@ -72,7 +52,7 @@ def switch_fsdp_checkpointing_off(args: Any) -> None:
     except ImportError:
         pass
     write_flag(args, True)
-    set_args_use_reentrant(args, False)
+    set_args_kwarg(args, "use_reentrant", False)
 
 
 class CacheSwitch:
@@ -101,7 +81,7 @@ def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[D
         if not d.applied:
             continue
         if d.setting == "use_reentrant":
-            set_args_use_reentrant(args, d.after)
+            set_args_kwarg(args, "use_reentrant", d.after)
         elif d.setting == probe.NEW_KWARGS:  # the deprecated name was written last: it wins
             old = getattr(args, probe.OLD_KWARGS, None)
             write_kwargs(args, old if isinstance(old, dict) else None)
@@ -113,14 +93,14 @@ def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[D
         elif d.setting == "model.use_reentrant":
             if model is None:
                 continue
-            set_model_use_reentrant(model, bool(d.after))
+            ckpt.set_keyword(model, "use_reentrant", bool(d.after))
         elif d.setting == "model.config.use_cache":
             continue  # carried out step by step by the callback's CacheSwitch
         elif d.setting in ("preserve_rng_state", "offload"):
             value = None if d.setting == "offload" else d.after  # offload=False: the key goes
             set_args_kwarg(args, d.setting, value)
             if model is not None:
-                set_model_kwarg(model, d.setting, value)
+                ckpt.set_keyword(model, d.setting, value)
         elif d.setting == "activation_offloading":  # TRL's: on a machine without an accelerator
             args.activation_offloading = False
         elif d.setting == "fsdp_activation_checkpointing":  # FSDP's own off, the Trainer's (non-reentrant) on
@@ -134,7 +114,7 @@ def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[D
             for key in unknown_checkpoint_names(probe.read_kwargs(args) or {}):
                 set_args_kwarg(args, key, None)
                 if model is not None:
-                    set_model_kwarg(model, key, None)
+                    ckpt.set_keyword(model, key, None)
         elif d.setting == "inputs_require_grad":  # transformers' own hook on the input embeddings
             if model is None:
                 continue

@@ -33,7 +33,7 @@ from .launchers.registry import LAUNCHERS, NAMES
 from .modes import Mode
 from .probe import installed_versions
 
-__all__ = ["ConfigError", "Launch", "Report", "check", "check_files", "load", "render", "render_json", "summary"]
+__all__ = ["ConfigError", "Launch", "Report", "check_files", "render", "render_json", "summary"]
 
 PACKAGES = ("transformers", "trl", "peft", "torch", "deepspeed")
 ASSUMED_VERSIONS = {
@@ -124,11 +124,6 @@ class Report:
             "notes": list(self.notes),
             "error": self.error,
         }
-
-
-def load(path: str) -> dict[str, Any]:
-    """The config at `path` as a dict (every key); `ConfigError` with the line for anything unreadable."""
-    return dict(load_config(path).values)
 
 
 def version_facts(launch: Launch, uses_deepspeed: bool) -> dict[str, Fact]:
@@ -388,14 +383,6 @@ def _refusal(fmt: str, name: str, message: str) -> Decision:
         stage="init_end",
         level="error",
     )
-
-
-def check(path: str, launch: Launch = Launch(), mode: Mode = "strict") -> tuple[Facts, list[Decision]]:
-    """Facts and decisions for the config at `path` (`ConfigError` when it cannot be checked)."""
-    (report,) = check_files([path], launch, mode)
-    if report.status == "error" or report.facts is None:
-        raise ConfigError(report.error or f"{path}: cannot be checked")
-    return report.facts, report.decisions
 
 
 # --- output ----------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import parity, probe, verify
+from . import ckpt, parity, probe, verify
 from .decisions import Action, Decision
 from .policy import action_for, refused
 from .rules import get_rule
@@ -125,7 +125,7 @@ class Parity:
         sharding, for any model."""
         if setting is not None:
             return setting
-        running = probe.model_use_reentrant(model)
+        running = ckpt.model_use_reentrant(model)
         return bool(running and Parity.possible(setting, args, model))
 
     @staticmethod

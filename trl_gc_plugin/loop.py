@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 from . import ckpt, probe, report
 from ._weak import WeakIdMap
-from .apply import set_model_kwarg
 from .decisions import Decision
 from .errors import GCConfigError
 from .settings import GCSettings
@@ -223,7 +222,7 @@ class ModelRoute:
             if key in ("every_n_layers", "offload"):
                 continue  # layer arguments: transformers applied them at the enable call
             if before.get(key, _MISSING) != after.get(key, _MISSING):
-                set_model_kwarg(model, key, after.get(key))
+                ckpt.set_keyword(model, key, after.get(key))
 
     def _install_step_hooks(self) -> None:
         """The first optimizer step's checks, from torch's global optimizer hooks (every optimizer a loop steps:
@@ -350,11 +349,7 @@ def _zero3_partitions(model: Any) -> dict[str, Any] | None:
 def _entry_modules(model: Any) -> list[Any]:
     """The modules every forward of `model` calls first: its input embeddings (under any wrapper, whatever calls
     `forward` directly) and the transformers model itself (a forward from `inputs_embeds`)."""
-    base = probe.unwrap(model)
-    try:
-        emb = base.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        emb = None
+    base, emb = probe.unwrap(model), probe.embeddings(model)
     return [emb, base] if emb is not None else [base]
 
 

@@ -134,9 +134,9 @@ def storage_nbytes(tensor: Any) -> int:
 
 
 def named_blocks(model: Any) -> list[tuple[str, Any]]:
-    """The checkpointed blocks of `model` (as `probe.checkpointed_blocks` finds them), with their module names."""
+    """The checkpointed blocks of `model` (as `ckpt.blocks` finds them), with their module names."""
     base = probe.unwrap(model)
-    blocks = probe.checkpointed_blocks(base)
+    blocks = ckpt.blocks(base)
     names = {id(m): n for n, m in base.named_modules()}
     return [(names.get(id(b), f"<block {i}>"), b) for i, b in enumerate(blocks)]
 
@@ -608,16 +608,6 @@ class ActivationEstimate:
             **changes,
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON-able)."""
-        from dataclasses import asdict
-
-        data = asdict(self)
-        for key, value in data.items():
-            if isinstance(value, tuple):
-                data[key] = list(value)
-        return data
-
 
 def _dtype_of(name: Any) -> Any:
     import torch
@@ -734,12 +724,9 @@ def _run_fake(
     base = probe.unwrap(model)
     seen: set[int] = set()
     grads = [_param_bytes(b, seen) for _, b in named_blocks(base)]
-    try:
-        head_module = base.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        head_module = None
+    head_module = probe.embeddings(base, "output")
     head = _param_bytes(head_module, seen) if head_module is not None else 0
-    embeddings = probe._input_embeddings(base)
+    embeddings = probe.embeddings(base)
     embedding = _param_bytes(embeddings, seen) if embeddings is not None else 0
     head += _param_bytes(base, seen)  # final norm and anything else outside the blocks
     params = [p for p in base.parameters() if p.is_floating_point()]
@@ -782,15 +769,10 @@ def _run_fake(
 
 
 def _vocab_size(model: Any) -> int:
-    base = probe.unwrap(model)
-    try:
-        head = base.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        head = None
-    weight = getattr(head, "weight", None)
+    weight = getattr(probe.embeddings(model, "output"), "weight", None)
     if weight is not None and weight.dim() == 2:
         return int(weight.shape[0])
-    return int(getattr(base.config.get_text_config(), "vocab_size", 0) or 0)
+    return int(getattr(probe.unwrap(model).config.get_text_config(), "vocab_size", 0) or 0)
 
 
 def _transient(config: Any, attn: str, batch_size: int, seq_len: int, act: int) -> int:
@@ -870,7 +852,7 @@ def _fake_copy(base: Any, fake_mode: Any) -> Any:
         if getattr(module, ckpt.FLAG, False) is True:
             ckpt.set_flag(module, False)
     if input_hooked:
-        fake_embeddings = probe._input_embeddings(fake)
+        fake_embeddings = probe.embeddings(fake)
         if fake_embeddings is not None:
             fake_embeddings.register_forward_hook(_require_grad_hook)
     return fake

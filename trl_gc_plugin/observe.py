@@ -105,7 +105,7 @@ class _Observer:
         self.observation, self.owner, self.original = observation, owner, original
 
     @property
-    def keywords(self) -> dict[str, Any]:  # read by probe.effective_use_reentrant
+    def keywords(self) -> dict[str, Any]:  # read by ckpt.use_reentrant
         return ckpt.keywords(self.original)
 
     def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
@@ -176,7 +176,7 @@ class Observation:
         parents = {id(child): parent for parent in self.base.modules() for child in parent.children()}
         containers = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
         out: dict[int, tuple[Any, list[Any]]] = {}
-        for owner, _ in probe.checkpoint_functions(self.base):
+        for owner, _ in ckpt.functions(self.base):
             stack = owner
             if isinstance(owner, GradientCheckpointingLayer):
                 stack = parents.get(id(owner), owner)
@@ -261,7 +261,7 @@ class Observation:
             }
             call = Call(
                 module=name,
-                reentrant=probe.effective_use_reentrant(observer.original),
+                reentrant=ckpt.use_reentrant(observer.original),
                 inputs_require_grad=any(isinstance(a, torch.Tensor) and a.requires_grad for a in args),
                 trainable=any(p.requires_grad for p in target.parameters()),
                 keyword_inputs=tuple(sorted(keywords)),

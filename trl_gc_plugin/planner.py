@@ -698,20 +698,18 @@ def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
 
 def pattern_of(model: Any) -> tuple[bool, ...]:
     """The live per-block `gradient_checkpointing` flags."""
-    return tuple(
-        bool(getattr(b, "gradient_checkpointing", False)) for b in probe.checkpointed_blocks(probe.unwrap(model))
-    )
+    return tuple(bool(getattr(b, "gradient_checkpointing", False)) for b in ckpt.blocks(probe.unwrap(model)))
 
 
 def selective_of(model: Any) -> tuple[bool, ...]:
     """Per block, whether its checkpoint function runs the planner's selective policy."""
-    return tuple(is_selective(ckpt.function_of(b)) for b in probe.checkpointed_blocks(probe.unwrap(model)))
+    return tuple(is_selective(ckpt.function_of(b)) for b in ckpt.blocks(probe.unwrap(model)))
 
 
 def offload_of(model: Any) -> tuple[bool, ...]:
     """Per block, whether its checkpoint function offloads (the planner's `offload_checkpoint`)."""
     out = []
-    for b in probe.checkpointed_blocks(probe.unwrap(model)):
+    for b in ckpt.blocks(probe.unwrap(model)):
         out.append(getattr(ckpt.real(ckpt.function_of(b)), "func", None) is offload_checkpoint)
     return tuple(out)
 

@@ -408,25 +408,9 @@ def is_peft_model(model: Any) -> bool:
     return type(model).__module__.split(".")[0] == "peft" or hasattr(model, "peft_config")
 
 
-def checkpointed_blocks(model: Any) -> list[Any]:
-    """The repeated checkpointed blocks (decoder layers); see `ckpt.blocks`."""
-    return ckpt.blocks(model)
-
-
 def block_pattern(model: Any) -> tuple[bool, ...]:
     """The live per-block checkpointing flags (one per `GradientCheckpointingLayer`, in module order)."""
-    return tuple(getattr(b, "gradient_checkpointing", False) is True for b in checkpointed_blocks(unwrap(model)))
-
-
-def reads_layer_kwargs(caps: capabilities.Capabilities) -> frozenset[str]:
-    """The layer kwargs transformers reads itself (`every_n_layers` from 5.16, `offload` from 5.17; detected, see
-    `capabilities.py`); the others would reach torch."""
-    return caps.layer_kwargs()
-
-
-def checkpoint_functions(model: Any) -> list[tuple[Any, Any]]:
-    """(module, checkpoint function) for every module with checkpointing switched on; see `ckpt.functions`."""
-    return ckpt.functions(model)
+    return tuple(getattr(b, "gradient_checkpointing", False) is True for b in ckpt.blocks(unwrap(model)))
 
 
 def checkpointing_on(model: Any) -> bool:
@@ -434,20 +418,9 @@ def checkpointing_on(model: Any) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in unwrap(model).modules())
 
 
-def effective_use_reentrant(func: Any) -> bool:
-    """The `use_reentrant` a checkpoint function really runs with (a missing key means torch's default: True)."""
-    return ckpt.use_reentrant(func)
-
-
-def model_use_reentrant(model: Any) -> bool | None:
-    """The effective `use_reentrant` of the live model (None when checkpointing is off; the first block's value
-    when blocks disagree)."""
-    return ckpt.model_use_reentrant(model)
-
-
 def input_grad_hooks(model: Any) -> int:
     """How many input-require-grad forward hooks the model's input embeddings carry."""
-    return input_grad_hooks_of(_input_embeddings(model))
+    return input_grad_hooks_of(embeddings(model))
 
 
 def input_grad_hooks_of(embeddings: Any) -> int:
@@ -456,10 +429,10 @@ def input_grad_hooks_of(embeddings: Any) -> int:
     return sum(getattr(h, "__name__", "") in INPUT_GRAD_HOOK_NAMES for h in embeddings._forward_hooks.values())
 
 
-def _input_embeddings(model: Any) -> Any:
-    base = unwrap(model)
+def embeddings(model: Any, side: str = "input") -> Any:
+    """The model's input (or `side="output"`: output) embeddings under any wrapper, None when it has none."""
     try:
-        return base.get_input_embeddings()
+        return getattr(unwrap(model), f"get_{side}_embeddings")()
     except (AttributeError, NotImplementedError):
         return None
 
@@ -517,11 +490,8 @@ def _nothing_upstream(model: Any, base: Any, blocks: list[Any]) -> bool:
     is settled by observing the first forward (`observe.py`), not guessed here."""
     inside = {id(m) for b in blocks for m in b.modules()}
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    try:
-        head = base.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        head = None
-    emb = _input_embeddings(model)
+    head = embeddings(base, "output")
+    emb = embeddings(model)
     emb_params = {id(p) for p in emb.parameters()} if emb is not None else set()
     head_params = {id(p) for p in head.parameters()} - emb_params if head is not None else set()
     for p in model.parameters():
@@ -540,14 +510,14 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
     """Facts from the arguments and the (unwrapped) model, as `on_init_end` sees them."""
     facts = facts_from_args(args, stage=stage)
     base = unwrap(model)
-    blocks = checkpointed_blocks(base)
+    blocks = ckpt.blocks(base)
     trainable_in_blocks = any(p.requires_grad for b in blocks for p in b.parameters())
     params = list(model.parameters())
     frozen = any(not p.requires_grad for p in params)
-    emb = _input_embeddings(model)
+    emb = embeddings(model)
     emb_trainable = bool(emb is not None and any(p.requires_grad for p in emb.parameters()))
     hooked = input_grad_hooks(model) > 0
-    funcs = checkpoint_functions(base)
+    funcs = ckpt.functions(base)
     gc_on_model = bool(funcs)
     gc_enabled = facts.gc_enabled or gc_on_model
     # a launcher's own checkpoint function (a wrapper around transformers' partial: LLaMA-Factory's) was put there on
@@ -567,14 +537,14 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
     use_reentrant = facts.use_reentrant
     if launcher_function and source == "unset":
         # the arguments say nothing and the Trainer will not re-enable: the launcher's value is the one set
-        use_reentrant, source = model_use_reentrant(base), "unknown"
+        use_reentrant, source = ckpt.model_use_reentrant(base), "unknown"
     return facts.replace(
         use_reentrant=use_reentrant,
         use_reentrant_source=source,
         launcher_checkpointing=launcher_function,
         gc_enabled=gc_enabled,
         model_gc_enabled=gc_on_model,
-        model_use_reentrant=model_use_reentrant(base) if gc_on_model else None,
+        model_use_reentrant=ckpt.model_use_reentrant(base) if gc_on_model else None,
         enable_refused=bool(facts.gc_enabled) and getattr(base, "supports_gradient_checkpointing", None) is False,
         is_peft=peft,
         alora=uses_alora(model) if peft else False,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from . import _hooks, probe, report
+from . import _hooks, ckpt, probe, report
 from .first_forward import grad_output
 from .rules import get_rule
 from .session import Session, runtime_decision
@@ -34,11 +34,11 @@ def read_state(base: Any) -> State:
     """Per checkpointing block: `<module>.<buffer>` -> (version, sum) and `<module>.<attribute>` -> number."""
     import torch
 
-    active = {id(m) for m, _ in probe.checkpoint_functions(base)}
+    active = {id(m) for m, _ in ckpt.functions(base)}
     names = {id(m): n for n, m in base.named_modules()}
     sums: list[tuple[str, int, Any]] = []
     state: State = {}
-    for block in probe.checkpointed_blocks(base):
+    for block in ckpt.blocks(base):
         if id(block) not in active:
             continue
         prefix = names.get(id(block), type(block).__name__)

@@ -41,7 +41,7 @@ NON_REENTRANT_ONLY = frozenset({"context_fn", "debug", "determinism_check"})
 """Checkpointing kwargs only torch's non-reentrant implementation has."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Rule:
     """One rule of the table.
 
@@ -73,11 +73,11 @@ class Rule:
     title: str
     kind: RuleKind
     setting: str
-    value: Any
     when: Callable[[Facts], bool]
     condition: str
     message: str
     evidence: tuple[str, ...]
+    value: Any = None
     versions: dict[str, str] = field(default_factory=dict)
     needs: dict[str, bool] = field(default_factory=dict)
     remove_when: str = ""
@@ -146,7 +146,6 @@ RULES: tuple[Rule, ...] = (
         title="rules demand opposite use_reentrant values",
         kind="state",
         setting=USE_REENTRANT,
-        value=None,
         when=lambda f: False,  # decided by the engine from the `require` rules that apply (see `engine.decide`)
         condition="two `require` rules that apply demand opposite `use_reentrant` values",
         message="No value of use_reentrant trains this setup correctly: change one of the settings the rules name.",
@@ -161,7 +160,6 @@ RULES: tuple[Rule, ...] = (
         title="use_reentrant must be a bool",
         kind="repair",
         setting=USE_REENTRANT,
-        value=None,
         when=lambda f: f.use_reentrant is not None and not isinstance(f.use_reentrant, bool),
         condition="`use_reentrant` holds a non-bool (e.g. the string 'false' from YAML or the command line)",
         message=(
@@ -231,7 +229,6 @@ RULES: tuple[Rule, ...] = (
         title="checkpointing kwargs nothing reads",
         kind="check",
         setting="checkpointing_kwargs.unknown",
-        value=None,
         when=lambda f: bool(f.gc_enabled and f.kwargs_unknown and f.use_reentrant is not True),
         condition=(
             "`use_reentrant` not True and a key of the checkpointing kwargs is read by neither the installed torch.utils.checkpoint (its "
@@ -255,7 +252,6 @@ RULES: tuple[Rule, ...] = (
         title="activation_* and gradient_* fields must agree",
         kind="repair",
         setting="activation_checkpointing_kwargs",
-        value=None,
         when=lambda f: f.has_activation_fields and f.fields_disagree,
         condition=(
             "the args have both `activation_checkpointing(_kwargs)` and the deprecated `gradient_checkpointing(_kwargs)` "
@@ -281,7 +277,6 @@ RULES: tuple[Rule, ...] = (
         title="Unsloth replaces checkpointing",
         kind="check",
         setting="use_reentrant",
-        value=None,
         when=lambda f: f.gc_enabled and f.unsloth,
         condition="Unsloth is loaded (`unsloth` imported): it swaps torch's checkpoint for `unsloth_checkpoint`",
         message=(
@@ -298,7 +293,6 @@ RULES: tuple[Rule, ...] = (
         title="pre-4.35 checkpointing format: the kwargs never reach the model",
         kind="check",
         setting="use_reentrant",
-        value=None,
         when=lambda f: f.gc_enabled and f.legacy_checkpointing,
         condition=(
             "the model defines `_set_gradient_checkpointing(module, value)` (remote code written before transformers "
@@ -474,7 +468,6 @@ RULES: tuple[Rule, ...] = (
         title="FSDP asked for, DDP used",
         kind="check",
         setting="fsdp",
-        value=None,
         when=lambda f: f.fsdp_wrapped is False,
         condition=(
             "`fsdp` (or ACCELERATE_USE_FSDP) is set but accelerate's state is not FSDP: it fell back to another "
@@ -693,7 +686,6 @@ RULES: tuple[Rule, ...] = (
         title="every_n_layers / offload the installed transformers does not read",
         kind="repair",
         setting="checkpointing_kwargs",
-        value=None,
         when=lambda f: bool(f.gc_enabled and unread_layer_kwargs(f)),
         condition=(
             "`every_n_layers` (read by transformers from 5.16) or `offload` (from 5.17) in the checkpointing kwargs, "
@@ -722,7 +714,6 @@ RULES: tuple[Rule, ...] = (
         title="DeepSpeed's activation_checkpointing block does nothing here",
         kind="check",
         setting="deepspeed.activation_checkpointing",
-        value=None,
         when=lambda f: f.deepspeed_activation_checkpointing,
         condition=(
             "the DeepSpeed config has an `activation_checkpointing` block (`partition_activations`, "
@@ -847,7 +838,6 @@ RULES: tuple[Rule, ...] = (
         title="the live model runs the decided mode",
         kind="repair",
         setting="model.use_reentrant",
-        value=None,
         when=lambda f: bool(f.model_gc_enabled),
         condition="checkpointing is already enabled on the model with a `use_reentrant` other than the decided one",
         message=(
@@ -990,7 +980,6 @@ RULES += (
         title="state written in a checkpointed forward is written again by its recompute",
         kind="verify",
         setting="activation_checkpointing",
-        value=None,
         when=_at_runtime,
         condition=(
             "first training step: between the end of the first training forward and the end of its backward, a "
@@ -1019,7 +1008,6 @@ RULES += (
         title="torch.compile: the first step's forward hooks stand aside",
         kind="check",
         setting="first_step_checks",
-        value=None,
         when=lambda f: f.gc_enabled and f.compiled is not None,
         detail=lambda f: f"{f.compiled}:",
         condition=(
@@ -1048,7 +1036,6 @@ RULES += (
         title="context parallelism: the recompute runs where the backward runs",
         kind="check",
         setting="parallelism_config.cp_size",
-        value=None,
         when=lambda f: f.gc_enabled and f.cp_size > 1,
         detail=lambda f: f"Context parallelism (cp_size={f.cp_size}):",
         condition=(
@@ -1085,7 +1072,6 @@ RULES += (
         title="checkpoint_wrapper + ZeRO-3: saved weights carry `_checkpoint_wrapped_module`",
         kind="check",
         setting="checkpoint_wrapper",
-        value=None,
         when=lambda f: bool(f.checkpoint_wrapped and f.zero_stage == 3),
         condition=(
             "blocks wrapped by torch's `checkpoint_wrapper` (`apply_activation_checkpointing`; Axolotl's activation "
@@ -1198,7 +1184,6 @@ RULES += (
         title="every checkpointed block got gradients",
         kind="verify",
         setting="gradients",
-        value=None,
         when=_at_runtime,
         condition=(
             "first optimizer step (before `optimizer.step()` and `zero_grad`): a checkpointed block with trainable "
@@ -1231,7 +1216,6 @@ RULES += (
         title="the decision still holds while training",
         kind="verify",
         setting="use_reentrant",
-        value=None,
         when=_at_runtime,
         condition=(
             "after each step: the args kwargs (both names, one object) and the live checkpoint function no longer "
@@ -1275,7 +1259,6 @@ RULES += (
         title="checkpointed gradients equal plain gradients",
         kind="verify",
         setting="gradients",
-        value=None,
         when=_at_runtime,
         condition=(
             "at the first optimizer step, before any update: one forward/backward with checkpointing and one without "
@@ -1311,7 +1294,6 @@ RULES += (
         title="the cheapest checkpointing that fits the memory budget",
         kind="plan",
         setting="checkpointing_plan",
-        value=None,
         when=_at_runtime,
         condition=(
             "a memory budget is given (`SafeGCCallback(memory_budget=...)`, `install(memory_budget=...)`, "
@@ -1342,7 +1324,6 @@ RULES += (
         title="the micro-batch and accumulation predicted fastest at the same effective batch",
         kind="plan",
         setting="per_device_train_batch_size",
-        value=None,
         when=_at_runtime,
         condition=(
             "a memory plan was made (`memory-plan`) and the arguments give `per_device_train_batch_size` and "

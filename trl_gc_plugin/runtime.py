@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import ckpt, drift, first_step, probe, report
-from .apply import CacheSwitch, set_args_use_reentrant
+from .apply import CacheSwitch, set_args_kwarg
 from .decisions import Decision
 from .engine import decide
 from .facts import Facts
@@ -108,7 +108,7 @@ class Run:
         self._keep_what_was_enabled(facts, model)
         value = session.final[0]
         if not isinstance(value, bool):  # warn mode or a stand-back left it unset: watch what actually runs
-            value = probe.model_use_reentrant(model)
+            value = ckpt.model_use_reentrant(model)
         if isinstance(value, bool):
             session.watch = Watch(args, model, value)
         self._asked_vs_running(asked, model)
@@ -138,7 +138,7 @@ class Run:
             if settings.parity_check:  # asked for: on a synthetic batch (the first inputs are read by a forward hook)
                 self.parity = Parity(session, forced=True)
             return
-        if facts.reduces_per_parameter and probe.model_use_reentrant(model):
+        if facts.reduces_per_parameter and ckpt.model_use_reentrant(model):
             self._install(TwoForwards(session), model)
         self.first_forward = self._install(FirstForward(session), model)
         self._install(Replay(session), model)
@@ -180,7 +180,7 @@ class Run:
         every step)."""
         if self.session.stands_back() or not probe.checkpointing_on(model):
             return
-        layer_kwargs = probe.reads_layer_kwargs(facts.caps)
+        layer_kwargs = facts.caps.layer_kwargs()
         every_n = None if "every_n_layers" in layer_kwargs else self.every_n
         if every_n:
             blocks = ckpt.blocks(probe.unwrap(model))
@@ -254,7 +254,7 @@ def _withdraw_default_under_launcher(args: Any, model: Any, previous: list[Decis
         return previous
     if "gradient_checkpointing_enable" not in vars(base):  # the Trainer's re-enable would not go through the launcher
         return previous
-    set_args_use_reentrant(args, None)
+    set_args_kwarg(args, "use_reentrant", None)
     probe.remember(args, None, "unset")
     return [d for d in previous if not (d.setting == "use_reentrant" and d.applied)]
 

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from . import _hooks, probe, report, sharding, verify
+from . import _hooks, ckpt, probe, report, sharding, verify
 from .decisions import Decision, first_sentence
 from .errors import GCConfigError
 from .first_step import report_world_size
@@ -91,7 +91,7 @@ class MemoryPlan:
         if grad_fraction is None:
             return None
         self._grad_share = grad_fraction
-        use_reentrant = probe.model_use_reentrant(model)
+        use_reentrant = ckpt.model_use_reentrant(model)
         try:
             budget = budget_bytes(self.budget, model)
             estimate = memory.estimate(model, batch, seq, forward_kwargs=forward_kwargs)
@@ -183,7 +183,7 @@ class MemoryPlan:
             except ValueError as exc:  # e.g. blocks the estimate did not count: checkpointing stays as asked
                 self.session.record([self._skipped(f"it could not be applied ({exc})")])
                 return False
-            self.session.ensure_guard(probe.reads_layer_kwargs(probe.capabilities.installed())).record()
+            self.session.ensure_guard(probe.capabilities.installed().layer_kwargs()).record()
         report.note(
             f"memory plan: {first_sentence(decisions[0].reason)}",
             decisions[0].level,
@@ -290,12 +290,12 @@ class MemoryPlan:
         self.session.record([dataclasses.replace(decision, before=comparison.predicted, after=after)])
         if replan is not None:
             decisions = planner.plan_decisions(replan, self.session.mode)
-            self._apply_plan(model, replan, decisions, probe.model_use_reentrant(model))
+            self._apply_plan(model, replan, decisions, ckpt.model_use_reentrant(model))
 
     def _selective_allowed(self, model: Any) -> bool:
         """Selective per-op saving is a candidate: non-reentrant, and no adapter it is not known to be exact for (said
         once)."""
-        if probe.model_use_reentrant(model) is not False:
+        if ckpt.model_use_reentrant(model) is not False:
             return False
         unsafe = probe.selective_unsafe_adapters(model)
         if unsafe and self.session.count("selective-unsafe-adapters") == 1:

@@ -11,8 +11,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import probe, report
-from .apply import CacheSwitch, apply, remove_input_hook, set_args_use_reentrant, set_model_use_reentrant
+from . import ckpt, probe, report
+from .apply import CacheSwitch, apply, remove_input_hook, set_args_kwarg
 from .decisions import Action, Decision, Level, write_decisions
 from .engine import final_use_reentrant
 from .errors import GCConfigError, raise_for_errors
@@ -143,9 +143,9 @@ class Session:
 
     def switch(self, value: bool) -> None:
         """Run `use_reentrant=value` from now on: the arguments, the model, the drift watch and the record."""
-        set_args_use_reentrant(self.args, value)
+        set_args_kwarg(self.args, "use_reentrant", value)
         if self.model is not None:
-            set_model_use_reentrant(self.model, value)
+            ckpt.set_keyword(self.model, "use_reentrant", value)
         if self.watch is not None:
             self.watch.value = self.watch.args_value = value
         self.set_final(value, "plugin")

@@ -49,10 +49,8 @@ def gathered_parameter_bytes(model: Any, zero3_window: int | None = None) -> int
         return sum(int(p.ds_numel) * p.element_size() for p in items if hasattr(p, "ds_numel"))
 
     blocks = [whole(block.parameters()) for _, block in memory.named_blocks(base)]
-    try:
-        head = whole(base.get_output_embeddings().parameters())
-    except (AttributeError, NotImplementedError):
-        head = 0
+    head_module = probe.embeddings(base, "output")
+    head = whole(head_module.parameters()) if head_module is not None else 0
     gathered = gathered_bytes(blocks, head)
     if zero3_window is not None:
         itemsize = max(p.element_size() for p in params)
@@ -160,7 +158,7 @@ def fsdp2_layout(model: Any) -> Fsdp2Layout | None:
         return None
     blocks = [block for _, block in memory.named_blocks(base)]
     block_of = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
-    embeddings, heads = _module_ids(base, "get_input_embeddings"), _module_ids(base, "get_output_embeddings")
+    embeddings, heads = _module_ids(base, "input"), _module_ids(base, "output")
     per_block, held, head, local, whole = [0] * len(blocks), 0, 0, 0, 0
     seen: set[int] = set()
     for i, module in enumerate(modules):
@@ -194,11 +192,9 @@ def _whole_bytes(fp: Any, group: Any) -> int:
     return int(fp._orig_size.numel()) * dtype.itemsize
 
 
-def _module_ids(base: Any, getter: str) -> set[int]:
-    try:
-        return {id(m) for m in getattr(base, getter)().modules()}
-    except (AttributeError, NotImplementedError):
-        return set()
+def _module_ids(base: Any, side: str) -> set[int]:
+    module = probe.embeddings(base, side)
+    return {id(m) for m in module.modules()} if module is not None else set()
 
 
 def held_sampler(model: Any) -> Callable[[], int] | None:

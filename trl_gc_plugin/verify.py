@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import probe
+from . import ckpt, probe
 
 
 @dataclass
@@ -132,8 +132,8 @@ def _under_observed_stack(block: str, stacks: set[str]) -> bool:
 
 def _checkpointing_blocks(base: Any) -> list[Any]:
     """The checkpointed blocks whose checkpointing is switched on."""
-    active = {id(m) for m, _ in probe.checkpoint_functions(base)}
-    return [b for b in probe.checkpointed_blocks(base) if id(b) in active]
+    active = {id(m) for m, _ in ckpt.functions(base)}
+    return [b for b in ckpt.blocks(base) if id(b) in active]
 
 
 class Watch:
@@ -151,10 +151,10 @@ class Watch:
         start = probe.read_kwargs(args)
         self.args_value = start.get("use_reentrant") if start is not None else None  # None: warn mode left it unset
         base = probe.unwrap(model)
-        funcs = probe.checkpoint_functions(base)
+        funcs = ckpt.functions(base)
         # one module read per step: a re-enable rewrites every module's function at once
         self.sentinel = funcs[0][0] if funcs else None
-        self.embeddings = probe._input_embeddings(model)
+        self.embeddings = probe.embeddings(model)
         self.dual_fields = probe.has_activation_fields(args)
 
     def drift(self) -> list[tuple[str, Any]]:
@@ -168,7 +168,7 @@ class Watch:
             found.append(("gradient_checkpointing_kwargs", self.args.gradient_checkpointing_kwargs))
         m = self.sentinel
         if m is not None and m.gradient_checkpointing:
-            running = probe.effective_use_reentrant(m._gradient_checkpointing_func)
+            running = ckpt.use_reentrant(m._gradient_checkpointing_func)
             if running is not self.value:
                 found.append(("model.use_reentrant", running))
         return found

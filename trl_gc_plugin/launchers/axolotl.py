@@ -46,7 +46,6 @@ from .deepspeed import read_deepspeed
 from .load import Config
 from .model_config import local_model_config, read_model_facts
 
-LAUNCHER = "axolotl"
 COMMIT = "067b021c8b87a9e5e380b9173c704cf7340e30f5"
 VERSION_MODELLED = "Axolotl main@067b021c"
 PLUGIN = "trl_gc_plugin.integrations.axolotl.SafeGCPlugin"
@@ -237,7 +236,6 @@ def _matmul_saves(v: View) -> list[str]:
 RULES: tuple[LauncherRule, ...] = (
     LauncherRule(
         id="axolotl:unfrozen-needs-non-reentrant",
-        launcher=LAUNCHER,
         action="error",
         setting="use_reentrant",
         condition="`unfrozen_parameters` and `gradient_checkpointing_kwargs.use_reentrant: true`",
@@ -251,7 +249,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:distributed-rl-qlora-reentrant",
-        launcher=LAUNCHER,
         action="error",
         setting="use_reentrant",
         condition="`rl`, checkpointing, `use_reentrant` true, `load_in_4bit`, `adapter: qlora`, more than one GPU",
@@ -272,7 +269,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:fsdp-and-deepspeed",
-        launcher=LAUNCHER,
         action="error",
         setting="deepspeed",
         condition="`deepspeed` and `fsdp` both set",
@@ -283,7 +279,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:quantized-needs-adapter",
-        launcher=LAUNCHER,
         action="error",
         setting="adapter",
         condition="`load_in_4bit` or `load_in_8bit` without an `adapter` (and not `inference`)",
@@ -298,7 +293,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:unknown-adapter",
-        launcher=LAUNCHER,
         action="error",
         setting="adapter",
         condition="`adapter` other than lora / qlora / llama-adapter, and no `plugins:` that could register it",
@@ -309,7 +303,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:qlora-needs-4bit",
-        launcher=LAUNCHER,
         action="error",
         setting="load_in_4bit",
         condition="`adapter: qlora` without `load_in_4bit: true`, or with `load_in_8bit` / `gptq` (not merging)",
@@ -320,7 +313,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:offloading-needs-gc",
-        launcher=LAUNCHER,
         action="error",
         setting="gradient_checkpointing",
         condition="`activation_offloading` with checkpointing off",
@@ -331,7 +323,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:selective-needs-gc",
-        launcher=LAUNCHER,
         action="error",
         setting="gradient_checkpointing",
         condition="`selective_checkpointing` with checkpointing off",
@@ -342,7 +333,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:selective-needs-non-reentrant",
-        launcher=LAUNCHER,
         action="error",
         setting="use_reentrant",
         condition="`selective_checkpointing` with `gradient_checkpointing_kwargs.use_reentrant` true",
@@ -353,7 +343,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:selective-with-offloading",
-        launcher=LAUNCHER,
         action="error",
         setting="activation_offloading",
         condition="`selective_checkpointing` with `activation_offloading` other than false / hidden_states",
@@ -370,7 +359,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:selective-saves-matmul-with-adapter",
-        launcher=LAUNCHER,
         action="error",
         setting="selective_checkpointing",
         condition="`selective_checkpointing.save` entries that match matmul ops, with an adapter",
@@ -388,7 +376,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:hidden-states-reentrant-unfrozen",
-        launcher=LAUNCHER,
         action="error",
         setting="use_reentrant",
         condition="`activation_offloading: hidden_states`, `use_reentrant: true` and `unfrozen_parameters`",
@@ -403,7 +390,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:ebft-offloading-flex",
-        launcher=LAUNCHER,
         action="error",
         setting="activation_offloading",
         condition="EBFT strided + `attn_implementation: flex_attention` + `activation_offloading: true`",
@@ -414,7 +400,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:mpt-checkpointing",
-        launcher=LAUNCHER,
         action="error",
         setting="gradient_checkpointing",
         condition="`base_model` names an MPT model and checkpointing is on",
@@ -425,7 +410,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:nemotron-h-needs-packing",
-        launcher=LAUNCHER,
         action="error",
         setting="gradient_checkpointing",
         condition="`base_model` names a Nemotron-H model, checkpointing on, no `sample_packing`",
@@ -436,12 +420,10 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:qlora-zero3-warning",
-        launcher=LAUNCHER,
         action="none",
         setting="use_reentrant",
         condition="`adapter: qlora`, `use_reentrant: false` and a `deepspeed` path containing 'zero3'",
         message="Axolotl only warns: \"qlora + zero3 with use_reentrant: false may result in a CheckpointError\", and only when the DeepSpeed path's text contains 'zero3'.",
-        change="",
         evidence=(f"{VALIDATION}#L628-L644 (warn_qlora_zero3_w_use_reentrant)",),
         when=lambda v: (
             v.raw.get("adapter") == "qlora"
@@ -456,12 +438,10 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:sft-defaults-reentrant",
-        launcher=LAUNCHER,
         action="none",
         setting="use_reentrant",
         condition="checkpointing on, no `gradient_checkpointing_kwargs`, no `unfrozen_parameters`, no `rl`",
         message="Axolotl's normalize_config writes gradient_checkpointing_kwargs: {use_reentrant: true}.",
-        change="",
         evidence=(SOURCES["normalize"],),
         when=lambda v: (
             bool(v.gc)
@@ -479,23 +459,19 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:rl-ignores-ddp-find-unused",
-        launcher=LAUNCHER,
         action="warn",
         setting="ddp_find_unused_parameters",
         condition="`rl` and `ddp_find_unused_parameters` in the file",
         message="Axolotl's RL builder does not pass ddp_find_unused_parameters to the trainer, so the file's value has no effect: transformers decides (True for a PEFT model).",
-        change="",
         evidence=(SOURCES["rl_builder"],),
         when=lambda v: v.rl is not None and v.raw.get("ddp_find_unused_parameters") is not None,
     ),
     LauncherRule(
         id="axolotl:string-use-reentrant",
-        launcher=LAUNCHER,
         action="none",
         setting="use_reentrant",
         condition="`gradient_checkpointing_kwargs.use_reentrant` is not a boolean (e.g. the string 'false')",
         message="Axolotl passes the value through unchanged and its validators compare it with `is True` / `is False`, so they do not see it; torch reads a non-empty string as True.",
-        change="",
         evidence=(SOURCES["schema"],),
         when=lambda v: (
             "use_reentrant" in v.raw_kwargs()
@@ -506,19 +482,16 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:fsdp-checkpointing-and-gc",
-        launcher=LAUNCHER,
         action="none",
         setting="gradient_checkpointing",
         condition="`fsdp_config.activation_checkpointing` and `gradient_checkpointing` both on",
         message="No Axolotl validator rejects FSDP's activation checkpointing together with gradient_checkpointing (its examples say \"don't use with fsdp_activation_checkpointing\").",
-        change="",
         evidence=(f"{VALIDATION}#L1085-L1104 (fsdp_config keys; no check of the pair)",),
         when=lambda v: False,  # added by `read` when the pair is on (it needs the parsed fsdp_config)
         disagreement="transformers' Trainer refuses the pair (5.23: 'both activation checkpointing options'); the plugin says so before launch (rule fsdp-activation-checkpointing).",
     ),
     LauncherRule(
         id="axolotl:plugin-is-a-callback",
-        launcher=LAUNCHER,
         action="error",
         setting="plugins",
         condition="`plugins:` lists `trl_gc_plugin.SafeGCCallback` (a Trainer callback, not an Axolotl plugin)",
@@ -532,7 +505,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="axolotl:plugin-not-found",
-        launcher=LAUNCHER,
         action="warn",
         setting="plugins",
         condition=f"`plugins:` lists a `trl_gc_plugin.` entry that is neither {PLUGIN} nor the callback",

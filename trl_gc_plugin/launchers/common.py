@@ -55,13 +55,12 @@ class Fact:
         return {"value": self.value, "origin": self.origin, "detail": self.detail}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LauncherRule:
     """A verdict of a launcher's own code about a config, kept as data like the plugin's rules.
 
     Args:
-        id: `<launcher>:<name>`, used as the decision's rule id.
-        launcher: `trl`, `axolotl`, `llamafactory`.
+        id: `<launcher>:<name>` (`trl:`, `axolotl:`, `llamafactory:`, `training-args:`), the decision's rule id.
         action: `error` when the launcher refuses to start on the config, `warn` when it starts but warns or reads
             the config differently from what it seems to say, `none` for information (e.g. where the plugin
             disagrees with the launcher on purpose).
@@ -75,14 +74,13 @@ class LauncherRule:
     """
 
     id: str
-    launcher: str
     action: Action
     setting: str
     condition: str
     message: str
-    change: str
     evidence: tuple[str, ...]
     when: Callable[[Any], bool]
+    change: str = ""
     disagreement: str = ""
 
     def decision(self, version: str, before: Any = None, source: str = "user") -> Decision:
@@ -106,19 +104,6 @@ class LauncherRule:
             stage="init_end",
             level=level,
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "launcher": self.launcher,
-            "action": self.action,
-            "setting": self.setting,
-            "condition": self.condition,
-            "message": self.message,
-            "change": self.change,
-            "evidence": list(self.evidence),
-            "disagreement": self.disagreement,
-        }
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ from .load import Config
 from .model_config import read_model_facts
 from .trl import read_fsdp_config, read_kwargs, set_fsdp_facts
 
-LAUNCHER = "llamafactory"
 COMMIT = "ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30"
 VERSION_MODELLED = "LLaMA-Factory main@ff6d4d12 (= 0.9.5 for these keys)"
 SRC = f"https://github.com/hiyouga/LLaMA-Factory/blob/{COMMIT}/src/llamafactory/"
@@ -179,7 +178,6 @@ class View:
 RULES: tuple[LauncherRule, ...] = (
     LauncherRule(
         id="llamafactory:quantization-needs-adapter",
-        launcher=LAUNCHER,
         action="error",
         setting="quantization_bit",
         condition="`quantization_bit` with `finetuning_type` freeze or full",
@@ -190,7 +188,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="llamafactory:adapter-needs-lora",
-        launcher=LAUNCHER,
         action="error",
         setting="adapter_name_or_path",
         condition="`adapter_name_or_path` with `finetuning_type` other than lora",
@@ -201,7 +198,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="llamafactory:string-boolean",
-        launcher=LAUNCHER,
         action="warn",
         setting="quoted booleans",
         condition='a boolean key written as a string (`disable_gradient_checkpointing: "false"`)',
@@ -216,19 +212,16 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="llamafactory:reentrant-default",
-        launcher=LAUNCHER,
         action="none",
         setting="use_reentrant",
         condition="checkpointing on and `use_reentrant_gc` not set",
         message="LLaMA-Factory checkpoints reentrant by default (use_reentrant_gc: true) and makes the hidden states require grad for every layer with trainable parameters, so reentrant trains with frozen embeddings.",
-        change="",
         evidence=(SOURCES["keys"], SOURCES["wrapper"]),
         when=lambda v: v.reentrant_default,
         disagreement="the plugin prefers non-reentrant (PyTorch's recommendation) but keeps the launcher's value; set `use_reentrant_gc: false` to follow it.",
     ),
     LauncherRule(
         id="llamafactory:trainer-gc-overrides",
-        launcher=LAUNCHER,
         action="warn",
         setting="use_reentrant",
         condition="`gradient_checkpointing: true` without `gradient_checkpointing_kwargs`, and `use_reentrant_gc: false`",
@@ -239,34 +232,28 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="llamafactory:fsdp2-non-reentrant",
-        launcher=LAUNCHER,
         action="none",
         setting="use_reentrant",
         condition="FSDP2 (accelerate config with fsdp_version 2)",
         message="LLaMA-Factory sets use_reentrant_gc to false under FSDP2.",
-        change="",
         evidence=(SOURCES["enable"],),
         when=lambda v: v.fsdp2,
     ),
     LauncherRule(
         id="llamafactory:transformers-range",
-        launcher=LAUNCHER,
         action="warn",
         setting="transformers",
         condition="the transformers release checked for is outside LLaMA-Factory's supported range",
         message="LLaMA-Factory refuses to import with transformers outside >=4.55,<=5.8 unless DISABLE_VERSION_CHECK=1; outside that range its checkpointing patch is untested.",
-        change="",
         evidence=(SOURCES["versions"],),
         when=lambda v: v.transformers_outside,
     ),
     LauncherRule(
         id="llamafactory:deepspeed-needs-torchrun",
-        launcher=LAUNCHER,
         action="none",
         setting="deepspeed",
         condition="`deepspeed` with one process",
         message="LLaMA-Factory runs DeepSpeed only in a distributed launch: with one GPU, launch with FORCE_TORCHRUN=1.",
-        change="",
         evidence=(SOURCES["deepspeed"],),
         when=lambda v: v.deepspeed_one_process,
     ),

@@ -29,7 +29,6 @@ from .common import ConfigError, Context, LauncherRule, Origin, Reading
 from .load import Config
 from .model_config import read_model_facts
 
-LAUNCHER = "openrlhf"
 VERSION_MODELLED = "OpenRLHF 0.11.2 (and the flat flags of <= 0.9)"
 SRC = "https://github.com/OpenRLHF/OpenRLHF/blob/v0.11.2/openrlhf/"
 SOURCES = {

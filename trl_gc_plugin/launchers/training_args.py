@@ -10,14 +10,11 @@ decides them at runtime; the check says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from ..probe import GENERATING_TRAINERS, RL_TRAINERS
-from .common import Context, LauncherRule, Reading, json_object_or_mapping
+from .common import Context, LauncherRule, Reading
 from .load import Config
-from .trl import read_kwargs, read_launch
+from .trl import read_kwargs_key, read_launch, set_trainer_kind
 
-LAUNCHER = "training-args"
 SOURCES = {
     "parse_dict": "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/hf_argparser.py (parse_json_file -> parse_dict: dataclass(**values), no string conversion)",
     "default": "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/training_args.py (gradient_checkpointing: bool = False)",
@@ -70,7 +67,6 @@ class View:
 RULES: tuple[LauncherRule, ...] = (
     LauncherRule(
         id="training-args:string-boolean",
-        launcher=LAUNCHER,
         action="warn",
         setting="gradient_checkpointing",
         condition='a boolean field written as a string (`"gradient_checkpointing": "false"`)',
@@ -103,14 +99,7 @@ def read(config: Config, ctx: Context) -> Reading:
             "gc_enabled", False, "launcher default", "TrainingArguments defaults gradient_checkpointing to False"
         )
         reading.set("gc_flag_source", "unset", "launcher default", "gradient_checkpointing")
-    kwargs_key = next(
-        (k for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if raw.get(k) is not None),
-        None,
-    )
-    kwargs: dict[str, Any] | None = None
-    if kwargs_key is not None:
-        kwargs = json_object_or_mapping(raw.get(kwargs_key), path, kwargs_key, lines, '{"use_reentrant": false}')
-    read_kwargs(reading, kwargs, kwargs_key or "gradient_checkpointing_kwargs")
+    read_kwargs_key(raw.get, path, lines, '{"use_reentrant": false}', reading)
     read_launch(config, ctx, reading)
     for key in ("ddp_find_unused_parameters", "ddp_static_graph"):
         value = raw.get(key)
@@ -121,14 +110,7 @@ def read(config: Config, ctx: Context) -> Reading:
             f"key {key!r}" if value is not None else "unset: transformers decides",
         )
     kind = ctx.trainer or "trainer"
-    reading.set(
-        "trainer_kind",
-        kind,
-        "option" if ctx.trainer else "assumed",
-        "--trainer" if ctx.trainer else "transformers' Trainer (pass --trainer sft|dpo|... for a TRL trainer)",
-    )
-    reading.set("rl_trainer", kind in RL_TRAINERS, "option" if ctx.trainer else "assumed", kind)
-    reading.set("generates", kind in GENERATING_TRAINERS, "option" if ctx.trainer else "assumed", kind)
+    set_trainer_kind(reading, kind, ctx, "transformers' Trainer (pass --trainer sft|dpo|... for a TRL trainer)", kind)
     reading.notes.append(
         "a TrainingArguments file names no model: PEFT, quantization and frozen layers are unknown here, so the rules "
         "that need them do not apply; the callback decides them from the model at runtime"

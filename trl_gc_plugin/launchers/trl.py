@@ -55,7 +55,6 @@ from .deepspeed import read_deepspeed
 from .load import Config, load_json_file
 from .model_config import read_model_facts
 
-LAUNCHER = "trl"
 VERSION_MODELLED = "1.16.0"
 SRC = f"https://github.com/huggingface/trl/blob/v{VERSION_MODELLED}/trl/"
 SOURCES = {
@@ -140,7 +139,6 @@ class View:
 RULES: tuple[LauncherRule, ...] = (
     LauncherRule(
         id="trl:4bit-and-8bit",
-        launcher=LAUNCHER,
         action="error",
         setting="load_in_4bit",
         condition="`load_in_4bit` and `load_in_8bit` both true",
@@ -151,7 +149,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="trl:valueless-launch-flag",
-        launcher=LAUNCHER,
         action="error",
         setting="accelerate launch",
         condition="a key that is an `accelerate launch` flag without a value (`use_deepspeed`, `multi_gpu`, `use_fsdp`, ...)",
@@ -166,7 +163,6 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="trl:peft-zero3-forces-reentrant",
-        launcher=LAUNCHER,
         action="warn",
         setting="use_reentrant",
         condition="PEFT + DeepSpeed ZeRO-3 + checkpointing, and the file sets `use_reentrant: false`",
@@ -174,7 +170,6 @@ RULES: tuple[LauncherRule, ...] = (
             "TRL's trainer replaces your use_reentrant=False with True for PEFT under ZeRO-3 (it logs a warning), "
             "so the run is reentrant whatever the file says."
         ),
-        change="",
         evidence=(SOURCES["peft_zero3"],),
         when=lambda v: v.peft_zero3_gc and v.user_reentrant is False,
         disagreement=(
@@ -185,12 +180,10 @@ RULES: tuple[LauncherRule, ...] = (
     ),
     LauncherRule(
         id="trl:peft-zero3-reentrant",
-        launcher=LAUNCHER,
         action="none",
         setting="use_reentrant",
         condition="PEFT + DeepSpeed ZeRO-3 + checkpointing (use_reentrant unset or true)",
         message="TRL's trainer sets use_reentrant=True for PEFT under ZeRO-3.",
-        change="",
         evidence=(SOURCES["peft_zero3"],),
         when=lambda v: v.peft_zero3_gc and v.user_reentrant is not False,
         disagreement=(
@@ -274,17 +267,9 @@ def _read_checkpointing(config: Config, reading: Reading) -> None:
     )
     if flag_key == "activation_checkpointing":
         reading.changes["activation_checkpointing"] = "activation_checkpointing: {value}"
-    kwargs_key = next(
-        (k for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if config.get(k) is not None),
-        None,
-    )
-    kwargs: dict[str, Any] | None = None
+    kwargs_key = read_kwargs_key(config.get, config.path, config.lines, "{use_reentrant: false}", reading)
     if kwargs_key is not None:
-        kwargs = json_object_or_mapping(
-            config.get(kwargs_key), config.path, kwargs_key, config.lines, "{use_reentrant: false}"
-        )
         reading.changes["use_reentrant"] = kwargs_key + ": {{use_reentrant: {value}}}"
-    read_kwargs(reading, kwargs, kwargs_key or "gradient_checkpointing_kwargs")
 
 
 def _read_model(config: Config, reading: Reading) -> None:
@@ -326,14 +311,26 @@ def _read_trainer(ctx: Context, reading: Reading) -> None:
         raise ConfigError(
             f"--trainer {kind}: TRL's CLI has no `trl {kind}` command ({', '.join(CLI_TRAINERS)}); a TRL config is for one of these"
         )
-    reading.set(
-        "trainer_kind",
-        kind,
-        "option" if ctx.trainer else "assumed",
-        "--trainer" if ctx.trainer else "`trl sft` (pass --trainer dpo|grpo|... for another command)",
+    set_trainer_kind(reading, kind, ctx, "`trl sft` (pass --trainer dpo|grpo|... for another command)", f"trl {kind}")
+
+
+def set_trainer_kind(reading: Reading, kind: str, ctx: Context, assumed: str, label: str) -> None:
+    """The trainer facts: `--trainer` when given, else the format's `assumed` trainer."""
+    origin = "option" if ctx.trainer else "assumed"
+    reading.set("trainer_kind", kind, origin, "--trainer" if ctx.trainer else assumed)
+    reading.set("rl_trainer", kind in RL_TRAINERS, origin, label)
+    reading.set("generates", kind in GENERATING_TRAINERS, origin, label)
+
+
+def read_kwargs_key(get: Any, path: str, lines: Any, example: str, reading: Reading) -> str | None:
+    """Transformers' checkpointing kwargs (`activation_checkpointing_kwargs` first, as transformers >= 5.23 reads
+    them), a JSON string or a mapping, into the kwargs facts; returns the key given (None: neither)."""
+    key = next(
+        (k for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if get(k) is not None), None
     )
-    reading.set("rl_trainer", kind in RL_TRAINERS, "option" if ctx.trainer else "assumed", f"trl {kind}")
-    reading.set("generates", kind in GENERATING_TRAINERS, "option" if ctx.trainer else "assumed", f"trl {kind}")
+    kwargs = json_object_or_mapping(get(key), path, key, lines, example) if key is not None else None
+    read_kwargs(reading, kwargs, key or "gradient_checkpointing_kwargs")
+    return key
 
 
 def read_kwargs(reading: Reading, kwargs: dict[str, Any] | None, key: str) -> None:
@@ -601,7 +598,6 @@ NATIVE_FIELDS = ("gc_enabled", "use_reentrant", "kwargs_given", "ddp_find_unused
 
 UNKNOWN_KEY_RULE = LauncherRule(
     id="trl:unknown-key",
-    launcher=LAUNCHER,
     action="error",
     setting="config keys",
     condition="a key that is no field of the command's dataclasses and no `accelerate launch` argument",
