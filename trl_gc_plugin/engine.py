@@ -25,7 +25,7 @@ from packaging.version import InvalidVersion, Version
 
 from ._flags import parse_flag
 from .capabilities import Capabilities
-from .decisions import Action, Decision, Level
+from .decisions import Action, Decision
 from .facts import Facts
 from .modes import MODES, Mode
 from .policy import refused
@@ -69,20 +69,6 @@ def applicable(facts: Facts, rules: Sequence[Rule] = RULES) -> list[Rule]:
     return [r for r in rules if facts.stage in r.stages and capabilities_apply(r, caps) and r.when(facts)]
 
 
-def _decision(
-    rule: Rule,
-    action: Action,
-    before: Any,
-    after: Any,
-    source: str,
-    reason: str,
-    facts: Facts,
-    setting: str | None = None,
-    level: Level | None = None,
-) -> Decision:
-    return Decision.from_rule(rule, action, before, after, source, reason, facts.stage, setting, level)
-
-
 def _detail(rule: Rule, facts: Facts) -> str:
     """The rule's fact-specific first sentence, with a trailing blank ('' without one)."""
     return rule.detail(facts) + " " if rule.detail is not None else ""
@@ -95,7 +81,7 @@ def _refuse_explicit(rule: Rule, mode: Mode, current: Any, source: str, facts: F
         reason = _detail(rule, facts) + _VERB_DETAIL[action] + " " + rule.message
     else:
         reason = f"{rule.setting}={current!r} {_VERB[action]}: {rule.condition}. " + rule.message
-    return _decision(rule, action, current, rule.value, source, reason, facts)
+    return Decision.from_rule(rule, action, current, rule.value, source, reason, facts.stage)
 
 
 def _in_warn_mode(decision: Decision) -> Decision:
@@ -125,9 +111,13 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if not facts.gc_enabled and not facts.fsdp_activation_checkpointing:
-        off = _decision(get_rule("checkpointing-off"), "none", False, False, facts.gc_flag_source, _OFF_REASON, facts)
+        off = Decision.from_rule(
+            get_rule("checkpointing-off"), "none", False, False, facts.gc_flag_source, _OFF_REASON, facts.stage
+        )
         checks = [r for r in applicable(facts, rules) if r.kind == "check"]  # said whether checkpointing is on or off
-        return [off] + [_decision(r, "warn", None, None, "unset", r.message, facts, level=r.level) for r in checks]
+        return [off] + [
+            Decision.from_rule(r, "warn", None, None, "unset", r.message, facts.stage, level=r.level) for r in checks
+        ]
 
     rules_here = applicable(facts, rules)
     standing_back = next((r for r in rules_here if r.stand_back), None)
@@ -149,7 +139,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
 
 def _stand_back(rule: Rule, facts: Facts) -> Decision:
     value, source = facts.use_reentrant, facts.use_reentrant_source
-    return _decision(rule, "warn", value, value, source, rule.message, facts, level=rule.level)
+    return Decision.from_rule(rule, "warn", value, value, source, rule.message, facts.stage, level=rule.level)
 
 
 def _field_disagreement(rule: Rule, facts: Facts, value: Any, source: str, out: list[Decision]) -> tuple[Any, str]:
@@ -159,14 +149,14 @@ def _field_disagreement(rule: Rule, facts: Facts, value: Any, source: str, out: 
     if winner == "legacy":
         if facts.legacy_gc is not None:
             out.append(
-                _decision(
+                Decision.from_rule(
                     rule,
                     "repair",
                     not facts.legacy_gc,
                     facts.legacy_gc,
                     "unknown",
                     "`gradient_checkpointing` was written after `__post_init__`; copied to `activation_checkpointing`.",
-                    facts,
+                    facts.stage,
                     setting="activation_checkpointing",
                 )
             )
@@ -174,7 +164,7 @@ def _field_disagreement(rule: Rule, facts: Facts, value: Any, source: str, out: 
         legacy_value = legacy.get(USE_REENTRANT) if isinstance(legacy, dict) else None
         if legacy_value != value or legacy is None:
             out.append(
-                _decision(
+                Decision.from_rule(
                     rule,
                     "repair",
                     facts.use_reentrant,
@@ -183,14 +173,14 @@ def _field_disagreement(rule: Rule, facts: Facts, value: Any, source: str, out: 
                     "`gradient_checkpointing_kwargs` was written after `__post_init__` and the Trainer would ignore it "
                     f"(it reads `activation_checkpointing_kwargs`, use_reentrant={facts.use_reentrant!r}); "
                     "the last write wins and both names now hold one dict.",
-                    facts,
+                    facts.stage,
                     setting="activation_checkpointing_kwargs",
                 )
             )
             value, source = legacy_value, "unknown"
     else:
         out.append(
-            _decision(
+            Decision.from_rule(
                 rule,
                 "repair",
                 None,
@@ -198,7 +188,7 @@ def _field_disagreement(rule: Rule, facts: Facts, value: Any, source: str, out: 
                 source,
                 "`activation_checkpointing*` was written after `__post_init__`; the deprecated "
                 "`gradient_checkpointing*` names are made to mirror it.",
-                facts,
+                facts.stage,
                 setting="gradient_checkpointing_kwargs",
             )
         )
@@ -213,7 +203,7 @@ def _non_bool(
     coerced = coerce_bool(value)
     if coerced is not None:
         out.append(
-            _decision(
+            Decision.from_rule(
                 rule,
                 "repair",
                 value,
@@ -221,21 +211,21 @@ def _non_bool(
                 source,
                 f"use_reentrant={value!r} is not a bool (torch would read it as "
                 f"{bool(value)!r}); converted to {coerced!r}.",
-                facts,
+                facts.stage,
             )
         )
         value = coerced
     else:
         action: Action = refused(mode)
         out.append(
-            _decision(
+            Decision.from_rule(
                 rule,
                 action,
                 value,
                 None,
                 source,
                 f"use_reentrant={value!r} is not a bool and spells none; " + rule.message,
-                facts,
+                facts.stage,
             )
         )
         value, source = None, "unset"
@@ -255,7 +245,7 @@ def _choose_use_reentrant(
     if len(demanded) > 1:
         names = ", ".join(f"{r.id} (use_reentrant={r.value})" for r in requires)
         reason = f"Rules demand opposite values: {names}. " + " ".join(r.message for r in requires)
-        conflict = _decision(get_rule("conflict"), "error", value, None, source, reason, facts)
+        conflict = Decision.from_rule(get_rule("conflict"), "error", value, None, source, reason, facts.stage)
         out.append(dataclasses.replace(conflict, evidence=tuple(e for r in requires for e in r.evidence)))
     elif requires or prefers:
         rule = requires[0] if requires else prefers[0]
@@ -263,25 +253,27 @@ def _choose_use_reentrant(
         target = rule.value
         if value is None:
             out.append(
-                _decision(
+                Decision.from_rule(
                     rule,
                     "default",
                     None,
                     target,
                     "unset",
                     f"use_reentrant unset; set to {target!r} ({rule.title}).",
-                    facts,
+                    facts.stage,
                 )
             )
             final = target
         elif value == target:
             out.append(
-                _decision(rule, "none", value, value, source, f"use_reentrant={value!r} kept ({rule.title}).", facts)
+                Decision.from_rule(
+                    rule, "none", value, value, source, f"use_reentrant={value!r} kept ({rule.title}).", facts.stage
+                )
             )
         elif source == "plugin" or (strong and source == "trainer"):
             action: Action = "default" if source == "plugin" else "override"
             out.append(
-                _decision(
+                Decision.from_rule(
                     rule,
                     action,
                     value,
@@ -289,7 +281,7 @@ def _choose_use_reentrant(
                     source,
                     f"use_reentrant={value!r} (set by the {source}) replaced by {target!r} "
                     f"({rule.title}). " + (rule.message if strong else ""),
-                    facts,
+                    facts.stage,
                 )
             )
             final = target
@@ -300,14 +292,14 @@ def _choose_use_reentrant(
                 final = target
         else:
             out.append(
-                _decision(
+                Decision.from_rule(
                     rule,
                     "warn",
                     value,
                     value,
                     source,
                     f"use_reentrant={value!r} kept as set; {target!r} is preferred. " + rule.message,
-                    facts,
+                    facts.stage,
                     level="info",
                 )
             )
@@ -320,7 +312,7 @@ def _stale_model(rule: Rule | None, facts: Facts, final: Any, out: list[Decision
     effective = final if isinstance(final, bool) else None
     if stale is not None and effective is not None and facts.model_use_reentrant != effective:
         out.append(
-            _decision(
+            Decision.from_rule(
                 stale,
                 "repair",
                 facts.model_use_reentrant,
@@ -328,7 +320,7 @@ def _stale_model(rule: Rule | None, facts: Facts, final: Any, out: list[Decision
                 "trainer",
                 f"The model already checkpoints with use_reentrant={facts.model_use_reentrant!r}; "
                 f"rewritten to {effective!r}. " + stale.message,
-                facts,
+                facts.stage,
             )
         )
 
@@ -347,14 +339,14 @@ def _other_settings(
         if rule.kind == "prefer" or who not in _EXPLICIT:
             action: Action = "override" if rule.kind == "require" and who == "trainer" else "default"
             out.append(
-                _decision(
+                Decision.from_rule(
                     rule,
                     action,
                     current,
                     rule.value,
                     who,
                     f"{rule.title}." + (" " + rule.message if rule.kind == "require" else ""),
-                    facts,
+                    facts.stage,
                 )
             )
         else:
@@ -364,14 +356,14 @@ def _other_settings(
         if rule.setting in _REPAIRED_ABOVE:
             continue
         current, who = _current(facts, rule.setting)
-        out.append(_decision(rule, "repair", current, rule.value, who, rule.message, facts))
+        out.append(Decision.from_rule(rule, "repair", current, rule.value, who, rule.message, facts.stage))
     for rule in by_kind["check"]:
         current, who = (
             (value, source) if rule.setting == USE_REENTRANT else _current(facts, rule.setting, value, source)
         )
         reason = _detail(rule, facts) + rule.message
         said: Action = "none" if rule.level == "info" else "warn"  # an info check is a note, not a warning
-        out.append(_decision(rule, said, current, current, who, reason, facts, level=rule.level))
+        out.append(Decision.from_rule(rule, said, current, current, who, reason, facts.stage, level=rule.level))
 
 
 _REPAIRED_ABOVE = frozenset({USE_REENTRANT, "activation_checkpointing_kwargs", "model.use_reentrant"})
