@@ -375,7 +375,7 @@ def test_the_callback_named_as_an_axolotl_plugin_says_which_line_to_write():
 def test_the_startup_route_reads_its_mode_through_the_settings_layer(monkeypatch, plugin_log):
     """`TRL_GC_PLUGIN=1` patches the arguments class before any argument exists (no mode given): the mode is
     `$TRL_GC_PLUGIN_MODE` read by the settings layer, as every other route reads it; a bad value is said in its words
-    and `strict` used."""
+    and `strict` used; by the main process only (a rank other than 0 says nothing)."""
     from trl_gc_plugin import patching
 
     class Args:
@@ -391,6 +391,13 @@ def test_the_startup_route_reads_its_mode_through_the_settings_layer(monkeypatch
         finally:
             patching.uninstall()
         assert Args.__dict__["__post_init__"] is original
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TRL_GC_PLUGIN_MODE", "bogus-on-rank-1")
+    try:
+        patching.patch_training_args(Args)
+        assert patching.installed_settings()["mode"] == "strict"
+    finally:
+        patching.uninstall()
     said = [r.getMessage() for r in plugin_log.records if r.levelno == logging.WARNING]
     assert said == ["TRL_GC_PLUGIN_MODE: got 'bogus-at-startup'; mode accepts strict, fix or warn (any case); using the "
                     "default."], said

@@ -81,14 +81,14 @@ def _wrap(original: Any) -> Any:
 def patch_training_args(cls: Any, mode: Mode | None = None) -> None:
     """Wrap `cls.__post_init__` (`transformers.TrainingArguments`); a second call only updates the mode. Without a
     mode (the `TRL_GC_PLUGIN=1` route), the settings layer reads `$TRL_GC_PLUGIN_MODE` alone: a bad value is said
-    once and `strict` used."""
+    once, by the main process (the launcher's rank), and `strict` used."""
     if mode is None:
         from .settings import BY_NAME, GCSettings
 
         env = BY_NAME["mode"].env
         resolved = GCSettings.resolve({}, environ={env: os.environ.get(env, "")}, caller="TRL_GC_PLUGIN=1")
         for line in resolved.problems:
-            report.note(f"{line}; using the default.", "warning")
+            report.note(f"{line}; using the default.", "warning", report.is_main_process())
         mode = resolved.mode
     with _lock:
         _state["mode"] = mode
