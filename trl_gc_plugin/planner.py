@@ -697,8 +697,8 @@ def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
 
 
 def pattern_of(model: Any) -> tuple[bool, ...]:
-    """The live per-block `gradient_checkpointing` flags."""
-    return tuple(bool(getattr(b, "gradient_checkpointing", False)) for b in ckpt.blocks(probe.unwrap(model)))
+    """The live per-block `gradient_checkpointing` flags (`probe.block_pattern`), beside `selective_of` / `offload_of`."""
+    return probe.block_pattern(model)
 
 
 def selective_of(model: Any) -> tuple[bool, ...]:
