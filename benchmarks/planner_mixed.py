@@ -5,8 +5,9 @@ full checkpointing; and the time to plan a 70B layout.
 
 Method: a Llama-shaped model (hidden 512, intermediate 1376, 8 layers, 8 heads, vocabulary 8000; batch 2 x 512
 tokens; float32, SDPA) on one intra-op thread. Budgets at 50% (midway), 60% and 70% of the way from full's predicted
-peak to none's. For each budget the planner is asked twice: with the per-block candidate (`planner.plan`) and
-without it (the uniform candidates of `planner.candidates`, as before issue 22). Every distinct pick plus none and full
+peak to none's. For each budget the planner is asked three times: with the per-block candidate (`planner.plan`),
+with it but without the lean selective option (the estimate's `lean` removed: the planner before it), and without it
+(the uniform candidates of `planner.candidates`, `selective-lean` among them). Every distinct pick plus none and full
 runs in one process, switched with `apply_plan`, interleaved step by step (order reversed every round); main-thread
 CPU time, medians over the rounds. Peaks: the tensors one forward and backward creates (`memory.live_bytes`).
 
@@ -46,27 +47,40 @@ def build():
 
 
 def picks(est) -> tuple[dict, dict]:
-    """Per budget: the pick with and without the per-block candidate; and every candidate to run, by key."""
+    """Per budget: the pick with the per-block candidate, with it but without the lean option (the planner before
+    lean selective), and with the uniform candidates only; and every distinct candidate to run, by key."""
+    import dataclasses
+
     from trl_gc_plugin import planner
 
     table = planner.candidates(est, allow_selective=True, allow_offload=False)
     by = {c.name: c for c in table}
     full, none = by["full"].peak_bytes, by["none"].peak_bytes
     arms = {"none": by["none"], "full": by["full"]}
+    no_lean = dataclasses.replace(est, lean=(), lean_matmul_flops=())
     cases = {}
+
+    def key_of(c, label: str, f: float) -> str:
+        same = (c.pattern, c.per_block_selective, c.per_block_lean, c.offload)
+        for key, arm in arms.items():
+            if (arm.pattern, arm.per_block_selective, arm.per_block_lean, arm.offload) == same:
+                return key
+        return c.name if c.name != "mixed" else f"mixed@{f}" + ("" if label == "per_block" else "-no-lean")
+
     for f in FRACTIONS:
         budget = round(full + f * (none - full))
         uniform = next(c for c in table if c.allowed and c.peak_bytes <= budget)
         start = time.perf_counter()
         chosen = planner.plan(est, budget, allow_selective=True, allow_offload=False).chosen
         planning = time.perf_counter() - start
+        before = planner.plan(no_lean, budget, allow_selective=True, allow_offload=False).chosen
         keys = {}
-        for label, c in (("uniform", uniform), ("per_block", chosen)):
-            key = c.name if c.name != "mixed" else f"mixed@{f}"
+        for label, c in (("uniform", uniform), ("per_block_no_lean", before), ("per_block", chosen)):
+            key = key_of(c, label, f)
             arms[key] = c
             keys[label] = key
-        cases[str(f)] = {"budget": budget, "uniform": keys["uniform"], "per_block": keys["per_block"],
-                         "per_block_summary": chosen.summary(), "planning_s": planning,
+        cases[str(f)] = {"budget": budget, **keys, "per_block_summary": chosen.summary(),
+                         "per_block_no_lean_summary": before.summary(), "planning_s": planning,
                          "predicted": {k: {"recompute": round(arms[v].recompute, 4), "peak": arms[v].peak_bytes}
                                        for k, v in keys.items()}}
     return cases, arms
@@ -121,7 +135,7 @@ def run(rounds: int) -> dict:
     t_full, t_none = median["full"], median["none"]
     for case in cases.values():
         case["measured"] = {}
-        for label in ("uniform", "per_block"):
+        for label in ("uniform", "per_block_no_lean", "per_block"):
             name = case[label]
             case["measured"][label] = {
                 "name": name,

@@ -43,8 +43,10 @@ def test_json_output_is_the_plan(capsys):
     cheaper = [c for c in data["candidates"] if c["allowed"] and c["recompute"] < chosen["recompute"]]
     assert all(c["peak_bytes"] > 2**20 for c in cheaper)
     names = [c["name"] for c in data["candidates"]]
-    # none, 1..3 of 4, full, selective, offload, and the per-block plan for this budget when it is none of them
-    assert len([n for n in names if n != "mixed"]) == 4 + 3 and names.count("mixed") <= 1
+    # none, 1..3 of 4, full, selective, selective-lean (the MLP widens), offload, and the per-block plan for this
+    # budget when it is none of them
+    assert len([n for n in names if n != "mixed"]) == 4 + 4 and names.count("mixed") <= 1
+    assert "selective-lean" in names
 
 
 def test_nothing_fits_exits_1_with_the_lowest_memory_plan(capsys):

@@ -261,7 +261,7 @@ def test_apply_plan_is_idempotent_and_survives_trls_re_enable():
 
     model = build()
     est = memory.estimate(model, BATCH, SEQ)
-    for name in ("every-2", "selective"):
+    for name in ("every-2", "selective", "selective-lean"):
         candidate = planner.plan(est, 10**12, allow_selective=True, allow_offload=False).get(name)
         planner.apply_plan(model, candidate, use_reentrant=False)
         functions = [b._gradient_checkpointing_func for b in model.model.layers]
@@ -275,6 +275,7 @@ def test_apply_plan_is_idempotent_and_survives_trls_re_enable():
         planner.apply_plan(model, candidate, use_reentrant=False)
         assert planner.drift(model, candidate) == []
         assert planner.selective_of(model) == (candidate.selective,) * LAYERS
+        assert planner.lean_of(model) == (name == "selective-lean",) * LAYERS
     planner.apply_plan(model, planner.plan(est, 10**12, allow_selective=True, allow_offload=False).get("full"), False)
     assert planner.selective_of(model) == (False,) * LAYERS and planner.pattern_of(model) == (True,) * LAYERS
 

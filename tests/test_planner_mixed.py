@@ -35,33 +35,39 @@ def grads(model, batch) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def a_budget_where_mixed_wins(est) -> tuple[int, planner.Candidate]:
-    """A budget between full and no checkpointing where a per-block plan with selective blocks beside full or
-    unchecked ones beats every uniform candidate (no per-op cost for the selective policy: on this tiny model the
-    CPU's constant would rule selective out everywhere)."""
+def a_budget_where_mixed_wins(est, lean: bool = False) -> tuple[int, planner.Candidate]:
+    """A budget between full and no checkpointing where a per-block plan with selective blocks (lean ones with
+    `lean`) beside others beats every uniform candidate (no per-op cost for the selective policy: on this tiny model
+    the CPU's constant would rule selective out everywhere)."""
     table = planner.candidates(est, allow_selective=True, allow_offload=False, op_overhead=0.0)
     by = {c.name: c for c in table}
     for step in range(1, 80):
         budget = round(by["full"].peak_bytes + step / 80 * (by["none"].peak_bytes - by["full"].peak_bytes))
         result = planner.plan(est, budget, allow_selective=True, allow_offload=False, op_overhead=0.0)
         chosen = result.chosen
-        if chosen is not None and chosen.name == "mixed" and any(chosen.selective_blocks):
+        wanted = any(chosen.lean_blocks) if lean and chosen is not None else True
+        if chosen is not None and chosen.name == "mixed" and any(chosen.selective_blocks) and wanted:
             uniform = next(c for c in table if c.allowed and c.peak_bytes <= budget)
             assert chosen.recompute < uniform.recompute
             return budget, chosen
     raise AssertionError("no budget where the per-block plan wins: the test model no longer shows it")
 
 
-def test_a_mixed_plan_is_exact_and_fits_the_budget_measured():
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_mixed_plan_is_exact_and_fits_the_budget_measured(lean):
     model = build()
     batch = inputs(model.config.vocab_size)
     reference = grads(model, batch)  # full checkpointing
     est = memory.estimate(model, BATCH, SEQ)
-    budget, mixed = a_budget_where_mixed_wins(est)
+    budget, mixed = a_budget_where_mixed_wins(est, lean)
     assert len(set(mixed.per_block_selective)) == 2, mixed.summary()  # selective blocks beside others
+    if lean:  # lean blocks beside plain selective or other blocks
+        assert any(mixed.lean_blocks) and not all(mixed.lean_blocks), mixed.summary()
+        assert "lean selective" in mixed.summary()
     planner.apply_plan(model, mixed, use_reentrant=False)
     assert planner.pattern_of(model) == mixed.pattern
     assert planner.selective_of(model) == mixed.per_block_selective
+    assert planner.lean_of(model) == mixed.per_block_lean
     assert planner.drift(model, mixed) == []
     got = grads(model, batch)
     assert all(torch.equal(got[k], reference[k]) for k in reference)
@@ -97,6 +103,8 @@ def uneven(n: int = 5) -> memory.ActivationEstimate:
         inputs=(50, 40, 60, 50, 70)[:n],
         input_saved=(50, 40, 60, 50, 70)[:n],
         selective=(300, 100, 900, 150, 400)[:n],
+        lean=(120, 60, 400, 100, 150)[:n],
+        lean_matmul_flops=(5e6, 0.5e6, 20e6, 1.5e6, 6e6)[:n],
         shared=0,
         kwargs_bytes=0,
         outside=100,
@@ -123,16 +131,18 @@ def uneven(n: int = 5) -> memory.ActivationEstimate:
 @pytest.mark.parametrize("allow_selective", [True, False])
 def test_the_knapsack_finds_the_brute_force_optimum_on_uneven_blocks(allow_selective):
     est = uneven()
-    kinds = ("none", "full", "selective") if allow_selective else ("none", "full")
+    kinds = ("none", "full", "selective", "lean") if allow_selective else ("none", "full")
     brute = []
     for choice in itertools.product(kinds, repeat=est.num_blocks):
         pattern = tuple(k != "none" for k in choice)
-        sel = tuple(k == "selective" for k in choice)
-        peak = planner.predict_peak(est, pattern, sel)[0]
-        brute.append((planner.recompute_cost(est, pattern, sel, 170.0, 1e6), peak, sum(est.kept(pattern, sel))))
+        sel = tuple(k in ("selective", "lean") for k in choice)
+        lean = tuple(k == "lean" for k in choice)
+        peak = planner.predict_peak(est, pattern, sel, lean=lean)[0]
+        cost = planner.recompute_cost(est, pattern, sel, 170.0, 1e6, lean)
+        brute.append((cost, peak, sum(est.kept(pattern, sel, lean))))
     full_peak = planner.predict_peak(est, (True,) * est.num_blocks)[0]
     none_peak = planner.predict_peak(est, (False,) * est.num_blocks)[0]
-    found_mixed = 0
+    found_mixed = found_lean = 0
     for step in range(0, 21):
         budget = round(full_peak + step / 20 * (none_peak - full_peak))
         mixed = planner.mixed_candidate(est, budget, allow_selective=allow_selective, balance=170.0, op_overhead=1e6)
@@ -145,7 +155,9 @@ def test_the_knapsack_finds_the_brute_force_optimum_on_uneven_blocks(allow_selec
         assert mixed.recompute <= min(feasible) + 1e-12, (step, mixed.recompute, min(feasible))
         assert allow_selective or not mixed.selective_blocks
         found_mixed += len(set(mixed.per_block_selective)) > 1 or 0 < sum(mixed.pattern) < est.num_blocks
+        found_lean += any(mixed.lean_blocks)
     assert found_mixed >= 5
+    assert (found_lean > 0) is allow_selective
 
 
 def test_the_plan_is_never_worse_than_a_uniform_candidate():
@@ -166,4 +178,5 @@ def test_the_candidate_serialises_its_blocks():
     mixed = planner.mixed_candidate(est, 5500, allow_selective=True, balance=170.0, op_overhead=1e6)
     data = mixed.to_dict()
     assert data["name"] == "mixed" and len(data["selective_blocks"]) in (0, est.num_blocks)
+    assert len(data["lean_blocks"]) in (0, est.num_blocks) and set(data["lean_blocks"]) <= {0, 1}
     assert dataclasses.replace(mixed).summary().startswith("mixed (")

@@ -44,14 +44,14 @@ def build(kind: str):
     return get_peft_model(make_model(), variant_config(kind))
 
 
-def gradients(kind: str, selective: bool | None):
+def gradients(kind: str, selective: bool | None, lean: bool = False):
     model = build(kind)
     model.train()
     if selective is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
         if selective:
-            ckpt.apply(model, ckpt.Spec(selective=True, use_reentrant=False))
+            ckpt.apply(model, ckpt.Spec(selective=True, use_reentrant=False, lean=lean))
     ids = torch.randint(6, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     ids[:, 4] = 5  # aLoRA's invocation token: its adapter acts from there on
     model(input_ids=ids, labels=ids).loss.backward()
@@ -73,6 +73,7 @@ def test_selective_policy_against_no_checkpointing(kind):
         assert off > 0.1  # silently wrong
     else:
         assert off < 1e-5
+        assert worst(gradients(kind, True, lean=True), reference) < 1e-5  # the lean policy too (LoRA's B recomputed)
     assert (probe.selective_unsafe_adapters(build(kind)) != []) is (kind in ("bdlora", "alora"))
 
 

@@ -284,6 +284,8 @@ class Spec:
         selective (`bool` or `tuple[bool, ...]`, *optional*): run the planner's selective policy
             (`memory.selective_context` as `context_fn`), for every block or per block; `False` removes that
             `context_fn` (a user's own `context_fn` is kept).
+        lean (`bool` or `tuple[bool, ...]`, *optional*): the selective blocks run the lean policy
+            (`memory.lean_context`) instead, for every block or per block.
         offload (`bool`, *optional*): run `offload_checkpoint` (saved inputs in host memory); `False` runs torch's
             `checkpoint` where a block offloaded.
     """
@@ -293,6 +295,7 @@ class Spec:
     keywords: Mapping[str, Any] = field(default_factory=dict)
     selective: bool | tuple[bool, ...] | None = None
     offload: bool | None = None
+    lean: bool | tuple[bool, ...] = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keywords", types.MappingProxyType(dict(self.keywords)))
@@ -307,7 +310,7 @@ class Spec:
 
 def _function_for(current: Any, spec: Spec) -> Any:
     """The checkpoint function a block holding `current` runs under `spec`."""
-    from .memory import selective_context
+    from .memory import lean_context, selective_context
 
     if wrapped(current):  # the wrapper is kept, around the partial the spec makes of the one inside it
         new = _function_for(inner(current), spec)
@@ -326,8 +329,8 @@ def _function_for(current: Any, spec: Spec) -> Any:
         kw["use_reentrant"] = spec.use_reentrant
     result = with_keywords(functools.partial(func, *args, **kw), **spec.keywords)
     if spec.selective:
-        return with_keywords(result, context_fn=selective_context)
-    if spec.selective is False and result.keywords.get("context_fn") is selective_context:
+        return with_keywords(result, context_fn=lean_context if spec.lean else selective_context)
+    if spec.selective is False and result.keywords.get("context_fn") in (selective_context, lean_context):
         return with_keywords(result, context_fn=None)
     return result
 
@@ -350,14 +353,19 @@ def apply(model: Any, spec: Spec) -> None:
     per_block = spec.selective if isinstance(spec.selective, tuple) else None
     if spec.use_reentrant and (any(per_block) if per_block is not None else spec.selective):
         raise ValueError("selective checkpointing needs use_reentrant=False (torch accepts context_fn only there)")
+    lean = spec.lean if isinstance(spec.lean, tuple) else None
     found = blocks(unwrap(model))
-    for name, value in (("plan", spec.pattern), ("selective plan", per_block)):
+    for name, value in (("plan", spec.pattern), ("selective plan", per_block), ("lean plan", lean)):
         if value is not None and len(found) != len(value):
             raise ValueError(f"the {name} is for {len(value)} blocks; the model has {len(found)}")
     for i, block in enumerate(found):
         if spec.changes_functions:
             current = function_of(block)
-            here = spec if per_block is None else dataclasses.replace(spec, selective=per_block[i])
+            here = spec
+            if per_block is not None:
+                here = dataclasses.replace(here, selective=per_block[i])
+            if lean is not None:
+                here = dataclasses.replace(here, lean=lean[i])
             new = _function_for(current, here)
             if not same(real(current), new):
                 set_function(block, new, behind_observer=True)

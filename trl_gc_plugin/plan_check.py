@@ -73,7 +73,11 @@ def running(model: Any) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool,
 
 
 def predicted_parts(
-    est: ActivationEstimate, pattern: tuple[bool, ...], selective: tuple[bool, ...], offload: tuple[bool, ...]
+    est: ActivationEstimate,
+    pattern: tuple[bool, ...],
+    selective: tuple[bool, ...],
+    offload: tuple[bool, ...],
+    lean: tuple[bool, ...] = (),
 ) -> tuple[int, int]:
     """(bytes the blocks keep, bytes saved outside them) predicted for a per-block checkpointing (the planner's
     `Candidate.saved_bytes`, block by block, so a mixed live model is predicted too)."""
@@ -83,7 +87,8 @@ def predicted_parts(
         if not on:
             kept += est.saved[i]
         elif not (i < len(offload) and offload[i]):
-            kept += est.inputs[i] + (est.selective[i] if i < len(selective) and selective[i] else 0)
+            on_lean = i < len(lean) and lean[i]
+            kept += est.inputs[i] + est.policy_bytes(i, i < len(selective) and selective[i], on_lean)
     shared = est.shared if not all(pattern) else 0
     return kept + shared, est.outside
 
@@ -94,7 +99,9 @@ def compare(est: ActivationEstimate, measured: SavedBytes, model: Any) -> Compar
     pattern, selective, offload = running(model)
     if len(pattern) != est.num_blocks or len(measured.saved) != est.num_blocks:
         return None
-    blocks, outside = predicted_parts(est, pattern, selective, offload)
+    from . import planner
+
+    blocks, outside = predicted_parts(est, pattern, selective, offload, planner.lean_of(model))
     measured_blocks = sum(measured.saved) + sum(measured.selective) + measured.shared
     return Comparison(
         predicted=blocks + outside,

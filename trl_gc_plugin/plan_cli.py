@@ -209,7 +209,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _shown(plan: Any, show_all: bool) -> list[Any]:
-    keep = {"none", "full", "selective", "offload", "mixed"}
+    keep = {"none", "full", "selective", "selective-lean", "offload", "mixed"}
     out = []
     for c in plan.candidates:
         main = c.name in keep or (c.every_n is not None and c.every_n <= 8)

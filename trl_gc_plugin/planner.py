@@ -38,7 +38,7 @@ from typing import Any
 from . import ckpt, probe
 from .ckpt import offload_checkpoint
 from .decisions import Decision
-from .memory import ActivationEstimate, is_selective, selective_context
+from .memory import ActivationEstimate, is_lean, is_selective, selective_context
 
 RULE_ID = "memory-plan"
 
@@ -112,7 +112,7 @@ class Candidate:
     """One way to checkpoint, with what it is predicted to cost.
 
     Args:
-        name (`str`): `none`, `every-2`, `3-of-8`, `full`, `selective`, `offload`.
+        name (`str`): `none`, `every-2`, `3-of-8`, `full`, `selective`, `selective-lean`, `offload`, `mixed`.
         pattern (`tuple[bool, ...]`): per block, whether it is checkpointed.
         every_n (`int`, *optional*): n when the pattern is transformers' `every_n_layers=n` (block `i` checkpointed
             when `i % n == 0`).
@@ -128,6 +128,8 @@ class Candidate:
         why_not (`str`): why not, when not allowed.
         selective_blocks (`tuple[bool, ...]`): per block, selective or not, for a mixed plan (`mixed_candidate`);
             empty when `selective` says it for every checkpointed block.
+        lean_blocks (`tuple[bool, ...]`): per block, whether its selective checkpoint runs the lean policy
+            (`memory.lean_policy`: the outputs of widening matmuls recomputed too); empty when none does.
     """
 
     name: str
@@ -143,10 +145,16 @@ class Candidate:
     allowed: bool = True
     why_not: str = ""
     selective_blocks: tuple[bool, ...] = ()
+    lean_blocks: tuple[bool, ...] = ()
 
     @property
     def checkpointed(self) -> int:
         return sum(self.pattern)
+
+    @property
+    def per_block_lean(self) -> tuple[bool, ...]:
+        """Per block, whether it runs the lean selective policy."""
+        return self.lean_blocks or (False,) * len(self.pattern)
 
     @property
     def per_block_selective(self) -> tuple[bool, ...]:
@@ -158,11 +166,14 @@ class Candidate:
         if self.name == "none":
             return "none (no block checkpointed)"
         if self.selective_blocks:
-            sel = sum(self.selective_blocks)
+            sel, lean = sum(self.selective_blocks), sum(self.lean_blocks)
+            leaner = f", {lean} lean selective" if lean else ""
             return (
-                f"{self.name} ({len(self.pattern) - self.checkpointed} blocks not checkpointed, {sel} selective, "
-                f"{self.checkpointed - sel} full)"
+                f"{self.name} ({len(self.pattern) - self.checkpointed} blocks not checkpointed, {sel - lean} selective"
+                f"{leaner}, {self.checkpointed - sel} full)"
             )
+        if self.lean_blocks:
+            return f"{self.name} (every block, matmul and attention outputs kept, widening matmuls recomputed)"
         if self.selective:
             return f"{self.name} (every block, matmul and attention outputs kept)"
         if self.offload:
@@ -173,6 +184,7 @@ class Candidate:
         data = asdict(self)
         data["pattern"] = [int(x) for x in self.pattern]
         data["selective_blocks"] = [int(x) for x in self.selective_blocks]
+        data["lean_blocks"] = [int(x) for x in self.lean_blocks]
         data["recompute"] = round(self.recompute, 4)
         data["recompute_blocks"] = round(self.recompute_blocks, 4)
         return data
@@ -287,8 +299,10 @@ def predict_peak(
     offload: bool = False,
     grads_preallocated: bool = False,
     grad_fraction: float = 1.0,
+    lean: Sequence[bool] = (),
 ) -> tuple[int, str, dict[str, int]]:
-    """Predicted peak above the weights and optimizer state for one forward and backward (see the module docstring).
+    """Predicted peak above the weights and optimizer state for one forward and backward (see the module docstring);
+    `lean`: per block, whether a selective block runs the lean policy.
 
     Returns:
         (peak bytes, where, the bytes of every phase).
@@ -296,7 +310,8 @@ def predict_peak(
     est._check(pattern)
     n = est.num_blocks
     sel = est.per_block(selective)
-    kept = est.kept(pattern, sel)
+    lean = list(lean) or [False] * n
+    kept = est.kept(pattern, sel, lean)
     if offload:
         kept = [0 if on else k for on, k in zip(pattern, kept, strict=True)]
     shared = est.shared if not all(pattern) else 0
@@ -311,7 +326,7 @@ def predict_peak(
     for i in reversed(range(n)):
         grads_after += grads[i]
         if pattern[i]:
-            rebuilt = est.saved[i] - est.input_saved[i] - (est.selective[i] if sel[i] else 0)
+            rebuilt = est.saved[i] - est.input_saved[i] - est.policy_bytes(i, sel[i], lean[i])
             if offload:
                 rebuilt += est.inputs[i]
         else:
@@ -331,12 +346,14 @@ def recompute_cost(
     selective: bool | Sequence[bool],
     balance: float,
     op_overhead: float = 0.0,
+    lean: Sequence[bool] = (),
 ) -> float:
     """Recomputed share of the forward cost (matmul FLOPs plus `balance` per byte written by the other ops; selective
-    adds `op_overhead` per op), `selective` for every block or per block."""
+    adds `op_overhead` per op), `selective` for every block or per block, `lean` per block."""
     total = forward_cost(est, balance)
+    lean = list(lean) or [False] * est.num_blocks
     again = sum(
-        _block_cost(est, i, sel, balance, op_overhead)
+        _block_cost(est, i, sel, balance, op_overhead, lean[i])
         for i, (on, sel) in enumerate(zip(pattern, est.per_block(selective), strict=True))
         if on
     )
@@ -348,9 +365,12 @@ def forward_cost(est: ActivationEstimate, balance: float) -> float:
     return est.outside_flops + sum(f + balance * b for f, b in zip(est.block_flops, est.other_bytes, strict=True))
 
 
-def _block_cost(est: ActivationEstimate, i: int, selective: bool, balance: float, op_overhead: float) -> float:
-    """What recomputing block `i` costs (full, or selective: the ops selective did not keep, and its policy)."""
-    flops = est.block_flops[i] - (est.matmul_flops[i] if selective else 0)
+def _block_cost(
+    est: ActivationEstimate, i: int, selective: bool, balance: float, op_overhead: float, lean: bool = False
+) -> float:
+    """What recomputing block `i` costs (full, or selective: the ops its policy did not keep, and the policy)."""
+    kept = (est.lean_matmul_flops[i] if lean and est.lean_matmul_flops else est.matmul_flops[i]) if selective else 0
+    flops = est.block_flops[i] - kept
     return flops + balance * est.other_bytes[i] + (op_overhead * est.ops[i] if selective else 0.0)
 
 
@@ -378,15 +398,19 @@ def candidates(
     full = (True,) * n
     shapes.append(("full", full, False, False, True, ""))
     shapes.append(("selective", full, True, False, allow_selective, "" if allow_selective else selective_why_not))
+    if est.has_lean:
+        why = "" if allow_selective else selective_why_not
+        shapes.append(("selective-lean", full, True, False, allow_selective, why))
     shapes.append(("offload", full, False, True, allow_offload, "" if allow_offload else offload_why_not))
     out = []
     for name, pattern, sel, off, allowed, why in shapes:
-        peak, where, _ = predict_peak(est, pattern, sel, off, grads_preallocated, grad_fraction)
-        kept = est.kept(pattern, sel)
+        lean = full if name == "selective-lean" else ()
+        peak, where, _ = predict_peak(est, pattern, sel, off, grads_preallocated, grad_fraction, lean)
+        kept = est.kept(pattern, sel, lean)
         if off:
             kept = [0 if on else k for on, k in zip(pattern, kept, strict=True)]
         saved = est.outside + (est.shared if not all(pattern) else 0) + sum(kept)
-        cost = recompute_cost(est, pattern, sel, balance, op_overhead)
+        cost = recompute_cost(est, pattern, sel, balance, op_overhead, lean)
         out.append(
             Candidate(
                 name=name,
@@ -401,6 +425,7 @@ def candidates(
                 recompute_blocks=sum(pattern) / n if n else 0.0,
                 allowed=allowed,
                 why_not=why,
+                lean_blocks=lean,
             )
         )
     out.sort(key=_cheapest_first)
@@ -427,7 +452,7 @@ def mixed_candidate(
     grads_preallocated: bool = False,
     grad_fraction: float = 1.0,
 ) -> Candidate | None:
-    """A per-block plan for `budget_bytes`: each block none, selective or full, chosen to minimise the predicted
+    """A per-block plan for `budget_bytes`: each block none, selective, lean selective or full, chosen to minimise the predicted
     recompute (a multiple-choice knapsack over the blocks' kept bytes, so non-uniform blocks - mixed `layer_types`,
     MoE, vision towers - each get their own choice), then checked against the whole predicted peak. None when it does
     not fit. Plans a 70B layout (80 blocks) in milliseconds and allocates no tensor memory.
@@ -440,16 +465,28 @@ def mixed_candidate(
     n = est.num_blocks
     if n == 0:
         return None
-    kinds = ("none", "full", "selective") if allow_selective else ("none", "full")
+    kinds = ("none", "full", "selective", "lean")[: (4 if est.has_lean else 3) if allow_selective else 2]
     kept = np.array(
-        [[est.saved[i], est.inputs[i], est.inputs[i] + est.selective[i]][: len(kinds)] for i in range(n)],
+        [
+            [
+                est.saved[i],
+                est.inputs[i],
+                est.inputs[i] + est.selective[i],
+                est.inputs[i] + est.policy_bytes(i, True, True),
+            ][: len(kinds)]
+            for i in range(n)
+        ],
         dtype=np.float64,
     )
     cost = np.array(
         [
-            [0.0, _block_cost(est, i, False, balance, op_overhead), _block_cost(est, i, True, balance, op_overhead)][
-                : len(kinds)
-            ]
+            [
+                0.0,
+                *(
+                    _block_cost(est, i, k != "full", balance, op_overhead, k == "lean")
+                    for k in ("full", "selective", "lean")
+                ),
+            ][: len(kinds)]
             for i in range(n)
         ]
     )
@@ -463,10 +500,11 @@ def mixed_candidate(
         if choice is None:
             return None
         pattern = tuple(kinds[k] != "none" for k in choice)
-        selective = tuple(kinds[k] == "selective" for k in choice)
-        peak, where, _ = predict_peak(est, pattern, selective, False, grads_preallocated, grad_fraction)
+        selective = tuple(kinds[k] in ("selective", "lean") for k in choice)
+        lean = tuple(kinds[k] == "lean" for k in choice)
+        peak, where, _ = predict_peak(est, pattern, selective, False, grads_preallocated, grad_fraction, lean)
         if peak <= budget_bytes:
-            saved = est.saved_bytes(pattern, selective)
+            saved = est.saved_bytes(pattern, selective, lean)
             return Candidate(
                 name="mixed",
                 pattern=pattern,
@@ -476,9 +514,10 @@ def mixed_candidate(
                 saved_bytes=saved,
                 peak_bytes=peak,
                 peak_at=where,
-                recompute=recompute_cost(est, pattern, selective, balance, op_overhead),
+                recompute=recompute_cost(est, pattern, selective, balance, op_overhead, lean),
                 recompute_blocks=sum(pattern) / n,
                 selective_blocks=selective if any(selective) else (),
+                lean_blocks=lean if any(lean) else (),
             )
         room -= peak - budget_bytes
     return None
@@ -572,7 +611,10 @@ def plan(
         grad_fraction=grad_fraction,
     )
     if mixed is not None and not any(
-        c.pattern == mixed.pattern and c.per_block_selective == mixed.per_block_selective and not c.offload
+        c.pattern == mixed.pattern
+        and c.per_block_selective == mixed.per_block_selective
+        and c.per_block_lean == mixed.per_block_lean
+        and not c.offload
         for c in table
     ):
         table = sorted([*table, mixed], key=_cheapest_first)
@@ -604,6 +646,8 @@ def _cost(c: Candidate) -> str:
         return "recomputes nothing"
     blocks = f"{c.checkpointed} of {len(c.pattern)} blocks"
     kind = "their elementwise ops" if c.selective else "them"
+    if c.lean_blocks:
+        kind = "their elementwise ops and widening matmuls"
     if c.selective_blocks:
         kind = "them (the selective ones only their elementwise ops)"
     return f"recomputes {kind} ({blocks}, about {c.recompute:.0%} of the forward cost)"
@@ -692,6 +736,7 @@ def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
             keywords={"every_n_layers": None, "offload": None},  # transformers' own keys never reach torch's checkpoint
             selective=candidate.per_block_selective if candidate.selective_blocks else candidate.selective,
             offload=candidate.offload,
+            lean=candidate.per_block_lean,
         ),
     )
 
@@ -704,6 +749,11 @@ def pattern_of(model: Any) -> tuple[bool, ...]:
 def selective_of(model: Any) -> tuple[bool, ...]:
     """Per block, whether its checkpoint function runs the planner's selective policy."""
     return tuple(is_selective(ckpt.function_of(b)) for b in ckpt.blocks(probe.unwrap(model)))
+
+
+def lean_of(model: Any) -> tuple[bool, ...]:
+    """Per block, whether its checkpoint function runs the planner's lean selective policy."""
+    return tuple(is_lean(ckpt.function_of(b)) for b in ckpt.blocks(probe.unwrap(model)))
 
 
 def offload_of(model: Any) -> tuple[bool, ...]:
@@ -722,7 +772,8 @@ def drift(model: Any, candidate: Candidate) -> list[str]:
         found.append("pattern")
     on = [i for i, x in enumerate(candidate.pattern) if x]
     sel, off, want = selective_of(model), offload_of(model), candidate.per_block_selective
-    if any(sel[i] != want[i] for i in on):
+    lean, want_lean = lean_of(model), candidate.per_block_lean
+    if any(sel[i] != want[i] or lean[i] != want_lean[i] for i in on):
         found.append("selective")
     if any(off[i] != candidate.offload for i in on):
         found.append("offload")
@@ -740,6 +791,7 @@ __all__ = [
     "format_bytes",
     "forward_cost",
     "is_selective",
+    "lean_of",
     "offload_checkpoint",
     "offload_of",
     "parse_budget",

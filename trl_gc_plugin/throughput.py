@@ -103,6 +103,7 @@ def at_rows(est: ActivationEstimate, rows: int) -> ActivationEstimate:
         transient_bytes=round(est.transient_bytes * k),
         block_flops=times(est.block_flops),
         matmul_flops=times(est.matmul_flops),
+        lean_matmul_flops=times(est.lean_matmul_flops),
         other_bytes=times(est.other_bytes),
         outside_flops=round(est.outside_flops * k),
         batch_size=rows,
