@@ -311,6 +311,15 @@ def test_trl_gc_plan_counts_what_shard_grad_op_held(results, tmp_path, capsys, s
     held = {rank["seen"]["held"]["max"] for rank in results[1][f"{scenario}-false-0-0-budget"].values()}
     assert held == {planned("--sharded-params", layout)}, held
     assert planned("--sharded-params", layout.split("-")[0]) < min(held)
+    # the accelerate config that launches the same sharding (accelerate 1.15: FSDP1's fsdp_sharding_strategy,
+    # FSDP2's fsdp_reshard_after_forward) plans the same
+    fsdp_config = (
+        "  fsdp_version: 1\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
+        if layout.startswith("fsdp1")
+        else "  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n"
+    )
+    (tmp_path / "accelerate.yaml").write_text(f"distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n{fsdp_config}")
+    assert held == {planned("--accelerate-config", str(tmp_path / "accelerate.yaml"))}, held
 
 
 def test_the_first_step_says_when_more_parameters_are_held_whole_than_planned(results):

@@ -181,7 +181,7 @@ def test_generated_configs_never_crash(capsys, config):
 
 
 TOKENS = [TINY, "llama-7b-typo", "--batch-size", "--seq-len", "--budget", "--dtype", "--attn", "--grad-shards",
-          "--sharded-params", "zero3", "fsdp2", "--deepspeed",
+          "--sharded-params", "zero3", "fsdp2", "--deepspeed", "--accelerate-config",
           "--json", "--all", "--reentrant", "--accelerator", "1", "2", "0", "-1", "x", "1MiB", "2GB", "nan", "bf16",
           "fp8", "sdpa", "eager", ""]
 
@@ -253,3 +253,68 @@ def test_a_deepspeed_config_plans_what_the_run_reads(capsys, tmp_path):
     assert code == 2 and "disagrees" in err
     code, _, err = gathered({"stage": "x"})
     assert code == 2 and "zero_optimization.stage" in err
+
+
+ACCELERATE_CASES = [
+    # (accelerate config, the layout and gradient shards `accelerate launch` gives it)
+    ({"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2}}, "fsdp2", 2),
+    ({"distributed_type": "FSDP", "num_processes": 2,
+      "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": False}}, "fsdp2-no-reshard", 2),
+    ({"distributed_type": "FSDP", "num_processes": 4, "fsdp_config": {}}, "fsdp1", 4),  # FULL_SHARD by default
+    ({"distributed_type": "FSDP", "num_processes": 4,
+      "fsdp_config": {"fsdp_sharding_strategy": "SHARD_GRAD_OP"}}, "fsdp1-shard-grad-op", 4),
+    # accelerate prefixes fsdp_config keys with fsdp_, and takes a strategy's number (2: SHARD_GRAD_OP)
+    ({"distributed_type": "FSDP", "num_processes": 4, "fsdp_config": {"sharding_strategy": 2}}, "fsdp1-shard-grad-op", 4),
+    ({"distributed_type": "FSDP", "num_processes": 8, "num_machines": 2,
+      "fsdp_config": {"fsdp_sharding_strategy": "HYBRID_SHARD"}}, "fsdp1", 4),  # sharded within a machine
+    ({"distributed_type": "FSDP", "num_processes": 4, "fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD"}}, None, 1),
+    ({"distributed_type": "DEEPSPEED", "num_processes": 4, "deepspeed_config": {"zero_stage": 3}}, "zero3", 4),
+    ({"distributed_type": "DEEPSPEED", "num_processes": 4, "deepspeed_config": {}}, None, 4),  # ZeRO-2 by default
+    ({"distributed_type": "DEEPSPEED", "num_processes": 4, "deepspeed_config": {"zero_stage": 1}}, None, 1),
+    ({"distributed_type": "MULTI_GPU", "num_processes": 4}, None, 1),
+]
+
+
+@pytest.mark.parametrize(("accel", "layout", "shards"), ACCELERATE_CASES)
+def test_an_accelerate_config_plans_the_sharding_it_launches(capsys, tmp_path, accel, layout, shards):
+    """`--accelerate-config FILE` reads the sharding and the gradient shards of an `accelerate launch` config through
+    the reader `trl-gc-check` uses (accelerate 1.15's launcher and FSDP plugin, read): the plan equals the one made
+    with the options it stands for."""
+    import yaml
+
+    from trl_gc_plugin.testing import make_config
+
+    make_config().to_json_file(tmp_path / "config.json")
+    (tmp_path / "accelerate.yaml").write_text(yaml.safe_dump(accel))
+    argv = [str(tmp_path), "--batch-size", "2", "--seq-len", "16", "--budget", "1GiB", "--dtype", "fp32", "--json"]
+    code, out, err = run(capsys, *argv, "--accelerate-config", str(tmp_path / "accelerate.yaml"))
+    assert code == 0 and err == "", err
+    explicit = ["--grad-shards", str(shards), *([] if layout is None else ["--sharded-params", layout])]
+    code, expected, err = run(capsys, *argv, *explicit)
+    assert code == 0 and err == "", err
+    assert json.loads(out) == json.loads(expected)
+
+
+def test_an_accelerate_config_that_disagrees_or_is_malformed_exits_2(capsys, tmp_path):
+    base = [TINY, "--batch-size", "2", "--seq-len", "16", "--budget", "1GiB"]
+    fsdp2 = str(DATA / "accelerate_fsdp2.yaml")  # FSDP2, 2 processes
+    code, _, err = run(capsys, *base, "--accelerate-config", fsdp2, "--sharded-params", "fsdp1")
+    assert code == 2 and "disagrees" in err and "FSDP2 FULL_SHARD" in err
+    code, _, err = run(capsys, *base, "--accelerate-config", fsdp2, "--grad-shards", "4")
+    assert code == 2 and "--grad-shards 4 disagrees" in err and "over 2 devices" in err
+    code, _, _ = run(capsys, *base, "--accelerate-config", fsdp2, "--grad-shards", "2", "--sharded-params", "fsdp2")
+    assert code == 0
+    (tmp_path / "a.yaml").write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n")
+    code, _, err = run(capsys, *base, "--accelerate-config", str(tmp_path / "a.yaml"))
+    assert code == 2 and "give --grad-shards" in err
+    assert run(capsys, *base, "--accelerate-config", str(tmp_path / "a.yaml"), "--grad-shards", "8")[0] == 0
+    for bad in ("fsdp_sharding_strategy: HALF_SHARD", "fsdp_sharding_strategy: 6"):
+        (tmp_path / "b.yaml").write_text(f"distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  {bad}\n")
+        code, _, err = run(capsys, *base, "--accelerate-config", str(tmp_path / "b.yaml"))
+        assert code == 2 and "fsdp_sharding_strategy" in err and "\n" not in err.strip(), err
+    (tmp_path / "c.yaml").write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n"
+                                     "  fsdp_reshard_after_forward: SHARD_GRAD_OP\n")
+    code, _, err = run(capsys, *base, "--accelerate-config", str(tmp_path / "c.yaml"))
+    assert code == 2 and "FSDP2 takes true or false" in err
+    code, _, err = run(capsys, *base, "--accelerate-config", str(tmp_path / "missing.yaml"))
+    assert code == 2 and "missing.yaml" in err

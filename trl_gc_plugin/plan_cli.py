@@ -6,7 +6,8 @@ allocated: two blocks run one training forward on fake tensors (`memory.estimate
 The plan is for full fine-tuning with the model's own language-modelling loss (every parameter gets a gradient;
 `--grad-shards N` when ZeRO-2/3 or FSDP shards the gradients over N devices, `--sharded-params zero3|fsdp1|fsdp2` when
 the parameters are sharded too, `fsdp1-shard-grad-op|fsdp2-no-reshard` when FSDP keeps them whole between forward and
-backward). For LoRA or a partly frozen model, plan
+backward; or `--accelerate-config FILE`, the run's `accelerate launch` config, for both). For LoRA or a partly frozen
+model, plan
 from the live model (`memory.estimate(model, ...)`), which copies its layout.
 
 Exit status: 0 a plan fits, 1 nothing fits (the lowest-memory plan is printed), 2 unreadable input or an invalid
@@ -108,9 +109,9 @@ def _parser() -> _Parser:
     parser.add_argument(
         "--grad-shards",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
-        help="parameter gradients sharded over N devices (ZeRO-2/3, FSDP); default 1",
+        help="parameter gradients sharded over N devices (ZeRO-2/3, FSDP); default 1, or what --accelerate-config says",
     )
     parser.add_argument(
         "--sharded-params",
@@ -127,6 +128,14 @@ def _parser() -> _Parser:
         metavar="CONFIG",
         help="the run's DeepSpeed JSON config: under ZeRO-3 its parameters are sharded, with its reuse distance and "
         "prefetch bucket (read as the run reads them)",
+    )
+    parser.add_argument(
+        "--accelerate-config",
+        default=None,
+        metavar="FILE",
+        help="the run's accelerate config (accelerate launch --config_file): the sharding and the gradient shards it "
+        "gives (DeepSpeed ZeRO-2/3, FSDP1's fsdp_sharding_strategy, FSDP2's fsdp_reshard_after_forward, over "
+        "num_processes / num_machines for hybrid sharding), read as trl-gc-check reads it",
     )
     parser.add_argument(
         "--effective-batch",
@@ -266,13 +275,75 @@ def render(plan: Any, label: str, show_all: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _sharding(ns: argparse.Namespace) -> tuple[str | None, int]:
-    """The parameter sharding to plan for and ZeRO-3's window (elements): from `--sharded-params`, or from the
-    `--deepspeed` config through the reader the run and `trl-gc-check` use (`_deepspeed.deepspeed_facts`)."""
-    from ._deepspeed import ZERO3_WINDOW_DEFAULTS, deepspeed_facts
+_FSDP_LAYOUTS = {
+    (1, "FULL_SHARD"): ("fsdp1", False),
+    (1, "SHARD_GRAD_OP"): ("fsdp1-shard-grad-op", False),
+    (1, "NO_SHARD"): (None, None),
+    (1, "HYBRID_SHARD"): ("fsdp1", True),
+    (1, "HYBRID_SHARD_ZERO2"): ("fsdp1-shard-grad-op", True),
+    (2, "FULL_SHARD"): ("fsdp2", False),
+    (2, "SHARD_GRAD_OP"): ("fsdp2-no-reshard", False),
+}
+"""(FSDP version, sharding) -> (layout, sharded within a machine only); `(None, None)`: nothing sharded."""
 
-    if ns.deepspeed is None:
-        return ns.sharded_params, sum(ZERO3_WINDOW_DEFAULTS.values())
+
+def _accelerate_sharding(file: str) -> tuple[str | None, int | None, str]:
+    """(layout, gradient shards, what it was read from) of an accelerate config, through the reader `trl-gc-check`
+    uses (`launchers.accelerate.read_accelerate`); gradient shards None when the file does not say how many
+    processes."""
+    from .launchers.accelerate import read_accelerate
+    from .launchers.common import ConfigError
+
+    try:
+        accel = read_accelerate(file)
+    except (ConfigError, OSError) as exc:
+        raise InputError(f"--accelerate-config {file}: {_one_line(exc)}") from None
+    procs = accel.num_processes
+    if accel.zero_stage is not None:
+        what = f"DeepSpeed ZeRO-{accel.zero_stage}"
+        return ("zero3" if accel.zero_stage == 3 else None), (procs if accel.zero_stage >= 2 else 1), what
+    if accel.fsdp and accel.fsdp_version in (1, 2) and accel.fsdp_sharding is not None:
+        layout, hybrid = _FSDP_LAYOUTS.get((accel.fsdp_version, accel.fsdp_sharding), (None, None))
+        what = f"FSDP{accel.fsdp_version} {accel.fsdp_sharding}"
+        if layout is None:
+            return None, 1, what
+        shards = procs // accel.num_machines if hybrid and procs is not None else procs
+        return layout, shards, what
+    return None, 1, accel.distributed_type
+
+
+def _sharding(ns: argparse.Namespace) -> tuple[str | None, int, int]:
+    """The parameter sharding to plan for, ZeRO-3's window (elements) and the gradient shards: from
+    `--sharded-params` / `--grad-shards`, or from the `--deepspeed` config or the `--accelerate-config` through the
+    readers the run and `trl-gc-check` use (an explicit option that disagrees with them is refused)."""
+    from ._deepspeed import ZERO3_WINDOW_DEFAULTS
+
+    layout, window = _deepspeed_sharding(ns) if ns.deepspeed is not None else (ns.sharded_params, None)
+    window = sum(ZERO3_WINDOW_DEFAULTS.values()) if window is None else window
+    shards = ns.grad_shards
+    if ns.accelerate_config is not None:
+        read, read_shards, what = _accelerate_sharding(ns.accelerate_config)
+        if layout not in (None, read) or (ns.deepspeed is not None and layout != read):
+            option = "--deepspeed" if ns.deepspeed is not None else f"--sharded-params {layout}"
+            raise InputError(f"{option} disagrees with --accelerate-config {ns.accelerate_config} ({what})")
+        if read_shards is None and shards is None:
+            raise InputError(
+                f"--accelerate-config {ns.accelerate_config}: {what} shards over num_processes, which the file does "
+                "not give: give --grad-shards"
+            )
+        if shards is not None and read_shards is not None and shards != read_shards:
+            raise InputError(
+                f"--grad-shards {shards} disagrees with --accelerate-config {ns.accelerate_config} ({what} over "
+                f"{read_shards} devices)"
+            )
+        layout, shards = read, (shards if read_shards is None else read_shards)
+    return layout, window, 1 if shards is None else shards
+
+
+def _deepspeed_sharding(ns: argparse.Namespace) -> tuple[str | None, int]:
+    """The parameter sharding and ZeRO-3's window of the `--deepspeed` config (`_deepspeed.deepspeed_facts`)."""
+    from ._deepspeed import deepspeed_facts
+
     try:
         with open(ns.deepspeed, encoding="utf-8") as fh:
             config = json.load(fh)
@@ -314,11 +385,11 @@ def run(argv: list[str] | None) -> tuple[int, str]:
         raise InputError(str(exc)) from None
     if ns.batch_size < 1 or ns.seq_len < 1:
         raise InputError("--batch-size and --seq-len must be positive integers")
-    if ns.grad_shards < 1:
+    if ns.grad_shards is not None and ns.grad_shards < 1:
         raise InputError("--grad-shards must be a positive integer")
     if ns.batch_size * ns.seq_len > MAX_TOKENS:
         raise InputError(f"--batch-size x --seq-len must be at most {MAX_TOKENS} tokens")
-    layout, window = _sharding(ns)
+    layout, window, shards = _sharding(ns)
     config, label = load_config(ns.model)
     from .memory import _dtype_of, config_dtype, estimate
 
@@ -339,7 +410,7 @@ def run(argv: list[str] | None) -> tuple[int, str]:
         budget,
         allow_selective=not ns.reentrant,
         allow_offload=ns.accelerator,
-        grad_fraction=1.0 / ns.grad_shards,
+        grad_fraction=1.0 / shards,
     )
     options = None
     if ns.effective_batch is not None:
@@ -364,7 +435,7 @@ def run(argv: list[str] | None) -> tuple[int, str]:
             allow_offload=ns.accelerator,
             device="cuda" if ns.accelerator else "cpu",
             largest=ns.batch_size,
-            grad_fraction=1.0 / ns.grad_shards,
+            grad_fraction=1.0 / shards,
         )
     if ns.json:
         data = {"model": label, **result.to_dict()}

@@ -4,7 +4,10 @@ A model of accelerate 1.15's `_validate_launch_command` and `prepare_*_env` (rea
 `EVIDENCE`): `distributed_type` chooses DeepSpeed, FSDP or DDP; `num_processes` is the total process count;
 `deepspeed_config.zero_stage` (or the stage in `deepspeed_config.deepspeed_config_file`) is the ZeRO stage, 2 when
 neither gives one; `fsdp_config.fsdp_activation_checkpointing` (default false) and `fsdp_version` (default 1) are
-exported as `FSDP_ACTIVATION_CHECKPOINTING` / `FSDP_VERSION`; a `parallelism_config` block's `parallelism_config_cp_size`
+exported as `FSDP_ACTIVATION_CHECKPOINTING` / `FSDP_VERSION`; FSDP1 shards as `fsdp_sharding_strategy` says (default
+`FULL_SHARD`: the launcher always exports `FSDP_SHARDING_STRATEGY`, which the plugin prefers to
+`fsdp_reshard_after_forward`), FSDP2 as `fsdp_reshard_after_forward` (default true); an `fsdp_config` key without the
+`fsdp_` prefix gets it (`_validate_launch_command`); a `parallelism_config` block's `parallelism_config_cp_size`
 and `dynamo_config.dynamo_backend` are exported as `PARALLELISM_CONFIG_CP_SIZE` / `ACCELERATE_DYNAMO_BACKEND`. TRL's bundled configs (`accelerate_config: zero3`) are
 read from the installed TRL's `accelerate_configs/` directory, found without importing TRL.
 """
@@ -27,7 +30,15 @@ EVIDENCE = (
     "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/commands/launch.py (_validate_launch_command: config values fill unset launch arguments)",
     "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/utils/launch.py (prepare_multi_gpu_env: ACCELERATE_DEEPSPEED_ZERO_STAGE, FSDP_ACTIVATION_CHECKPOINTING, FSDP_VERSION)",
     "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/utils/dataclasses.py (DeepSpeedPlugin: zero_stage defaults to 2)",
+    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/utils/dataclasses.py (FullyShardedDataParallelPlugin.__post_init__: FSDP1 sharding_strategy from FSDP_SHARDING_STRATEGY, FSDP2 reshard_after_forward from FSDP_RESHARD_AFTER_FORWARD)",
+    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/accelerator.py (FSDP1: sharding_strategy or reshard_after_forward)",
 )
+
+FSDP_SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+"""accelerate's `FSDP_SHARDING_STRATEGY` (`utils/constants.py`): names, or 1-5 in this order."""
+
+_TRUE = frozenset({"y", "yes", "t", "true", "on", "1"})  # accelerate's str_to_bool
+_FALSE = frozenset({"n", "no", "f", "false", "off", "0"})
 
 DISTRIBUTED_TYPES = frozenset(
     {
@@ -64,6 +75,9 @@ class AccelerateConfig:
         fsdp: FSDP is used.
         fsdp_version: 1 or 2 under FSDP.
         fsdp_activation_checkpointing: FSDP's own activation checkpointing is on.
+        fsdp_sharding: under FSDP, how it shards, as an FSDP1 strategy name (`FSDP_SHARDING_STRATEGIES`); FSDP2's
+            `reshard_after_forward` true is `FULL_SHARD`, false `SHARD_GRAD_OP`.
+        num_machines: the machines the processes are spread over (1 when the file does not say).
         cp_size: the context-parallel size of its `parallelism_config` block (1 without one).
         dynamo_backend: `dynamo_config.dynamo_backend` when it compiles (exported as `ACCELERATE_DYNAMO_BACKEND`),
             None for `no` or no block.
@@ -79,6 +93,8 @@ class AccelerateConfig:
     fsdp_activation_checkpointing: bool
     cp_size: int = 1
     dynamo_backend: str | None = None
+    fsdp_sharding: str | None = None
+    num_machines: int = 1
 
 
 def trl_bundled(name: str) -> str | None:
@@ -159,15 +175,20 @@ def read_accelerate(file: str, overrides: dict[str, Any] | None = None) -> Accel
     fsdp = kind == "FSDP"
     fsdp_version: int | None = None
     fsdp_ac = False
+    sharding: str | None = None
     if fsdp:
         fc = data.get("fsdp_config") or {}
         fc = expect_mapping(fc, label, "fsdp_config")
+        fc = {(k if str(k).startswith("fsdp") else f"fsdp_{k}"): v for k, v in fc.items()}
         fsdp_version = whole_number(overrides.get("fsdp_version", fc.get("fsdp_version", 1)), label, "fsdp_version", 1)
         raw = overrides.get("fsdp_activation_checkpointing", fc.get("fsdp_activation_checkpointing", False))
         parsed = pydantic_bool(raw) if not isinstance(raw, str) else pydantic_bool(raw.lower())
         if parsed is None:
             raise ConfigError(f"{label}: key 'fsdp_activation_checkpointing': expected true or false, got {short(raw)}")
         fsdp_ac = parsed
+        sharding = _fsdp_sharding(fc, fsdp_version, label)
+    machines_raw = data.get("num_machines")
+    machines = 1 if machines_raw is None else whole_number(machines_raw, label, "num_machines", 1)
     parallel = expect_mapping(data.get("parallelism_config") or {}, label, "parallelism_config")
     cp_size = cp_size_of(parallel)
     if cp_size is None:
@@ -185,6 +206,27 @@ def read_accelerate(file: str, overrides: dict[str, Any] | None = None) -> Accel
         fsdp_activation_checkpointing=fsdp_ac,
         cp_size=cp_size,
         dynamo_backend=None if backend in (None, False) or str(backend).lower() == "no" else str(backend),
+        fsdp_sharding=sharding,
+        num_machines=machines,
+    )
+
+
+def _fsdp_sharding(fc: dict[str, Any], version: int, label: str) -> str:
+    """How FSDP shards under `accelerate launch` with this `fsdp_config` (keys already `fsdp_`-prefixed)."""
+    if version == 2:
+        raw = fc.get("fsdp_reshard_after_forward", True)
+        text = str(raw).lower()
+        if text not in _TRUE | _FALSE:
+            raise ConfigError(f"{label}: key 'fsdp_reshard_after_forward': FSDP2 takes true or false, got {short(raw)}")
+        return "FULL_SHARD" if text in _TRUE else "SHARD_GRAD_OP"
+    raw = fc.get("fsdp_sharding_strategy", "FULL_SHARD")
+    text = str(raw).strip().upper()
+    if text in FSDP_SHARDING_STRATEGIES:
+        return text
+    if text.isdigit() and 1 <= int(text) <= len(FSDP_SHARDING_STRATEGIES):
+        return FSDP_SHARDING_STRATEGIES[int(text) - 1]
+    raise ConfigError(
+        f"{label}: key 'fsdp_sharding_strategy': not one of {', '.join(FSDP_SHARDING_STRATEGIES)} (or 1-5): {short(raw)}"
     )
 
 
