@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_rules_v2 import PatternSeen
 from trainers import common_args, make_trainer
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import trl_gc_plugin
 from trl_gc_plugin import GCConfigError, SafeGCCallback, memory, planner, throughput
@@ -144,3 +144,53 @@ def test_the_run_records_batch_advice_and_changes_no_batch(tmp_path, kind):
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (2, 2)
     saved = json.loads((tmp_path / "gc_decisions.json").read_text())
     assert any(d["rule_id"] == "batch-advice" for d in saved)
+
+
+class LeanSeen(TrainerCallback):
+    """Per block, whether it ran the lean selective policy, at the end of every step."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.seen.append(planner.lean_of(model))
+
+
+def wide_model():
+    """Blocks whose matmuls outweigh the selective policy's per-op cost on CPU (on `model()` it makes selective and
+    lean blocks dearer than full ones, and the plan never picks them)."""
+    return make_model(num_hidden_layers=LAYERS, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=256)
+
+
+def wide_data(n=4):
+    ids = torch.randint(3, 250, (n, 256), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def test_a_plan_with_lean_blocks_runs_them_and_updates_as_full_checkpointing(tmp_path):
+    """At a budget where the plan makes some blocks lean (found from the estimate the run makes too), the run applies
+    it at the first forward, runs those blocks lean on every step, and trains as full checkpointing does (the same
+    weights after two SGD steps)."""
+    est = memory.estimate(wide_model(), BATCH, 256)
+    table = {c.name: c for c in planner.candidates(est, allow_selective=True, allow_offload=False)}
+    budgets = (round(table["full"].peak_bytes + k / 40 * (table["none"].peak_bytes - table["full"].peak_bytes))
+               for k in range(1, 40))
+    budget = next(b for b in budgets if any(planner.plan(est, b, allow_selective=True, allow_offload=False)
+                                            .chosen.per_block_lean))
+    callback, lean = SafeGCCallback(memory_budget=budget), LeanSeen()
+    planned = wide_model()
+    args = TrainingArguments(**common_args(str(tmp_path / "plan"), max_steps=2, optim="sgd", gradient_checkpointing=True))
+    Trainer(model=planned, args=args, train_dataset=wide_data(), callbacks=[callback, lean]).train()
+    decision = plan_of(callback)
+    chosen = next(c for c in decision.after["candidates"] if c["name"] == decision.after["plan"])
+    assert decision.action == "default" and chosen["peak_bytes"] <= budget
+    expected = tuple(bool(x) for x in chosen["lean_blocks"]) or (chosen["name"] == "selective-lean",) * LAYERS
+    assert any(expected), chosen
+    assert lean.seen == [expected, expected]
+    full = wide_model()
+    args = TrainingArguments(**common_args(str(tmp_path / "full"), max_steps=2, optim="sgd", gradient_checkpointing=True,
+                                           gradient_checkpointing_kwargs={"use_reentrant": False}))
+    Trainer(model=full, args=args, train_dataset=wide_data()).train()
+    for (name, a), (_, b) in zip(planned.named_parameters(), full.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
