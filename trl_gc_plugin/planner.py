@@ -173,7 +173,7 @@ class Candidate:
                 f"{leaner}, {self.checkpointed - sel} full)"
             )
         if self.lean_blocks:
-            return f"{self.name} (every block, matmul and attention outputs kept, widening matmuls recomputed)"
+            return f"{self.name} (every block, attention outputs and those of matmuls that do not widen kept)"
         if self.selective:
             return f"{self.name} (every block, matmul and attention outputs kept)"
         if self.offload:
@@ -649,7 +649,8 @@ def _cost(c: Candidate) -> str:
     if c.lean_blocks:
         kind = "their elementwise ops and widening matmuls"
     if c.selective_blocks:
-        kind = "them (the selective ones only their elementwise ops)"
+        kind = "them (the selective ones only their elementwise ops"
+        kind += ", the lean ones their widening matmuls too)" if c.lean_blocks else ")"
     return f"recomputes {kind} ({blocks}, about {c.recompute:.0%} of the forward cost)"
 
 
