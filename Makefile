@@ -18,13 +18,14 @@ WORKERS ?= 2
 # the engine and capability tables, the rules reproduced with real trainers (Trainer, SFT, DPO, GRPO), the post-init
 # patch and the CLI/config checker, the settings layer, the policy table, the checkpoint primitives and the rules
 # whose facts depend on the transformers release (MoE router logits, models that refuse checkpointing), and the
-# model route for loops without a Trainer (it patches the enable methods each release spells its own way). It touches
-# every module and the trainers' real code paths; the trainer x variant matrix, distributed, DeepSpeed, FSDP, zoo and
-# startup tests stay in the full environments.
+# model route for loops without a Trainer (it patches the enable methods each release spells its own way), and the
+# lean selective policy on the zoo (which aten ops each release's models run decides what it keeps). It touches
+# every module and the trainers' real code paths; the trainer x variant matrix, distributed, DeepSpeed, FSDP, the
+# zoo's training runs and startup tests stay in the full environments.
 SLICE ?= tests/test_capabilities.py tests/test_engine.py tests/test_rules_v2.py tests/test_patching.py \
 	tests/test_check_cli.py tests/test_cli.py tests/test_no_trace.py tests/test_copies.py tests/test_settings.py \
 	tests/test_policy.py tests/test_ckpt.py tests/test_moe_router.py tests/test_model_cannot_checkpoint.py \
-	tests/test_loop.py
+	tests/test_loop.py tests/test_lean_selective.py
 # An empty TF / TRL / PEFT / BNB installs the latest release the registry offers (the `latest` CI environment).
 pin = $(if $(2),"$(1)==$(2)","$(1)")
 PY := $(VENV)/bin/python
