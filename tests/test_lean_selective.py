@@ -42,7 +42,44 @@ def test_lean_is_exact_and_keeps_what_the_estimate_says(arch):
     assert would.selective == kept["selective"], arch.name
     assert would.lean == kept["lean"], arch.name
     assert all(lean <= sel for lean, sel in zip(kept["lean"], kept["selective"], strict=True))
-    # lean keeps less exactly where selective kept a widening matmul (Mixtral's experts on transformers 5.x run as
-    # grouped matmuls, which neither policy keeps: there lean is selective, and the planner offers no lean option)
+    # lean keeps less exactly where selective kept a widening matmul (where none runs, lean is selective and the
+    # planner offers no lean option)
     widening_kept = would.lean_matmul_flops != would.matmul_flops
     assert (sum(kept["lean"]) < sum(kept["selective"])) is widening_kept, arch.name
+
+
+@pytest.mark.parametrize("arch", [a for a in zoo.ZOO if a.kind == "moe"], ids=lambda a: a.name)
+def test_grouped_expert_matmuls_are_kept_and_counted(arch):
+    """transformers 5.x runs MoE experts as `aten._grouped_mm` (4.x as one `mm` per expert): selective keeps their
+    outputs like any matmul's, and the cost model counts their FLOPs (2 x rows x K x N), measured here independently
+    of the planner's own counting. Before, neither was: a selective MoE block recomputed its experts while the cost
+    model priced it as cheap."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    model = arch.build()
+    model.train()
+    blocks = ckpt.blocks(model)
+    grouped = []
+
+    class Grouped(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._grouped_mm.default:
+                a, b = args[0], args[1]
+                grouped.append((2 * a.shape[0] * a.shape[-1] * b.shape[-1], out.untyped_storage().nbytes()))
+            return out
+
+    mode = Grouped()
+    handles = [blocks[0].register_forward_pre_hook(lambda *_: mode.__enter__() and None),
+               blocks[0].register_forward_hook(lambda *_: mode.__exit__(None, None, None) and None)]
+    model(**arch.batch(0))
+    for h in handles:
+        h.remove()
+    if not grouped:
+        pytest.skip(f"this transformers runs {arch.name}'s experts without _grouped_mm")
+    would = memory.measure(model, arch.batch(0), would_keep=True)
+    flops, nbytes = sum(f for f, _ in grouped), sum(n for _, n in grouped)
+    assert would.matmul_flops[0] >= flops and would.block_flops[0] >= flops, (would.matmul_flops[0], flops)
+    assert would.selective[0] >= nbytes
+    assert would.lean[0] <= would.selective[0] - grouped[0][1]  # the first (gate and up, fused) widens: recomputed

@@ -32,11 +32,12 @@ from . import ckpt, probe
 # --- the selective policy ----------------------------------------------------------------------------------------
 
 # aten packets whose outputs selective checkpointing keeps: the matmuls (nn.Linear lowers to mm/addmm below
-# autograd) and the fused attention kernels. `bmm`/`baddbmm` are kept only when their output is not square in its
+# autograd; transformers 5.x runs MoE experts as `_grouped_mm`) and the fused attention kernels. `bmm`/`baddbmm` are kept only when their output is not square in its
 # last two dimensions: eager attention's `QK^T` scores (b*a, s, s) are recomputed, its `scores @ V` is kept.
 _SAVE_NAMES = (
     "mm",
     "addmm",
+    "_grouped_mm",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",
@@ -73,7 +74,7 @@ def _policy_state() -> dict[str, Any]:
             bmm=_ops("bmm"),
             baddbmm=_ops("baddbmm"),
             attention=_ops(*_ATTENTION_NAMES),
-            mm=_ops("mm"),
+            mm=_ops("mm", "_grouped_mm"),
             addmm=_ops("addmm"),
             must_save=CheckpointPolicy.MUST_SAVE,
             recompute=CheckpointPolicy.PREFER_RECOMPUTE,
@@ -92,8 +93,8 @@ def _keeps(op: Any, args: tuple[Any, ...], state: dict[str, Any]) -> bool:
 
 
 def _widens(op: Any, args: tuple[Any, ...], state: dict[str, Any]) -> bool:
-    """A matmul whose output is wider than its input (`mm(a, b)`, `addmm(bias, a, b)` with `b`'s columns more than
-    `a`'s): an MLP's up and gate projections, a fused QKV projection, LoRA's `B`. Its output costs the most bytes for
+    """A matmul whose output is wider than its input (`mm(a, b)`, `_grouped_mm(a, b, ...)`, `addmm(bias, a, b)` with
+    `b`'s columns more than `a`'s): an MLP's up and gate projections, a fused QKV projection, LoRA's `B`. Its output costs the most bytes for
     the FLOPs recomputing it takes (both scale with the output's width; the FLOPs also with the narrower input)."""
     if op in state["mm"]:
         return bool(args[1].shape[-1] > args[0].shape[-1])
@@ -231,6 +232,10 @@ def _flops(op: Any, args: tuple[Any, ...], out: Any) -> int:
     try:
         if name == "mm":
             return 2 * args[0].shape[0] * args[0].shape[1] * args[1].shape[1]
+        if name == "_grouped_mm":  # (tokens, K) x (experts, K, N): each row by its own group's matrix
+            a, b = args[0], args[1]
+            rows = a.shape[0] * (a.shape[1] if a.dim() == 3 else 1)
+            return 2 * rows * a.shape[-1] * b.shape[-1]
         if name == "addmm":
             return 2 * args[1].shape[0] * args[1].shape[1] * args[2].shape[1]
         if name in _BMM_NAMES:
