@@ -14,6 +14,14 @@ CPU time, medians over the rounds. Peaks: the tensors one forward and backward c
     .venv-tf5/bin/python benchmarks/planner_mixed.py [--rounds 7] [--seq 512]
 
 Writes benchmarks/results/planner_mixed.json (planner_mixed_s256.json for `--seq 256`).
+
+On a GPU (`--device cuda`): bfloat16, the cost model's CUDA constants, wall time around a synchronised step, the
+same peaks (the tensors the step creates); `--shape` overrides the model, e.g. the issue's 7B-shaped blocks:
+
+    python benchmarks/planner_mixed.py --device cuda --skip-70b --rounds 5 \
+        --shape '{"hidden": 4096, "intermediate": 11008, "heads": 32, "layers": 4, "vocab": 32000, "batch": 1, "seq": 4096}'
+
+writes results/planner_mixed_cuda.json.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 SHAPE = {"hidden": 512, "intermediate": 1376, "layers": 8, "heads": 8, "vocab": 8000, "batch": 2, "seq": 512}
 FRACTIONS = (0.5, 0.6, 0.7)
+DEVICE = {"name": "cpu"}
 
 
 def build():
@@ -40,9 +49,12 @@ def build():
                          num_attention_heads=s["heads"], num_key_value_heads=s["heads"], vocab_size=s["vocab"],
                          max_position_embeddings=s["seq"], use_cache=False, attn_implementation="sdpa")
     model = LlamaForCausalLM(config)
+    if DEVICE["name"] == "cuda":
+        model = model.to(device="cuda", dtype=torch.bfloat16)
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(s["vocab"], (s["batch"], s["seq"]), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(DEVICE["name"])
     return model, {"input_ids": ids, "labels": ids}
 
 
@@ -53,7 +65,9 @@ def picks(est) -> tuple[dict, dict]:
 
     from trl_gc_plugin import planner
 
-    table = planner.candidates(est, allow_selective=True, allow_offload=False)
+    device = DEVICE["name"]
+    constants = {"balance": planner.BALANCE[device], "op_overhead": planner.OP_OVERHEAD[device]}
+    table = planner.candidates(est, allow_selective=True, allow_offload=False, **constants)
     by = {c.name: c for c in table}
     full, none = by["full"].peak_bytes, by["none"].peak_bytes
     arms = {"none": by["none"], "full": by["full"]}
@@ -71,9 +85,9 @@ def picks(est) -> tuple[dict, dict]:
         budget = round(full + f * (none - full))
         uniform = next(c for c in table if c.allowed and c.peak_bytes <= budget)
         start = time.perf_counter()
-        chosen = planner.plan(est, budget, allow_selective=True, allow_offload=False).chosen
+        chosen = planner.plan(est, budget, allow_selective=True, allow_offload=False, device=device).chosen
         planning = time.perf_counter() - start
-        before = planner.plan(no_lean, budget, allow_selective=True, allow_offload=False).chosen
+        before = planner.plan(no_lean, budget, allow_selective=True, allow_offload=False, device=device).chosen
         keys = {}
         for label, c in (("uniform", uniform), ("per_block_no_lean", before), ("per_block", chosen)):
             key = key_of(c, label, f)
@@ -91,7 +105,9 @@ def run(rounds: int) -> dict:
 
     from trl_gc_plugin import memory, planner
 
-    torch.set_num_threads(1)
+    cuda = DEVICE["name"] == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)
     model, batch = build()
     est = memory.estimate(model, SHAPE["batch"], SHAPE["seq"])
     cases, arms = picks(est)
@@ -116,11 +132,15 @@ def run(rounds: int) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # steps cost the same, the weights stay put
 
     def step() -> float:
-        cpu = time.thread_time()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter() if cuda else time.thread_time()
         model(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return time.thread_time() - cpu
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() if cuda else time.thread_time()) - start
 
     times: dict[str, list[float]] = {n: [] for n in names}
     for name in names:  # warm-up
@@ -180,18 +200,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--seq", type=int, default=SHAPE["seq"], help="tokens per row (512; 256 was run too)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shape", default=None, help="JSON overrides of the model shape (keys of SHAPE)")
+    parser.add_argument("--skip-70b", action="store_true", help="do not time planning the 70B layout")
+    parser.add_argument("--out", default=None, help="results file name under results/")
     ns = parser.parse_args()
     SHAPE["seq"] = ns.seq
+    SHAPE.update(json.loads(ns.shape or "{}"))
+    DEVICE["name"] = ns.device
     import torch
     import transformers
 
     result = {"shape": SHAPE, "python": platform.python_version(), "torch": torch.__version__,
-              "transformers": transformers.__version__, "threads": 1, "rounds": ns.rounds}
-    result["plan_70b"] = plan_70b()
-    print(json.dumps(result["plan_70b"]), flush=True)
+              "transformers": transformers.__version__, "device": ns.device, "rounds": ns.rounds,
+              "threads": 1 if ns.device == "cpu" else None}
+    if ns.device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+    if not ns.skip_70b:
+        result["plan_70b"] = plan_70b()
+        print(json.dumps(result["plan_70b"]), flush=True)
     result.update(run(ns.rounds))
     RESULTS.mkdir(exist_ok=True)
-    name = "planner_mixed.json" if ns.seq == 512 else f"planner_mixed_s{ns.seq}.json"
+    name = ns.out or ("planner_mixed_cuda.json" if ns.device == "cuda" else
+                      "planner_mixed.json" if SHAPE["seq"] == 512 else f"planner_mixed_s{SHAPE['seq']}.json")
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["cases"], indent=2))
 
