@@ -75,9 +75,8 @@ def picks(est) -> tuple[dict, dict]:
     cases = {}
 
     def key_of(c, label: str, f: float) -> str:
-        same = (c.pattern, c.per_block_selective, c.per_block_lean, c.offload)
         for key, arm in arms.items():
-            if (arm.pattern, arm.per_block_selective, arm.per_block_lean, arm.offload) == same:
+            if arm.layout == c.layout:
                 return key
         return c.name if c.name != "mixed" else f"mixed@{f}" + ("" if label == "per_block" else "-no-lean")
 

@@ -152,6 +152,11 @@ class Candidate:
         return sum(self.pattern)
 
     @property
+    def layout(self) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...], bool]:
+        """What the candidate runs, block by block: (pattern, selective, lean, offload); equal for equal plans."""
+        return self.pattern, self.per_block_selective, self.per_block_lean, self.offload
+
+    @property
     def per_block_lean(self) -> tuple[bool, ...]:
         """Per block, whether it runs the lean selective policy."""
         return self.lean_blocks or (False,) * len(self.pattern)
@@ -610,13 +615,7 @@ def plan(
         grads_preallocated=grads_preallocated,
         grad_fraction=grad_fraction,
     )
-    if mixed is not None and not any(
-        c.pattern == mixed.pattern
-        and c.per_block_selective == mixed.per_block_selective
-        and c.per_block_lean == mixed.per_block_lean
-        and not c.offload
-        for c in table
-    ):
+    if mixed is not None and mixed.layout not in {c.layout for c in table}:
         table = sorted([*table, mixed], key=_cheapest_first)
     allowed = [c for c in table if c.allowed]
     chosen = next((c for c in allowed if c.peak_bytes <= budget_bytes), None)
