@@ -24,30 +24,24 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-SHAPE = {"hidden": 512, "intermediate": 1376, "layers": 8, "heads": 8, "vocab": 8000, "batch": 2, "seq": 512}
+SHAPE = {"hidden": 512, "intermediate": 1376, "layers": 8, "heads": 8, "vocab": 8000, "batch": 2, "seq": 512}  # planner_mixed.py's
 ARMS = ("none", "full", "selective", "lean")
 
 
 def build(arm: str, device: str):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The model of `planner_mixed.py` (its `build`, same seed and shape) with `arm`'s checkpointing."""
+    import planner_mixed
 
     from trl_gc_plugin import ckpt
 
-    torch.manual_seed(0)
-    s = SHAPE
-    config = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
-                         num_attention_heads=s["heads"], num_key_value_heads=s["heads"], vocab_size=s["vocab"],
-                         max_position_embeddings=s["seq"], use_cache=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config)
-    if device == "cuda":
-        model = model.to(device="cuda", dtype=torch.bfloat16)
-    model.train()
-    if arm != "none":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    planner_mixed.SHAPE.update(SHAPE)
+    planner_mixed.DEVICE["name"] = device
+    model, batch = planner_mixed.build()  # checkpointing on, non-reentrant
+    if arm == "none":
+        model.gradient_checkpointing_disable()
     if arm in ("selective", "lean"):
         ckpt.apply(model, ckpt.Spec(selective=True, lean=arm == "lean"))
-    return model
+    return model, batch
 
 
 def run(rounds: int, device: str) -> dict:
@@ -56,9 +50,9 @@ def run(rounds: int, device: str) -> dict:
     if device == "cpu":
         torch.set_num_threads(1)
     cuda = device == "cuda"
-    s = SHAPE
-    ids = torch.randint(s["vocab"], (s["batch"], s["seq"]), generator=torch.Generator().manual_seed(1)).to(device)
-    models = {arm: build(arm, device) for arm in ARMS}
+    built = {arm: build(arm, device) for arm in ARMS}
+    models = {arm: model for arm, (model, _) in built.items()}
+    ids = built["none"][1]["input_ids"]
     compiled = {arm: torch.compile(m) for arm, m in models.items()}
 
     def step(arm: str, eager: bool = False) -> float:
