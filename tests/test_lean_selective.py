@@ -19,7 +19,7 @@ def gradients(model, batch) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("arch", [a for a in zoo.ZOO if a.kind != "ssm"], ids=lambda a: a.name)
+@pytest.mark.parametrize("arch", zoo.ZOO, ids=lambda a: a.name)
 def test_lean_is_exact_and_keeps_what_the_estimate_says(arch):
     torch.manual_seed(0)
     model = arch.build()
