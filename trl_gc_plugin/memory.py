@@ -32,8 +32,9 @@ from . import ckpt, probe
 # --- the selective policy ----------------------------------------------------------------------------------------
 
 # aten packets whose outputs selective checkpointing keeps: the matmuls (nn.Linear lowers to mm/addmm below
-# autograd; transformers 5.x runs MoE experts as `_grouped_mm`) and the fused attention kernels. `bmm`/`baddbmm` are kept only when their output is not square in its
-# last two dimensions: eager attention's `QK^T` scores (b*a, s, s) are recomputed, its `scores @ V` is kept.
+# autograd; transformers 5.x runs MoE experts as `_grouped_mm`) and the fused attention kernels. `bmm`/`baddbmm` are
+# kept only when their output is not square in its last two dimensions: eager attention's `QK^T` scores (b*a, s, s)
+# are recomputed, its `scores @ V` is kept.
 _SAVE_NAMES = (
     "mm",
     "addmm",
@@ -94,8 +95,9 @@ def _keeps(op: Any, args: tuple[Any, ...], state: dict[str, Any]) -> bool:
 
 def _widens(op: Any, args: tuple[Any, ...], state: dict[str, Any]) -> bool:
     """A matmul whose output is wider than its input (`mm(a, b)`, `_grouped_mm(a, b, ...)`, `addmm(bias, a, b)` with
-    `b`'s columns more than `a`'s): an MLP's up and gate projections, a fused QKV projection, LoRA's `B`. Its output costs the most bytes for
-    the FLOPs recomputing it takes (both scale with the output's width; the FLOPs also with the narrower input)."""
+    `b`'s columns more than `a`'s): an MLP's up and gate projections, a fused QKV projection, LoRA's `B`. Its output
+    costs the most bytes for the FLOPs recomputing it takes (both scale with the output's width; the FLOPs also with
+    the narrower input)."""
     if op in state["mm"]:
         return bool(args[1].shape[-1] > args[0].shape[-1])
     if op in state["addmm"]:
@@ -421,10 +423,9 @@ def meter(model: Any, *, would_keep: bool = False) -> Iterator[SavedBytes]:
     """Count what autograd keeps during the forward run inside this context; the yielded `SavedBytes` is filled in
     place. Run only the forward (and the loss) inside: storages are held until exit so they are counted once.
 
-    Blocks checkpointed with `selective_context` or `lean_context` are counted through a dispatch mode above their cache (what it
-    keeps). With
-    `would_keep=True` (checkpointing off), a dispatch mode runs the policy on every op and counts what it *would*
-    keep, plus the FLOPs and bytes the cost model uses.
+    Blocks checkpointed with `selective_context` or `lean_context` are counted through a dispatch mode above their
+    cache (what it keeps). With `would_keep=True` (checkpointing off), a dispatch mode runs the policies on every op
+    and counts what each *would* keep, plus the FLOPs and bytes the cost model uses.
 
     On transformers 4.x a block's hooks run inside its checkpoint, after the checkpoint saved the block's inputs:
     those inputs are then counted outside the blocks (the total is right; 5.x attributes them to the block).

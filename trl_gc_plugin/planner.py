@@ -457,10 +457,10 @@ def mixed_candidate(
     grads_preallocated: bool = False,
     grad_fraction: float = 1.0,
 ) -> Candidate | None:
-    """A per-block plan for `budget_bytes`: each block none, selective, lean selective or full, chosen to minimise the predicted
-    recompute (a multiple-choice knapsack over the blocks' kept bytes, so non-uniform blocks - mixed `layer_types`,
-    MoE, vision towers - each get their own choice), then checked against the whole predicted peak. None when it does
-    not fit. Plans a 70B layout (80 blocks) in milliseconds and allocates no tensor memory.
+    """A per-block plan for `budget_bytes`: each block none, selective, lean selective or full, chosen to minimise the
+    predicted recompute (a multiple-choice knapsack over the blocks' kept bytes, so non-uniform blocks - mixed
+    `layer_types`, MoE, vision towers - each get their own choice), then checked against the whole predicted peak. None
+    when it does not fit. Plans a 70B layout (80 blocks) in milliseconds and allocates no tensor memory.
 
     The knapsack's room is the budget less what the loss head holds besides the blocks (the peak phase that holds
     every block's saved bytes at once); when a block's own backward is the peak instead, the room shrinks by the

@@ -226,7 +226,8 @@ def _fsdp_sharding(fc: dict[str, Any], version: int, label: str) -> str:
     if text.isdigit() and 1 <= int(text) <= len(FSDP_SHARDING_STRATEGIES):
         return FSDP_SHARDING_STRATEGIES[int(text) - 1]
     raise ConfigError(
-        f"{label}: key 'fsdp_sharding_strategy': not one of {', '.join(FSDP_SHARDING_STRATEGIES)} (or 1-5): {short(raw)}"
+        f"{label}: key 'fsdp_sharding_strategy': not one of {', '.join(FSDP_SHARDING_STRATEGIES)} (or 1-5): "
+        f"{short(raw)}"
     )
 
 
