@@ -65,11 +65,11 @@ class Comparison:
         return data
 
 
-def running(model: Any) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
-    """The live model's checkpointing, per block: checkpointed, selective, offloaded."""
+def running(model: Any) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
+    """The live model's checkpointing, per block: checkpointed, selective, offloaded, lean."""
     from . import planner
 
-    return planner.pattern_of(model), planner.selective_of(model), planner.offload_of(model)
+    return planner.pattern_of(model), planner.selective_of(model), planner.offload_of(model), planner.lean_of(model)
 
 
 def predicted_parts(
@@ -96,12 +96,10 @@ def predicted_parts(
 def compare(est: ActivationEstimate, measured: SavedBytes, model: Any) -> Comparison | None:
     """The prediction of `est` (made at the forward's own batch shape) against what `measured` counted; None when
     they cannot be compared (another number of blocks)."""
-    pattern, selective, offload = running(model)
+    pattern, selective, offload, lean = running(model)
     if len(pattern) != est.num_blocks or len(measured.saved) != est.num_blocks:
         return None
-    from . import planner
-
-    blocks, outside = predicted_parts(est, pattern, selective, offload, planner.lean_of(model))
+    blocks, outside = predicted_parts(est, pattern, selective, offload, lean)
     measured_blocks = sum(measured.saved) + sum(measured.selective) + measured.shared
     return Comparison(
         predicted=blocks + outside,

@@ -323,7 +323,7 @@ def _sharding(ns: argparse.Namespace) -> tuple[str | None, int, int]:
     shards = ns.grad_shards
     if ns.accelerate_config is not None:
         read, read_shards, what = _accelerate_sharding(ns.accelerate_config)
-        if layout not in (None, read) or (ns.deepspeed is not None and layout != read):
+        if (ns.deepspeed is not None or ns.sharded_params is not None) and layout != read:
             option = "--deepspeed" if ns.deepspeed is not None else f"--sharded-params {layout}"
             raise InputError(f"{option} disagrees with --accelerate-config {ns.accelerate_config} ({what})")
         if read_shards is None and shards is None:

@@ -569,8 +569,9 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
 SELECTIVE_EXACT_VARIANTS = frozenset({"DoraLinearVariant", "DoraEmbeddingVariant"})
 """PEFT LoRA variants whose gradients under the planner's selective policy (`memory.selective_policy`) were measured
 equal to those without checkpointing (peft 0.21.2, transformers 4.57.6 and 5.23.0: `tests/test_selective_peft.py`).
-Plain LoRA (no variant) too. BD-LoRA (`BdLoraLinearVariant`) was measured 0.59 off and aLoRA (`ALoraLinearVariant`,
-its adapter active from the invocation token on) 1.61 off; the others were not measured."""
+Plain LoRA (no variant) too; plain LoRA and DoRA under the lean policy (`memory.lean_policy`) as well. BD-LoRA
+(`BdLoraLinearVariant`) was measured 0.59 off and aLoRA (`ALoraLinearVariant`, its adapter active from the invocation
+token on) 1.61 off; the others were not measured."""
 
 
 def checkpoint_wrapped(model: Any) -> bool:

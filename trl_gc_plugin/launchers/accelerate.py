@@ -37,9 +37,6 @@ EVIDENCE = (
 FSDP_SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 """accelerate's `FSDP_SHARDING_STRATEGY` (`utils/constants.py`): names, or 1-5 in this order."""
 
-_TRUE = frozenset({"y", "yes", "t", "true", "on", "1"})  # accelerate's str_to_bool
-_FALSE = frozenset({"n", "no", "f", "false", "off", "0"})
-
 DISTRIBUTED_TYPES = frozenset(
     {
         "NO",
@@ -215,10 +212,10 @@ def _fsdp_sharding(fc: dict[str, Any], version: int, label: str) -> str:
     """How FSDP shards under `accelerate launch` with this `fsdp_config` (keys already `fsdp_`-prefixed)."""
     if version == 2:
         raw = fc.get("fsdp_reshard_after_forward", True)
-        text = str(raw).lower()
-        if text not in _TRUE | _FALSE:
+        reshard = pydantic_bool(str(raw).lower())  # accelerate's str_to_bool takes the same words
+        if reshard is None:
             raise ConfigError(f"{label}: key 'fsdp_reshard_after_forward': FSDP2 takes true or false, got {short(raw)}")
-        return "FULL_SHARD" if text in _TRUE else "SHARD_GRAD_OP"
+        return "FULL_SHARD" if reshard else "SHARD_GRAD_OP"
     raw = fc.get("fsdp_sharding_strategy", "FULL_SHARD")
     text = str(raw).strip().upper()
     if text in FSDP_SHARDING_STRATEGIES:
