@@ -38,6 +38,7 @@ from .common import (
     Origin,
     Reading,
     expect_mapping,
+    release,
     short,
     type_name,
     where,
@@ -219,12 +220,7 @@ def _trl_gc_entries(raw: Any, callbacks: bool) -> list[str]:
     anything else."""
     entries = raw.get("plugins") if isinstance(raw.get("plugins"), list) else []
     ours = [e.strip() for e in entries if isinstance(e, str) and e.strip().startswith("trl_gc_plugin.")]
-    wrong = [e for e in ours if e != PLUGIN]
-    return (
-        [e for e in wrong if e.rsplit(".", 1)[-1] == "SafeGCCallback"]
-        if callbacks
-        else [e for e in wrong if e.rsplit(".", 1)[-1] != "SafeGCCallback"]
-    )
+    return [e for e in ours if e != PLUGIN and (e.rsplit(".", 1)[-1] == "SafeGCCallback") == callbacks]
 
 
 def _matmul_saves(v: View) -> list[str]:
@@ -648,8 +644,8 @@ def _selective(config: Config) -> dict[str, Any] | None:
     return None
 
 
-def _training(config: Config) -> tuple[list[str] | None, str | None, str | None]:
-    """`unfrozen_parameters`, `rl` and `adapter`, type-checked."""
+def _training(config: Config) -> dict[str, Any]:
+    """`unfrozen_parameters`, `rl` and `adapter`, type-checked (the `_Schema` fields `unfrozen`, `rl`, `adapter`)."""
     path, lines, raw = config.path, config.lines, config.values
     unfrozen = raw.get("unfrozen_parameters")
     if unfrozen is not None and (not isinstance(unfrozen, list) or not all(isinstance(p, str) for p in unfrozen)):
@@ -666,16 +662,16 @@ def _training(config: Config) -> tuple[list[str] | None, str | None, str | None]
         raise ConfigError(
             f"{where(path, 'adapter', lines)}: expected a string such as lora or qlora, got {type_name(adapter)} {short(adapter)}"
         )
-    return unfrozen, rl, adapter
+    return {"unfrozen": unfrozen, "rl": rl, "adapter": adapter}
 
 
-def _fsdp(config: Config) -> tuple[list[str] | None, dict[str, Any], bool]:
-    """`fsdp_version`, `fsdp`, and `fsdp_config` without its `fsdp_` prefixes, with its `activation_checkpointing`."""
+def _fsdp(config: Config) -> dict[str, Any]:
+    """`fsdp_version`, `fsdp`, and `fsdp_config` without its `fsdp_` prefixes, with its `activation_checkpointing`
+    (the `_Schema` fields `fsdp`, `fsdp_config`, `fsdp_ac`)."""
     path, lines, raw = config.path, config.lines, config.values
-    for key in ("fsdp_version",):
-        value = raw.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ConfigError(f"{where(path, key, lines)}: expected a whole number, got {short(value)}")
+    version = raw.get("fsdp_version")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise ConfigError(f"{where(path, 'fsdp_version', lines)}: expected a whole number, got {short(version)}")
     fsdp = raw.get("fsdp")
     if fsdp is not None and (not isinstance(fsdp, list) or not all(isinstance(x, str) for x in fsdp)):
         raise ConfigError(
@@ -698,49 +694,30 @@ def _fsdp(config: Config) -> tuple[list[str] | None, dict[str, Any], bool]:
                 f"{where(path, 'fsdp_config.activation_checkpointing', lines)}: expected true or false, got {short(fsdp_config['activation_checkpointing'])}"
             )
         fsdp_ac = fsdp_ac_value
-    return fsdp, fsdp_config, fsdp_ac
+    return {"fsdp": fsdp, "fsdp_config": fsdp_config, "fsdp_ac": fsdp_ac}
 
 
 def _schema(config: Config) -> _Schema:
-    """Phase 1: the schema's typed parsing (ConfigError where Axolotl's pydantic model fails), in its order."""
+    """Phase 1: the schema's typed parsing (ConfigError where Axolotl's pydantic model fails), in its order (keyword
+    arguments are evaluated left to right)."""
     raw = config.values
-    base_model = _base_model(config)
-    gc = _enum_or_bool(config, "gradient_checkpointing", ("offload", "offload_disk"), "; Axolotl refuses to start")
-    kwargs = _kwargs(config)
-    offloading = _enum_or_bool(config, "activation_offloading", ("legacy", "disk", "hidden_states"))
-    selective = _selective(config)
-    unfrozen, rl, adapter = _training(config)
-    four = _bool_field(raw, "load_in_4bit", config)
-    eight = _bool_field(raw, "load_in_8bit", config)
-    gptq = _bool_field(raw, "gptq", config)
-    ddp_flag = _optional_bool(raw, "ddp", config)
-    find_unused = _optional_bool(raw, "ddp_find_unused_parameters", config)
-    sample_packing = _bool_field(raw, "sample_packing", config)
-    attn = raw.get("attn_implementation")
     ebft = raw.get("ebft")
-    if ebft is not None:
-        ebft = expect_mapping(ebft, config.path, "ebft", config.lines, "{mode: strided}")
-    fsdp, fsdp_config, fsdp_ac = _fsdp(config)
     return _Schema(
-        base_model=base_model,
-        gc=gc,
-        kwargs=kwargs,
-        offloading=offloading,
-        selective=selective,
-        unfrozen=unfrozen,
-        rl=rl,
-        adapter=adapter,
-        four=four,
-        eight=eight,
-        gptq=gptq,
-        ddp_flag=ddp_flag,
-        find_unused=find_unused,
-        sample_packing=sample_packing,
-        attn=attn,
-        ebft=ebft,
-        fsdp=fsdp,
-        fsdp_config=fsdp_config,
-        fsdp_ac=fsdp_ac,
+        base_model=_base_model(config),
+        gc=_enum_or_bool(config, "gradient_checkpointing", ("offload", "offload_disk"), "; Axolotl refuses to start"),
+        kwargs=_kwargs(config),
+        offloading=_enum_or_bool(config, "activation_offloading", ("legacy", "disk", "hidden_states")),
+        selective=_selective(config),
+        **_training(config),
+        four=_bool_field(raw, "load_in_4bit", config),
+        eight=_bool_field(raw, "load_in_8bit", config),
+        gptq=_bool_field(raw, "gptq", config),
+        ddp_flag=_optional_bool(raw, "ddp", config),
+        find_unused=_optional_bool(raw, "ddp_find_unused_parameters", config),
+        sample_packing=_bool_field(raw, "sample_packing", config),
+        attn=raw.get("attn_implementation"),
+        ebft=None if ebft is None else expect_mapping(ebft, config.path, "ebft", config.lines, "{mode: strided}"),
+        **_fsdp(config),
     )
 
 
@@ -780,12 +757,10 @@ def _validators(s: _Schema, raw: dict[str, Any], kw: _Reentrant, reading: Readin
             kw.rewrite(
                 f"activation_offloading: hidden_states defaults use_reentrant to false ({SOURCES['hidden_states']})"
             )
-    if ebft_strided_flex and gc and not (kw.kwargs or {}).get("use_reentrant"):
-        kw.kwargs = dict(kw.kwargs or {})
-        kw.kwargs["use_reentrant"] = True
-        kw.rewrite(f"EBFT strided + flex_attention forces use_reentrant: true ({SOURCES['ebft_reentrant']})")
-        reading.extra["forced"] = {"use_reentrant": FORCED_REENTRANT_CHANGE}
-    elif ebft_strided_flex and gc:
+    if ebft_strided_flex and gc:
+        if not (kw.kwargs or {}).get("use_reentrant"):
+            kw.kwargs = {**(kw.kwargs or {}), "use_reentrant": True}
+            kw.rewrite(f"EBFT strided + flex_attention forces use_reentrant: true ({SOURCES['ebft_reentrant']})")
         reading.extra["forced"] = {"use_reentrant": FORCED_REENTRANT_CHANGE}
     return _Validated(gc=gc, gc_detail=gc_detail, offloading=offloading, ebft_strided_flex=ebft_strided_flex)
 
@@ -840,11 +815,7 @@ def _builders(s: _Schema, v: _Validated, kw: _Reentrant, ctx: Context, reading: 
     """Phase 4: the use_reentrant the trainer builders pass; returns whether activations are offloaded."""
     offloading = v.offloading
     kw.value = (kw.kwargs or {}).get("use_reentrant")
-    offload = False
-    if offloading == "hidden_states":
-        offload = True
-    elif offloading:
-        offload = True
+    if offloading and offloading != "hidden_states":
         if not s.adapter:
             kw.value = False
             kw.rewrite(
@@ -863,7 +834,7 @@ def _builders(s: _Schema, v: _Validated, kw: _Reentrant, ctx: Context, reading: 
                 "adapter + activation_offloading: the load-time checkpointing without use_reentrant takes transformers' default",
                 "launcher default",
             )
-    elif v.gc and kw.kwargs is None:
+    elif not offloading and v.gc and kw.kwargs is None:
         kw.value = False
         kw.rewrite(
             f"Axolotl's builder passes {{use_reentrant: false}} when no kwargs are set ({SOURCES['builder_gc']})"
@@ -872,7 +843,7 @@ def _builders(s: _Schema, v: _Validated, kw: _Reentrant, ctx: Context, reading: 
         kw.value = False
         kw.rewrite(f"selective_checkpointing patches the model to non-reentrant ({SOURCES['sac']})")
         reading.set("selective", True, "file", "key 'selective_checkpointing'")
-    return offload
+    return bool(offloading)
 
 
 def _gc_facts(raw: dict[str, Any], v: _Validated, kw: _Reentrant, offload: bool, reading: Reading) -> None:
@@ -940,44 +911,32 @@ def _model_facts(raw: dict[str, Any], s: _Schema, ctx: Context, reading: Reading
         "assumed",
         "a config trains the decoder blocks (full, partially or through adapters)",
     )
-    tf_major = _major(ctx.versions.get("transformers"))
+    grads: bool | None = True
+    origin: Origin = "launcher rewrite"
     if peft:
-        reading.set(
-            "inputs_require_grad",
-            True,
-            "launcher rewrite",
-            f"Axolotl calls enable_input_require_grads() for every adapter ({SOURCES['input_grads']})",
-        )
-    elif s.unfrozen is not None:
-        if tf_major >= 5:
-            reading.set(
-                "inputs_require_grad",
-                True,
-                "launcher rewrite",
-                "transformers >= 5 hooks the input embeddings when it enables checkpointing",
-            )
-        else:
-            reading.set(
-                "inputs_require_grad",
-                None,
-                "assumed",
-                "unfrozen_parameters decides whether the embeddings train; settled at the first forward",
-            )
+        detail = f"Axolotl calls enable_input_require_grads() for every adapter ({SOURCES['input_grads']})"
+    elif s.unfrozen is None:
+        origin, detail = "file", "full fine-tune: the embeddings train"
+    elif release(ctx.versions.get("transformers"))[0] >= 5:
+        detail = "transformers >= 5 hooks the input embeddings when it enables checkpointing"
     else:
-        reading.set("inputs_require_grad", True, "file", "full fine-tune: the embeddings train")
+        grads, origin = None, "assumed"
+        detail = "unfrozen_parameters decides whether the embeddings train; settled at the first forward"
+    reading.set("inputs_require_grad", grads, origin, detail)
 
 
 def _trainer_facts(rl: str | None, reading: Reading) -> None:
     """The trainer kind: `rl:` names a TRL trainer, else Axolotl's SFT trainer."""
-    kind = RL_TYPES.get(rl, "sft") if rl else "sft"
+    origin: Origin = "file" if rl else "launcher default"
+    detail = f"rl: {rl}" if rl else "no rl"
     reading.set(
         "trainer_kind",
-        kind,
-        "file" if rl else "launcher default",
-        f"rl: {rl}" if rl else "no rl: Axolotl's SFT trainer",
+        RL_TYPES.get(rl, "sft") if rl else "sft",
+        origin,
+        detail if rl else "no rl: Axolotl's SFT trainer",
     )
-    reading.set("rl_trainer", rl is not None, "file" if rl else "launcher default", f"rl: {rl}" if rl else "no rl")
-    reading.set("generates", rl in GENERATING, "file" if rl else "launcher default", f"rl: {rl}" if rl else "no rl")
+    reading.set("rl_trainer", rl is not None, origin, detail)
+    reading.set("generates", rl in GENERATING, origin, detail)
 
 
 def _parallel_facts(config: Config, s: _Schema, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
@@ -1032,30 +991,17 @@ def _cp_facts(config: Config, reading: Reading) -> None:
 
 def _ddp_facts(raw: dict[str, Any], rl: str | None, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
     """`ddp_find_unused_parameters` as the SFT builder passes it (the RL builder passes nothing), `ddp_static_graph`."""
-    if rl is None:
-        if ddp:
-            value = bool(find_unused)
-            origin: Origin = "file" if raw.get("ddp_find_unused_parameters") is not None else "launcher rewrite"
-            detail = (
-                "key 'ddp_find_unused_parameters'"
-                if origin == "file"
-                else f"Axolotl's SFT builder passes False under DDP when unset ({SOURCES['causal_ddp']})"
-            )
-            reading.set("ddp_find_unused_parameters", value, origin, detail)
-        else:
-            reading.set(
-                "ddp_find_unused_parameters",
-                None,
-                "launcher rewrite",
-                f"one process: Axolotl passes None ({SOURCES['causal_ddp']})",
-            )
+    value = bool(find_unused) if rl is None and ddp else None
+    origin: Origin = "launcher rewrite"
+    if rl is not None:
+        detail = f"Axolotl's RL builder does not pass it: transformers decides ({SOURCES['rl_builder']})"
+    elif not ddp:
+        detail = f"one process: Axolotl passes None ({SOURCES['causal_ddp']})"
+    elif raw.get("ddp_find_unused_parameters") is not None:
+        origin, detail = "file", "key 'ddp_find_unused_parameters'"
     else:
-        reading.set(
-            "ddp_find_unused_parameters",
-            None,
-            "launcher rewrite",
-            f"Axolotl's RL builder does not pass it: transformers decides ({SOURCES['rl_builder']})",
-        )
+        detail = f"Axolotl's SFT builder passes False under DDP when unset ({SOURCES['causal_ddp']})"
+    reading.set("ddp_find_unused_parameters", value, origin, detail)
     reading.set("ddp_static_graph", None, "launcher default", "Axolotl does not pass ddp_static_graph")
 
 
@@ -1115,8 +1061,3 @@ def _model_type(base_model: str, reading: Reading) -> str | None:
         )
         return "gemma4"
     return None
-
-
-def _major(version: str | None) -> int:
-    head = (version or "0").split(".", 1)[0]
-    return int(head) if head.isdigit() else 0

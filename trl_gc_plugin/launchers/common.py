@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from ..decisions import Action, Decision, Level
 
@@ -29,7 +29,12 @@ launcher writes itself (Axolotl's `normalize_config`, TRL's trainers, LLaMA-Fact
 accelerate or DeepSpeed config the launch uses; the `config.json` of a local model directory the config names; a
 command-line option of the check; the packages installed where the check runs; or an assumption the check makes and
 says (an unknown version, an unknown process count)."""
-ORIGINS: tuple[str, ...] = get_args(Origin)
+
+
+def release(version: str | None) -> tuple[int, int]:
+    """(major, minor) of a version string; a part that is not a number counts 0 (`5.10.0.dev0` -> (5, 10))."""
+    major, minor, *_ = [int(p) if p.isdigit() else 0 for p in (version or "0").split(".")[:2]] + [0]
+    return major, minor
 
 
 class ConfigError(ValueError):
@@ -43,7 +48,7 @@ class Fact:
 
     Args:
         value: the value (as the engine sees it: a `Facts` field).
-        origin: one of `ORIGINS`.
+        origin: one of `Origin`.
         detail: the key, file, option or source location behind it, in words.
     """
 

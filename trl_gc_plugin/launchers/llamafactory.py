@@ -32,6 +32,7 @@ from .common import (
     Origin,
     Reading,
     json_object_or_mapping,
+    release,
     short,
     type_name,
     where,
@@ -647,11 +648,8 @@ def _apply_rules(
 
 
 def _in_range(version: str) -> bool:
-    parts = [int(p) if p.isdigit() else 0 for p in version.split(".")[:2]]
-    while len(parts) < 2:
-        parts.append(0)
     low, high = SUPPORTED_TRANSFORMERS
-    return low <= (parts[0], parts[1]) <= high
+    return low <= release(version) <= high
 
 
 DEFAULTS = {

@@ -16,16 +16,17 @@ read too):
 3. `--ds.zero_stage` (`--zero_stage`), default 2: the DeepSpeed ZeRO stage of its strategy.
 4. The processes: `deepspeed --num_gpus N` / `--num_nodes`, `torchrun --nproc_per_node N`, `--actor.num_nodes` x
    `--actor.num_gpus_per_node` under Ray; else `--nproc`, else one.
+
+OpenRLHF refuses nothing about checkpointing itself: this module has no launcher rules.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
 from typing import Any
 
-from .common import ConfigError, Context, LauncherRule, Origin, Reading
+from .common import ConfigError, Context, Origin, Reading
 from .load import Config
 from .model_config import read_model_facts
 
@@ -130,15 +131,6 @@ def _launcher_processes(tokens: list[str]) -> int | None:
         per_node = number("--nproc_per_node")
         return None if per_node is None else per_node * (number("--nnodes") or 1)
     return None
-
-
-@dataclass(frozen=True)
-class View:
-    entry: str
-
-
-RULES: tuple[LauncherRule, ...] = ()
-"""OpenRLHF refuses nothing about checkpointing itself."""
 
 
 def _flag(config: Config, names: tuple[str, ...]) -> tuple[bool, str | None]:

@@ -46,6 +46,7 @@ from .common import (
     Reading,
     expect_mapping,
     json_object_or_mapping,
+    release,
     short,
     string_to_bool,
     type_name,
@@ -511,8 +512,7 @@ def fsdp_version_of(fsdp_config: dict[str, Any], transformers: str | None) -> in
     value = fsdp_config.get("version")
     if isinstance(value, int) and not isinstance(value, bool) and value in (1, 2):
         return value
-    parts = [int(p) if p.isdigit() else 0 for p in (transformers or "0").split(".")[:2]]
-    return 2 if [*parts, 0][:2] >= [5, 10] else 1
+    return 2 if release(transformers) >= (5, 10) else 1
 
 
 def read_fsdp_config(config: Config) -> dict[str, Any]:
@@ -548,21 +548,13 @@ def finish(config: Config, ctx: Context, reading: Reading) -> None:
     user_value = reading.value("use_reentrant")
     kind = reading.value("trainer_kind", "sft")
     if gc and peft and zero3:
-        reading.set(
-            "use_reentrant",
-            True,
-            "launcher rewrite",
-            f"trl {kind}: PEFT + DeepSpeed ZeRO-3 forces use_reentrant=True ({kind}_trainer.py)",
-        )
-        reading.set("use_reentrant_source", "trainer", "launcher rewrite", f"TRL's {kind} trainer")
-        reading.set("kwargs_given", True, "launcher rewrite", f"TRL's {kind} trainer")
-    elif gc and user_value is None and tf is not None and _major(tf) < 5:
-        reading.set(
-            "use_reentrant",
-            False,
-            "launcher rewrite",
-            f"trl {kind} on transformers < 5: setdefault(use_reentrant=False) ({kind}_trainer.py)",
-        )
+        forced: tuple[bool, str] | None = (True, ": PEFT + DeepSpeed ZeRO-3 forces use_reentrant=True")
+    elif gc and user_value is None and tf is not None and release(tf)[0] < 5:
+        forced = (False, " on transformers < 5: setdefault(use_reentrant=False)")
+    else:
+        forced = None
+    if forced is not None:
+        reading.set("use_reentrant", forced[0], "launcher rewrite", f"trl {kind}{forced[1]} ({kind}_trainer.py)")
         reading.set("use_reentrant_source", "trainer", "launcher rewrite", f"TRL's {kind} trainer")
         reading.set("kwargs_given", True, "launcher rewrite", f"TRL's {kind} trainer")
     view = View(
@@ -572,13 +564,7 @@ def finish(config: Config, ctx: Context, reading: Reading) -> None:
         peft_zero3_gc=gc and peft and zero3,
         user_reentrant=user_value,
     )
-    reading.apply(
-        RULES,
-        view,
-        f"TRL {VERSION_MODELLED}",
-        lambda rule: _before(rule, config, user_value),
-        lambda rule: "user",
-    )
+    reading.apply(RULES, view, f"TRL {VERSION_MODELLED}", lambda rule: _before(rule, config, user_value))
 
 
 def _before(rule: LauncherRule, config: Config, user_value: Any) -> Any:
@@ -587,11 +573,6 @@ def _before(rule: LauncherRule, config: Config, user_value: Any) -> Any:
     if rule.id == "trl:valueless-launch-flag":
         return [k for k in VALUELESS_LAUNCH_FLAGS if k in config.values]
     return config.get(rule.setting)
-
-
-def _major(version: str) -> int:
-    head = version.split(".", 1)[0]
-    return int(head) if head.isdigit() else 0
 
 
 NATIVE_FIELDS = ("gc_enabled", "use_reentrant", "kwargs_given", "ddp_find_unused_parameters", "ddp_static_graph")
