@@ -24,23 +24,12 @@ def parse_flag(value: object) -> bool | None:
     return None
 
 
-PYDANTIC_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-PYDANTIC_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
-
-
 def pydantic_bool(value: object) -> bool | None:
-    """How pydantic v2 validates a `bool` field in lax mode (Axolotl's schema): bools, 0/1, and the strings
-    1/on/t/true/y/yes and 0/off/f/false/n/no (any case); None when pydantic would refuse the value."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
+    """How pydantic v2 validates a `bool` field in lax mode (Axolotl's schema): `parse_flag`'s values (the same
+    words: 1/on/t/true/y/yes, 0/off/f/false/n/no, any case) and the floats 0.0/1.0, but no blanks around a string
+    (pydantic refuses " true"); None when pydantic would refuse the value."""
     if isinstance(value, float) and value in (0.0, 1.0):
         return bool(value)
-    if isinstance(value, str):
-        low = value.lower()  # no stripping: pydantic refuses " true"
-        if low in PYDANTIC_TRUE:
-            return True
-        if low in PYDANTIC_FALSE:
-            return False
-    return None
+    if isinstance(value, str) and value != value.strip():
+        return None
+    return parse_flag(value)

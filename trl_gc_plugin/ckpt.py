@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,30 +144,33 @@ def _rewrapped(func: Any, new_inner: Any) -> Any:
     wrapper function whose closure cell holding that partial holds `new_inner` (its `__wrapped__` too). `None` when
     the wrapper does not keep the partial in its closure (it cannot be rebuilt)."""
     wrapper, old = real(func), inner(func)
-    cells = getattr(wrapper, "__closure__", None)
-    if not isinstance(wrapper, types.FunctionType) or not cells:
+    if not isinstance(wrapper, types.FunctionType):
         return None
-    new_cells, found = [], False
-    for cell in cells:
+    copy = closure_swapped(wrapper, lambda content: new_inner if content is old else content)
+    if copy is not None:
+        copy.__wrapped__ = new_inner  # type: ignore[attr-defined]
+    return copy
+
+
+def closure_swapped(func: types.FunctionType, swap: Callable[[Any], Any]) -> types.FunctionType | None:
+    """A copy of `func` whose closure cells hold `swap(content)` instead (empty cells kept); None when `swap`
+    changes no cell (or `func` closes over nothing)."""
+    cells, changed = [], False
+    for cell in func.__closure__ or ():
         try:
             content = cell.cell_contents
         except ValueError:  # an empty cell
-            new_cells.append(cell)
+            cells.append(cell)
             continue
-        if content is old:
-            new_cells.append(types.CellType(new_inner))
-            found = True
-        else:
-            new_cells.append(cell)
-    if not found:
+        new = swap(content)
+        changed = changed or new is not content
+        cells.append(cell if new is content else types.CellType(new))
+    if not changed:
         return None
-    copy = types.FunctionType(
-        wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__, tuple(new_cells)
-    )
-    copy.__kwdefaults__ = wrapper.__kwdefaults__
-    copy.__dict__.update(wrapper.__dict__)
-    copy.__qualname__ = wrapper.__qualname__
-    copy.__wrapped__ = new_inner  # type: ignore[attr-defined]
+    copy = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, tuple(cells))
+    copy.__kwdefaults__ = func.__kwdefaults__
+    copy.__dict__.update(func.__dict__)
+    copy.__qualname__ = func.__qualname__
     return copy
 
 

@@ -182,6 +182,21 @@ def named_blocks(model: Any) -> list[tuple[str, Any]]:
     return [(names.get(id(b), f"<block {i}>"), b) for i, b in enumerate(blocks)]
 
 
+PER_BLOCK = (
+    "saved",
+    "selective",
+    "inputs",
+    "input_saved",
+    "matmul_flops",
+    "other_bytes",
+    "block_flops",
+    "ops",
+    "lean",
+    "lean_matmul_flops",
+)
+"""The per-block figures a forward's `SavedBytes` counts and an `ActivationEstimate` extends to the whole model."""
+
+
 @dataclass
 class SavedBytes:
     """What one forward left for the backward pass.
@@ -282,20 +297,7 @@ class _Counter:
         self.lean_seen: dict[int, Any] = {}
         self.shared_keys: dict[int, Any] = {}
         self.input_keys: list[set[int]] = [set() for _ in names]
-        n = len(names)
-        self.report = SavedBytes(
-            list(names),
-            [0] * n,
-            [0] * n,
-            [0] * n,
-            input_saved=[0] * n,
-            matmul_flops=[0] * n,
-            other_bytes=[0] * n,
-            block_flops=[0] * n,
-            ops=[0] * n,
-            lean=[0] * n,
-            lean_matmul_flops=[0] * n,
-        )
+        self.report = SavedBytes(list(names), **{f: [0] * len(names) for f in PER_BLOCK})
 
     def where(self) -> int | None:
         return self.stack[-1] if self.stack else None
@@ -829,10 +831,7 @@ def _run_fake(
     config = base.config
     return ActivationEstimate(
         blocks=tuple(names) + tuple(f"{prefix}.{i}" for i in range(n, total)),
-        saved=extend(report.saved),
-        inputs=extend(report.inputs),
-        input_saved=extend(report.input_saved),
-        selective=extend(report.selective),
+        **{f: extend(getattr(report, f)) for f in PER_BLOCK},
         shared=report.shared,
         kwargs_bytes=report.kwargs_bytes,
         outside=report.outside,
@@ -842,10 +841,6 @@ def _run_fake(
         head_grad_bytes=head,
         embedding_grad_bytes=embedding,
         transient_bytes=_transient(config, attn, batch_size, seq_len, act),
-        block_flops=extend(report.block_flops),
-        matmul_flops=extend(report.matmul_flops),
-        other_bytes=extend(report.other_bytes),
-        ops=extend(report.ops),
         outside_flops=report.outside_flops,
         batch_size=batch_size,
         seq_len=seq_len,
@@ -853,8 +848,6 @@ def _run_fake(
         attn_implementation=attn,
         method=method,
         measured_blocks=n,
-        lean=extend(report.lean),
-        lean_matmul_flops=extend(report.lean_matmul_flops),
     )
 
 
@@ -989,24 +982,8 @@ def _rebound(value: Any, memo: dict[int, Any], depth: int) -> Any:
         if same and all(keywords[k] is v for k, v in value.keywords.items()):
             return value
         return functools.partial(func, *args, **keywords)
-    if isinstance(value, types.FunctionType) and value.__closure__:
-        cells = []
-        changed = False
-        for cell in value.__closure__:
-            try:
-                content = cell.cell_contents
-            except ValueError:  # an empty cell
-                cells.append(cell)
-                continue
-            new = _rebound(content, memo, depth + 1)
-            changed = changed or new is not content
-            cells.append(types.CellType(new) if new is not content else cell)
-        if not changed:
-            return value
-        func = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, tuple(cells))
-        func.__kwdefaults__ = value.__kwdefaults__
-        func.__dict__.update(value.__dict__)
-        return func
+    if isinstance(value, types.FunctionType):
+        return ckpt.closure_swapped(value, lambda content: _rebound(content, memo, depth + 1)) or value
     return value
 
 

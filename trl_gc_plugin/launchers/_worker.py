@@ -68,8 +68,8 @@ def _accelerate_config_file(value: str) -> str:
     try:
         from trl.cli.accelerate_config import resolve_accelerate_config_argument
     except ImportError:  # TRL 0.x resolves it inside trl/cli.py's main(): a file path, else a config TRL ships
-        resolve_accelerate_config_argument = None
-    if resolve_accelerate_config_argument is not None:
+        pass
+    else:
         return str(resolve_accelerate_config_argument(["--accelerate_config", value])[1])
     from trl_gc_plugin.launchers.accelerate import trl_bundled  # the same rule as the plugin's model of TRL
 
@@ -105,10 +105,7 @@ def _trl(job: dict[str, Any]) -> dict[str, Any]:
         from accelerate.commands.launch import launch_command_parser
 
         launch = launch_command_parser()
-        options = {}
-        for action in launch._actions:
-            for option in action.option_strings:
-                options[option.lstrip("-").replace("-", "_")] = action
+        options = {o.lstrip("-").replace("-", "_"): a for a in launch._actions for o in a.option_strings}
         for key in keys:
             if key == "accelerate_config":
                 accelerate_config = _accelerate_config_file(remaining[remaining.index("--accelerate_config") + 1])
@@ -205,7 +202,7 @@ def _llamafactory(job: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ValueError("LLaMA-Factory read no mapping from the file")
     values.pop("deepspeed", None)
-    result: dict[str, Any] = {"version": getattr(llamafactory, "__version__", "unknown"), "values": {}}
+    result: dict[str, Any] = {"version": getattr(llamafactory, "__version__", "unknown")}
     if job["training"]:
         values["use_cpu"] = True
         model_args, _data, training_args, finetuning_args, _gen = get_train_args(values)
@@ -213,13 +210,12 @@ def _llamafactory(job: dict[str, Any]) -> dict[str, Any]:
         model_args, _data, finetuning_args, _gen = get_infer_args(values)
         training_args = None
     parsed = {"model": model_args, "training": training_args, "finetuning": finetuning_args}
-    for group, names in LLAMAFACTORY_FIELDS.items():
-        obj = parsed[group]
-        if obj is None:
-            continue
-        for name in names:
-            if hasattr(obj, name):
-                result["values"][name] = _plain(getattr(obj, name))
+    result["values"] = {
+        name: _plain(getattr(parsed[group], name))
+        for group, names in LLAMAFACTORY_FIELDS.items()
+        for name in names
+        if hasattr(parsed[group], name)  # False for the training arguments of a non-training config (None)
+    }
     return result
 
 

@@ -94,31 +94,25 @@ class AccelerateConfig:
     num_machines: int = 1
 
 
-def trl_bundled(name: str) -> str | None:
-    """The path of TRL's bundled accelerate config `name` (`zero3`, `fsdp2`, ...) in the installed TRL, or None.
-    TRL is located, not imported."""
+def _trl_config_dirs() -> list[str]:
+    """The `accelerate_configs` folders of the installed TRL (located, not imported)."""
     try:
         spec = importlib.util.find_spec("trl")
     except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        file = os.path.join(folder, "accelerate_configs", f"{name}.yaml")
-        if os.path.isfile(file):
-            return file
-    return None
+        return []
+    folders = (spec.submodule_search_locations or []) if spec else []
+    return [d for d in (os.path.join(f, "accelerate_configs") for f in folders) if os.path.isdir(d)]
+
+
+def trl_bundled(name: str) -> str | None:
+    """The path of TRL's bundled accelerate config `name` (`zero3`, `fsdp2`, ...) in the installed TRL, or None."""
+    files = (os.path.join(d, f"{name}.yaml") for d in _trl_config_dirs())
+    return next((f for f in files if os.path.isfile(f)), None)
 
 
 def trl_bundled_names() -> list[str]:
     """The names of the installed TRL's bundled accelerate configs."""
-    spec = importlib.util.find_spec("trl")
-    names: list[str] = []
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        directory = os.path.join(folder, "accelerate_configs")
-        if os.path.isdir(directory):
-            names += sorted(f[:-5] for f in os.listdir(directory) if f.endswith(".yaml"))
-    return names
+    return [n for d in _trl_config_dirs() for n in sorted(f[:-5] for f in os.listdir(d) if f.endswith(".yaml"))]
 
 
 def whole_number(value: Any, label: str, key: str, minimum: int) -> int:
@@ -139,9 +133,7 @@ def read_accelerate(file: str, overrides: dict[str, Any] | None = None) -> Accel
     YAML's top-level `num_processes`, `zero_stage`, `fsdp_version`, ... to `accelerate launch`), which win."""
     label = f"accelerate config {file}"
     data = load_yaml_file(file, "accelerate config")
-    if data is None:
-        data = {}
-    data = expect_mapping(data, label, "(top level)")
+    data = expect_mapping({} if data is None else data, label, "(top level)")
     overrides = overrides or {}
     kind = data.get("distributed_type", "NO")
     if not isinstance(kind, str) or kind.upper() not in DISTRIBUTED_TYPES:
@@ -155,8 +147,7 @@ def read_accelerate(file: str, overrides: dict[str, Any] | None = None) -> Accel
     zero_stage: int | None = None
     ds_ac = False
     if kind == "DEEPSPEED":
-        ds = data.get("deepspeed_config") or {}
-        ds = expect_mapping(ds, label, "deepspeed_config")
+        ds = expect_mapping(data.get("deepspeed_config") or {}, label, "deepspeed_config")
         stage = overrides.get("zero_stage", ds.get("zero_stage"))
         ds_file = overrides.get("deepspeed_config_file", ds.get("deepspeed_config_file"))
         if ds_file not in (None, "", "none"):
@@ -174,8 +165,7 @@ def read_accelerate(file: str, overrides: dict[str, Any] | None = None) -> Accel
     fsdp_ac = False
     sharding: str | None = None
     if fsdp:
-        fc = data.get("fsdp_config") or {}
-        fc = expect_mapping(fc, label, "fsdp_config")
+        fc = expect_mapping(data.get("fsdp_config") or {}, label, "fsdp_config")
         fc = {(k if str(k).startswith("fsdp") else f"fsdp_{k}"): v for k, v in fc.items()}
         fsdp_version = whole_number(overrides.get("fsdp_version", fc.get("fsdp_version", 1)), label, "fsdp_version", 1)
         raw = overrides.get("fsdp_activation_checkpointing", fc.get("fsdp_activation_checkpointing", False))

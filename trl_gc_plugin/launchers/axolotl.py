@@ -30,7 +30,6 @@ from typing import Any
 from .._flags import pydantic_bool
 from .._parallel import KEY as CP_KEY
 from .._parallel import cp_size_of
-from ..settings import unknown_checkpoint_keys
 from .common import (
     ConfigError,
     Context,
@@ -46,6 +45,7 @@ from .common import (
 from .deepspeed import read_deepspeed
 from .load import Config
 from .model_config import local_model_config, read_model_facts
+from .trl import read_kwargs_keys
 
 COMMIT = "067b021c8b87a9e5e380b9173c704cf7340e30f5"
 VERSION_MODELLED = "Axolotl main@067b021c"
@@ -128,7 +128,6 @@ MARKERS = frozenset(
 v1 configs use it too."""
 
 STRONG_MARKERS = frozenset({"base_model"})
-"""Markers that decide the format even beside another launcher's weaker markers."""
 
 READ_KEYS = frozenset(
     {
@@ -877,12 +876,7 @@ def _gc_facts(raw: dict[str, Any], v: _Validated, kw: _Reentrant, offload: bool,
             "Axolotl's activation offloading (not transformers' `offload` kwarg)",
         )
     if kw.kwargs:
-        extra = tuple(sorted(k for k in kw.kwargs if k != "use_reentrant"))
-        if extra:
-            reading.set("kwargs_keys", extra, "file", "keys of gradient_checkpointing_kwargs")
-        unknown = unknown_checkpoint_keys(kw.kwargs)
-        if unknown:
-            reading.set("kwargs_unknown", unknown, "file", "keys of gradient_checkpointing_kwargs nothing reads")
+        read_kwargs_keys(reading, kw.kwargs, "gradient_checkpointing_kwargs")
 
 
 def _model_facts(raw: dict[str, Any], s: _Schema, ctx: Context, reading: Reading) -> None:

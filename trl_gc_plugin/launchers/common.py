@@ -161,6 +161,13 @@ class Reading:
     def set(self, name: str, value: Any, origin: Origin, detail: str = "") -> None:
         self.facts[name] = Fact(value, origin, detail)
 
+    def set_key(self, key: str, value: Any, unset: str = "unset: transformers decides") -> None:
+        """The fact of the file's key `key`, read as a bool (None with `unset` as detail when it is absent)."""
+        if value is None:
+            self.set(key, None, "launcher default", unset)
+        else:
+            self.set(key, bool(value), "file", f"key {key!r}")
+
     def value(self, name: str, default: Any = None) -> Any:
         fact = self.facts.get(name)
         return default if fact is None else fact.value

@@ -76,7 +76,7 @@ def read_deepspeed(
         bundled_where: where the launcher ships them, for the message.
     """
     if isinstance(value, dict):
-        return _parse(value, f"{key} (inline)", path, key, lines, "deepspeed config", f"key {key!r} (inline mapping)")
+        return _parse(value, f"{key} (inline)", path, key, lines, f"key {key!r} (inline mapping)")
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(
             f"{where(path, key, lines)}: expected a path to a DeepSpeed JSON file or a mapping, got {type_name(value)} {short(value)}"
@@ -91,7 +91,7 @@ def read_deepspeed(
                     f"{key}: {value!r} is not in the current directory {os.getcwd()!r}; read it next to the config "
                     f"({file}). The launcher reads it relative to the directory you launch from."
                 )
-            return _parse(data, file, path, key, lines, "deepspeed config", f"{file}", note)
+            return _parse(data, file, path, key, lines, file, note)
         if os.path.exists(file):
             raise ConfigError(f"{where(path, key, lines)}: {file} is not a regular file")
     name = os.path.basename(value)
@@ -119,7 +119,6 @@ def _parse(
     path: str,
     key: str,
     lines: Mapping[str, int] | None,
-    origin: Origin,
     detail: str,
     note: str = "",
 ) -> DeepSpeedConfig:
@@ -140,7 +139,7 @@ def _parse(
         stage=facts.stage,
         activation_checkpointing=facts.activation_checkpointing,
         overlap_comm=facts.overlap_comm,
-        origin=origin,
+        origin="deepspeed config",
         detail=detail,
         note=note,
     )

@@ -40,7 +40,7 @@ from .common import (
 from .deepspeed import read_deepspeed
 from .load import Config
 from .model_config import read_model_facts
-from .trl import read_fsdp_config, read_kwargs, set_fsdp_facts
+from .trl import read_fsdp_config, set_fsdp_facts
 
 COMMIT = "ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30"
 VERSION_MODELLED = "LLaMA-Factory main@ff6d4d12 (= 0.9.5 for these keys)"
@@ -107,7 +107,6 @@ MARKERS = frozenset(
 """Keys only LLaMA-Factory's configs use."""
 
 STRONG_MARKERS = frozenset({"stage", "finetuning_type", "template", "cutoff_len"})
-"""Markers that decide the format even beside another launcher's weaker markers."""
 
 READ_KEYS = frozenset(
     {
@@ -435,14 +434,12 @@ def _read_trainer_reenable(config: Config, parsed: Parsed, reading: Reading, ree
     kwargs_raw = parsed.raw.get("gradient_checkpointing_kwargs")
     hf_override = False
     if kwargs_raw is not None:
-        probe = Reading(format="", parser="")
         kwargs = json_object_or_mapping(
             kwargs_raw, config.path, "gradient_checkpointing_kwargs", config.lines, "{use_reentrant: false}"
         )
-        read_kwargs(probe, kwargs, "gradient_checkpointing_kwargs")
-        if probe.value("use_reentrant") is not None:
+        if kwargs.get("use_reentrant") is not None:
             reentrant.rewrite(
-                probe.value("use_reentrant"),
+                kwargs["use_reentrant"],
                 "file",
                 "key 'gradient_checkpointing_kwargs.use_reentrant' (the Trainer re-enables with it)",
                 "user",
@@ -594,19 +591,8 @@ def _read_ddp(parsed: Parsed, reading: Reading, distributed: bool) -> None:
             f"DDP + LoRA: LLaMA-Factory sets it to False ({SOURCES['ddp']})",
         )
     else:
-        reading.set(
-            "ddp_find_unused_parameters",
-            None if find_unused is None else bool(find_unused),
-            "file" if find_unused is not None else "launcher default",
-            "key 'ddp_find_unused_parameters'" if find_unused is not None else "unset: transformers decides",
-        )
-    static = parsed.raw.get("ddp_static_graph")
-    reading.set(
-        "ddp_static_graph",
-        None if static is None else bool(static),
-        "file" if static is not None else "launcher default",
-        "key 'ddp_static_graph'",
-    )
+        reading.set_key("ddp_find_unused_parameters", find_unused)
+    reading.set_key("ddp_static_graph", parsed.raw.get("ddp_static_graph"), unset="key 'ddp_static_graph'")
 
 
 def _apply_rules(

@@ -158,15 +158,19 @@ def _check_nesting(text: str, path: str) -> None:
             refuse(found.start())
 
 
-def load_json_file(path: str, what: str) -> Any:
-    """A JSON file another config names (a DeepSpeed or FSDP config): its value; `ConfigError` naming it."""
-    text = read_text(path, what)
+def _json(text: str, label: str) -> Any:
+    """`text` as JSON; a `ConfigError` that starts with `label` says where it fails or what cannot be read."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{what} {path}: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-    except (ValueError, RecursionError) as exc:
-        raise ConfigError(f"{what} {path}: cannot read: {type(exc).__name__}: {short(str(exc), 120)}") from None
+        raise ConfigError(f"{label}: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except (ValueError, RecursionError) as exc:  # integers over the digit limit, nesting too deep
+        raise ConfigError(f"{label}: cannot read: {type(exc).__name__}: {short(str(exc), 120)}") from None
+
+
+def load_json_file(path: str, what: str) -> Any:
+    """A JSON file another config names (a DeepSpeed or FSDP config): its value; `ConfigError` naming it."""
+    return _json(read_text(path, what), f"{what} {path}")
 
 
 def load_yaml_file(path: str, what: str) -> Any:
@@ -183,16 +187,15 @@ def load_yaml_file(path: str, what: str) -> Any:
 
 
 def _load_json(path: str, text: str, wanted: frozenset[str] | None) -> Config:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-    except (ValueError, RecursionError) as exc:  # integers over the digit limit, nesting too deep
-        raise ConfigError(f"{path}: cannot read: {type(exc).__name__}: {short(str(exc), 120)}") from None
+    return _whole(path, _json(text, path), wanted, "json")
+
+
+def _whole(path: str, data: Any, wanted: frozenset[str] | None, kind: str) -> Config:
+    """A config read whole: its top level must be a mapping; only the `wanted` keys are kept (all for None)."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of keys, not {type_name(data)}")
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, not {type_name(data)}") from None
     values = data if wanted is None else {k: v for k, v in data.items() if k in wanted}
-    return Config(path=path, values=values, keys=tuple(data), kind="json")
+    return Config(path=path, values=values, keys=tuple(data), kind=kind)
 
 
 # --- YAML ------------------------------------------------------------------------------------------------------
@@ -243,13 +246,10 @@ def _load_yaml(path: str, text: str, wanted: frozenset[str] | None) -> Config:
             data = yaml.load(text, Loader=_loader_class())
             if data is None:
                 raise ConfigError(f"{path}: the file holds no keys (empty, or only comments)") from None
-            if not isinstance(data, dict):
-                raise ConfigError(f"{path}: the top level must be a mapping of keys, not {type_name(data)}") from None
-            for key in data:
+            for key in data if isinstance(data, dict) else ():
                 if not isinstance(key, str):
                     raise ConfigError(f"{path}: top-level key {short(key)} is not a string") from None
-            values = data if wanted is None else {k: v for k, v in data.items() if k in wanted}
-            return Config(path=path, values=values, keys=tuple(data))
+            return _whole(path, data, wanted, "yaml")
     except ConfigError:
         raise
     except yaml.YAMLError as exc:
@@ -295,14 +295,11 @@ def _split_top_level(
     values: dict[str, Any] = {}
     keys: dict[str, None] = {}
     lines: dict[str, int] = {}
-    for i, (offset, raw_key) in enumerate(starts):
+    for i, (offset, key) in enumerate(starts):
         end = starts[i + 1][0] if i + 1 < len(starts) else len(text)
         part = text[offset:end]
-        key = raw_key
-        if resolver(raw_key) != "tag:yaml.org,2002:str":
-            raise _WholeDocument  # `true:`, `1:`, `null:`: the full loader says what the key is
-        if key == "<<":
-            raise _WholeDocument
+        if resolver(key) != "tag:yaml.org,2002:str" or key == "<<":
+            raise _WholeDocument  # `true:`, `1:`, `null:`, a merge: the full loader says what the key is
         if key in wanted:
             try:
                 data = yaml.load(part, Loader=loader)

@@ -43,11 +43,8 @@ def local_model_config(name: Any) -> tuple[str, dict[str, Any]] | None:
 
 
 def _configs(config: dict[str, Any]) -> list[dict[str, Any]]:
-    out = [config]
-    for value in config.values():
-        if isinstance(value, dict) and ("model_type" in value or any(k in value for k in DROPOUT_KEYS)):
-            out.append(value)
-    return out
+    nested = (v for v in config.values() if isinstance(v, dict))  # text_config, vision_config, ...
+    return [config, *(v for v in nested if "model_type" in v or any(k in v for k in DROPOUT_KEYS))]
 
 
 def read_model_facts(name: Any, key: str, reading: Reading) -> str | None:

@@ -1,5 +1,5 @@
-"""The launchers the check reads, by format name: each module has `MARKERS` / `STRONG_MARKERS` (the keys that tell its
-configs, `detect`), `READ_KEYS` (the keys it reads, `load`) and `read(config, ctx) -> Reading`."""
+"""The launchers the check reads, by format name: each module has `MARKERS` (the keys that tell its configs, `detect`)
+and `STRONG_MARKERS` (those that decide the format even beside another launcher's weaker markers), `READ_KEYS` (the keys it reads, `load`) and `read(config, ctx) -> Reading`."""
 
 from __future__ import annotations
 

@@ -102,13 +102,7 @@ def read(config: Config, ctx: Context) -> Reading:
     read_kwargs_key(raw.get, path, lines, '{"use_reentrant": false}', reading)
     read_launch(config, ctx, reading)
     for key in ("ddp_find_unused_parameters", "ddp_static_graph"):
-        value = raw.get(key)
-        reading.set(
-            key,
-            None if value is None else bool(value),
-            "file" if value is not None else "launcher default",
-            f"key {key!r}" if value is not None else "unset: transformers decides",
-        )
+        reading.set_key(key, raw.get(key))
     kind = ctx.trainer or "trainer"
     set_trainer_kind(reading, kind, ctx, "transformers' Trainer (pass --trainer sft|dpo|... for a TRL trainer)", kind)
     reading.notes.append(

@@ -95,7 +95,6 @@ MARKERS = frozenset(
 or `lora_modules_to_save`: Axolotl's configs use them too."""
 
 STRONG_MARKERS = frozenset({"use_peft", "dataset_name", "dataset_config", "dataset_train_split", "accelerate_config"})
-"""Markers that decide the format even beside another launcher's weaker markers."""
 
 LAUNCH_KEYS = ("num_processes", "zero_stage", "deepspeed_config_file", "fsdp_version", "fsdp_activation_checkpointing")
 """Top-level keys TRL hands to `accelerate launch` that the check reads (they override the accelerate config)."""
@@ -348,12 +347,7 @@ def read_kwargs(reading: Reading, kwargs: dict[str, Any] | None, key: str) -> No
     else:
         reading.set("use_reentrant", None, "file", f"{key} has no use_reentrant")
         reading.set("use_reentrant_source", "unset", "file", f"{key} has no use_reentrant")
-    extra = tuple(sorted(k for k in kwargs if k != "use_reentrant"))
-    if extra:
-        reading.set("kwargs_keys", extra, "file", f"keys of {key}")
-    unknown = unknown_checkpoint_keys(kwargs)
-    if unknown:
-        reading.set("kwargs_unknown", unknown, "file", f"keys of {key} nothing reads")
+    read_kwargs_keys(reading, kwargs, key)
     if "every_n_layers" in kwargs:
         reading.set("every_n_layers", kwargs["every_n_layers"], "file", f"key {key}.every_n_layers")
     if kwargs.get("offload"):
@@ -362,6 +356,16 @@ def read_kwargs(reading: Reading, kwargs: dict[str, Any] | None, key: str) -> No
         reading.set("preserve_rng_state", kwargs["preserve_rng_state"], "file", f"key {key}.preserve_rng_state")
     if "context_fn" in kwargs:
         reading.set("selective", True, "file", f"key {key}.context_fn")
+
+
+def read_kwargs_keys(reading: Reading, kwargs: dict[str, Any], key: str) -> None:
+    """The keys of the checkpointing kwargs besides use_reentrant, and those nothing reads."""
+    extra = tuple(sorted(k for k in kwargs if k != "use_reentrant"))
+    if extra:
+        reading.set("kwargs_keys", extra, "file", f"keys of {key}")
+    unknown = unknown_checkpoint_keys(kwargs)
+    if unknown:
+        reading.set("kwargs_unknown", unknown, "file", f"keys of {key} nothing reads")
 
 
 def read_launch(config: Config, ctx: Context, reading: Reading) -> None:
@@ -373,10 +377,8 @@ def read_launch(config: Config, ctx: Context, reading: Reading) -> None:
     _read_world_size(config, ctx, reading, accel, where_accel, overrides)
     set_accelerate_facts(reading, accel, where_accel)
     _read_deepspeed(config, reading, accel, where_accel)
-    # FSDP: the `fsdp` / `fsdp_config` fields, else the accelerate config
-    fsdp_value = config.get("fsdp")
-    fsdp_config = read_fsdp_config(config)
-    set_fsdp_facts(reading, bool(fsdp_value), fsdp_config, accel, where_accel, ctx.versions.get("transformers"))
+    fsdp, fsdp_config = bool(config.get("fsdp")), read_fsdp_config(config)  # else the accelerate config's FSDP
+    set_fsdp_facts(reading, fsdp, fsdp_config, accel, where_accel, ctx.versions.get("transformers"))
     _read_ddp(config, reading)
 
 
@@ -442,11 +444,7 @@ def _read_world_size(
 def _read_deepspeed(config: Config, reading: Reading, accel: AccelerateConfig | None, where_accel: str) -> None:
     """DeepSpeed: the `deepspeed` field (a path or a mapping), else the accelerate config."""
     ds_value = config.get("deepspeed")
-    if ds_value not in (None, "", False):
-        if not isinstance(ds_value, (str, dict)):
-            raise ConfigError(
-                f"{where(config.path, 'deepspeed', config.lines)}: expected a path to a DeepSpeed JSON file or a mapping, got {type_name(ds_value)} {short(ds_value)}"
-            )
+    if ds_value not in (None, "", False):  # read_deepspeed refuses any other type, naming the key
         ds = read_deepspeed(ds_value, config.path, "deepspeed", config.base_dir, {}, "", config.lines)
         ds.set_facts(reading)
     elif accel is not None and accel.zero_stage is not None:
@@ -629,15 +627,9 @@ def apply_native(config: Config, ctx: Context, reading: Reading, result: dict[st
             if "fsdp_version" in facts:
                 agree("fsdp_version", facts["fsdp_version"])
     agree("is_peft", bool(result.get("use_peft")))
-    quant = (
-        "bitsandbytes_4bit"
-        if result.get("load_in_4bit")
-        else "bitsandbytes_8bit"
-        if result.get("load_in_8bit")
-        else None
-    )
-    agree("quantization", quant)
-    reading.extra.update(load_in_4bit=bool(result.get("load_in_4bit")), load_in_8bit=bool(result.get("load_in_8bit")))
+    four, eight = bool(result.get("load_in_4bit")), bool(result.get("load_in_8bit"))
+    agree("quantization", "bitsandbytes_4bit" if four else "bitsandbytes_8bit" if eight else None)
+    reading.extra.update(load_in_4bit=four, load_in_8bit=eight)
     if result.get("valueless_keys"):
         reading.extra["launch_flags"] = tuple(result["valueless_keys"])
     unknown = list(result.get("unknown_keys") or ())
