@@ -198,7 +198,8 @@ def _has_activation_fields(tf_dir: Path) -> bool:
     return re.search(r"^\s+activation_checkpointing_kwargs\s*:", _read(tf_dir / "training_args.py"), re.M) is not None
 
 
-def _version(name: str) -> str | None:
+def installed_version(name: str) -> str | None:
+    """The installed version of the distribution `name` (package metadata), None when it is not installed."""
     from importlib import metadata
 
     try:
@@ -217,7 +218,7 @@ def detect_transformers(tf_dir: Path | None = None) -> Capabilities:
     trainer = _read(tf_dir / "trainer.py")
     default = re.search(r'_kwargs = \{"use_reentrant": (True|False)\}', modeling)
     return Capabilities(
-        transformers=_version("transformers") if tf_dir == _package_dir("transformers") else None,
+        transformers=installed_version("transformers") if tf_dir == _package_dir("transformers") else None,
         source="installed",
         checkpointing_layer="class GradientCheckpointingLayer" in _read(tf_dir / "modeling_layers.py"),
         none_kwargs_reentrant=None if default is None else default.group(1) == "True",
@@ -257,13 +258,13 @@ def installed() -> Capabilities:
 def for_check(versions: Mapping[str, str | None]) -> Capabilities:
     """The capabilities for the checker: the installed ones where the version asked for is the installed one, else
     the table's for that version."""
-    if versions.get("transformers") == _version("transformers"):
+    if versions.get("transformers") == installed_version("transformers"):
         caps = installed()
         ds = versions.get("deepspeed")
-        if ds is not None and ds != _version("deepspeed"):
+        if ds is not None and ds != installed_version("deepspeed"):
             caps = caps.replace(deepspeed_recompute_fix=for_versions({"deepspeed": ds}).deepspeed_recompute_fix)
         return caps
     table = for_versions(versions)
-    if versions.get("deepspeed") == _version("deepspeed"):
+    if versions.get("deepspeed") == installed_version("deepspeed"):
         table = table.replace(deepspeed_recompute_fix=detect_deepspeed())
     return table

@@ -4,7 +4,6 @@ without checkpointing on the first step's own inputs)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from . import ckpt, parity, probe, verify
@@ -134,7 +133,7 @@ class Parity:
         audit may start it)."""
         if setting is not None:
             return setting
-        return report_world_size(args) == 1 and not verify.gradients_are_sharded(args, model)
+        return probe.world_size(args) == 1 and not verify.gradients_are_sharded(args, model)
 
     def install(self, model: Any) -> None:
         self.first = parity.FirstInputs(model)
@@ -179,17 +178,6 @@ class Parity:
         verdict = runtime_decision(rule, action, None, after, summary + ".")
         session.record([verdict])
         session.raise_for_errors([verdict], session.mode)
-
-
-def report_world_size(args: Any) -> int:
-    """Processes of the launch (the launcher's WORLD_SIZE, else the arguments')."""
-    value = os.environ.get("WORLD_SIZE", "")
-    if value.isdigit():
-        return int(value)
-    try:
-        return int(getattr(args, "world_size", 1) or 1)
-    except Exception:
-        return 1
 
 
 def names_of(found: list[str], limit: int = 6) -> str:

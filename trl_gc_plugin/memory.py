@@ -655,13 +655,15 @@ class ActivationEstimate:
         pattern: tuple[bool, ...] | list[bool],
         selective: bool | Sequence[bool] = False,
         lean: Sequence[bool] = (),
+        offload: bool = False,
     ) -> list[int]:
         """Bytes each block keeps under `pattern` (True: checkpointed), `selective` for all blocks or per block, and
-        per block `lean` (selective blocks running the lean policy)."""
+        per block `lean` (selective blocks running the lean policy); with `offload`, checkpointed blocks keep
+        nothing on the device."""
         sel = self.per_block(selective)
         lean = list(lean) or [False] * self.num_blocks
         return [
-            (self.inputs[i] + self.policy_bytes(i, sel[i], lean[i])) if on else self.saved[i]
+            (0 if offload else self.inputs[i] + self.policy_bytes(i, sel[i], lean[i])) if on else self.saved[i]
             for i, on in enumerate(pattern)
         ]
 
@@ -670,11 +672,12 @@ class ActivationEstimate:
         pattern: tuple[bool, ...] | list[bool],
         selective: bool | Sequence[bool] = False,
         lean: Sequence[bool] = (),
+        offload: bool = False,
     ) -> int:
         """Bytes kept for the backward pass under `pattern` (what `meter` measures on the real run)."""
         self._check(pattern)
         shared = self.shared if not all(pattern) else 0
-        return self.outside + shared + sum(self.kept(pattern, selective, lean))
+        return self.outside + shared + sum(self.kept(pattern, selective, lean, offload))
 
     def _check(self, pattern: tuple[bool, ...] | list[bool]) -> None:
         if len(pattern) != self.num_blocks:

@@ -316,9 +316,7 @@ def predict_peak(
     n = est.num_blocks
     sel = est.per_block(selective)
     lean = list(lean) or [False] * n
-    kept = est.kept(pattern, sel, lean)
-    if offload:
-        kept = [0 if on else k for on, k in zip(pattern, kept, strict=True)]
+    kept = est.kept(pattern, sel, lean, offload)
     shared = est.shared if not all(pattern) else 0
     saved = est.outside + shared + sum(kept)
     alive = est.kwargs_bytes - shared  # keyword tensors of the blocks not counted as saved are alive all the same
@@ -411,10 +409,7 @@ def candidates(
     for name, pattern, sel, off, allowed, why in shapes:
         lean = full if name == "selective-lean" else ()
         peak, where, _ = predict_peak(est, pattern, sel, off, grads_preallocated, grad_fraction, lean)
-        kept = est.kept(pattern, sel, lean)
-        if off:
-            kept = [0 if on else k for on, k in zip(pattern, kept, strict=True)]
-        saved = est.outside + (est.shared if not all(pattern) else 0) + sum(kept)
+        saved = est.saved_bytes(pattern, sel, lean, off)
         cost = recompute_cost(est, pattern, sel, balance, op_overhead, lean)
         out.append(
             Candidate(
@@ -597,24 +592,15 @@ def plan(
     kind = kind if kind in BALANCE else "cuda"
     balance = BALANCE[kind] if balance is None else balance
     op_overhead = OP_OVERHEAD[kind] if op_overhead is None else op_overhead
-    table = candidates(
-        estimate,
-        allow_selective=allow_selective,
-        allow_offload=allow_offload,
-        balance=balance,
-        op_overhead=op_overhead,
-        grads_preallocated=grads_preallocated,
-        grad_fraction=grad_fraction,
-    )
-    mixed = mixed_candidate(
-        estimate,
-        budget_bytes,
-        allow_selective=allow_selective,
-        balance=balance,
-        op_overhead=op_overhead,
-        grads_preallocated=grads_preallocated,
-        grad_fraction=grad_fraction,
-    )
+    common = {
+        "allow_selective": allow_selective,
+        "balance": balance,
+        "op_overhead": op_overhead,
+        "grads_preallocated": grads_preallocated,
+        "grad_fraction": grad_fraction,
+    }
+    table = candidates(estimate, allow_offload=allow_offload, **common)
+    mixed = mixed_candidate(estimate, budget_bytes, **common)
     if mixed is not None and mixed.layout not in {c.layout for c in table}:
         table = sorted([*table, mixed], key=_cheapest_first)
     allowed = [c for c in table if c.allowed]
@@ -713,20 +699,14 @@ def plan_decisions(
 
 
 def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
-    """Apply `candidate` to the live model: each block's `gradient_checkpointing` flag, and its checkpoint function
-    (`use_reentrant`, selective's `context_fn`, offloading). Idempotent; works on transformers 4.x and 5.x.
-
-    A checkpoint function is replaced only when it changes (the plugin's first-forward observer keeps standing in
-    front of it); other keywords (a user's `preserve_rng_state`, ...) are kept; a `context_fn` that is not the
-    planner's is kept unless the candidate is selective.
+    """Apply `candidate` to the live model through `ckpt.apply` (its arguments, idempotence and errors): each block's
+    `gradient_checkpointing` flag, and its checkpoint function (`use_reentrant`, selective's `context_fn`,
+    offloading), on transformers 4.x and 5.x. Other keywords (a user's `preserve_rng_state`, ...) are kept; a
+    `context_fn` that is not the planner's is kept unless the candidate is selective.
 
     Args:
-        model: the live model (PEFT / DDP wrappers are fine), checkpointing normally already enabled.
         candidate: from `plan()`.
         use_reentrant (`bool`): the `use_reentrant` the blocks run with.
-
-    Raises:
-        `ValueError`: selective with `use_reentrant=True`, or a pattern for another number of blocks.
     """
     ckpt.apply(
         model,

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 from . import capabilities, ckpt, settings
@@ -43,13 +42,7 @@ RL_TRAINERS = frozenset(
 @functools.lru_cache(maxsize=1)
 def installed_versions() -> dict[str, str | None]:
     """Installed versions of the packages the rules gate on (from package metadata: nothing is imported)."""
-    out: dict[str, str | None] = {}
-    for name in PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    return {name: capabilities.installed_version(name) for name in PACKAGES}
 
 
 @dataclass
@@ -136,18 +129,17 @@ def trainer_kind(args: Any) -> str:
     return "trainer"
 
 
-def _world_size(args: Any, ask_args: bool) -> int:
-    """From the launcher (`WORLD_SIZE`, set by torchrun / accelerate / deepspeed), else from the args' distributed
-    state (only once the Trainer exists: reading it during `__post_init__` could set up devices early)."""
+def world_size(args: Any = None) -> int:
+    """Processes of the launch: the launcher's `WORLD_SIZE` (set by torchrun / accelerate / deepspeed), else the
+    args' distributed state (`args` None: 1; pass them only once the Trainer exists: reading it during
+    `__post_init__` could set up devices early)."""
     value = os.environ.get("WORLD_SIZE", "")
     if value.isdigit():
         return int(value)
-    if ask_args:
-        try:
-            return int(getattr(args, "world_size", 1) or 1)
-        except Exception:
-            return 1
-    return 1
+    try:
+        return int(getattr(args, "world_size", 1) or 1)
+    except Exception:
+        return 1
 
 
 def _deepspeed_config(args: Any) -> dict[str, Any] | None:
@@ -313,7 +305,7 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
         trainer_kind=kind,
         generates=kind in GENERATING_TRAINERS,
         rl_trainer=kind in RL_TRAINERS,
-        world_size=_world_size(args, ask_args=stage != "post_init"),
+        world_size=world_size(None if stage == "post_init" else args),
         zero_stage=zero_stage(args),
         fsdp=fsdp and applied is not False,
         fsdp_activation_checkpointing=fsdp_ac and applied is not False,
@@ -494,16 +486,11 @@ def _nothing_upstream(model: Any, base: Any, blocks: list[Any]) -> bool:
     emb = embeddings(model)
     emb_params = {id(p) for p in emb.parameters()} if emb is not None else set()
     head_params = {id(p) for p in head.parameters()} - emb_params if head is not None else set()
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in in_blocks and id(p) not in head_params:
-            return False
+    if any(p.requires_grad and id(p) not in in_blocks and id(p) not in head_params for p in model.parameters()):
+        return False
     head_modules = {id(m) for m in head.modules()} if head is not None else set()
-    for m in model.modules():
-        if id(m) in inside or id(m) in head_modules:
-            continue
-        if m._forward_hooks or m._forward_pre_hooks:
-            return False
-    return True
+    outside = (m for m in model.modules() if id(m) not in inside and id(m) not in head_modules)
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in outside)
 
 
 def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:

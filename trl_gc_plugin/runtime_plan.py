@@ -10,7 +10,6 @@ from typing import Any
 from . import _hooks, ckpt, probe, report, sharding, verify
 from .decisions import Decision, first_sentence
 from .errors import GCConfigError
-from .first_step import report_world_size
 from .rules import get_rule
 from .session import Session, runtime_decision
 
@@ -163,7 +162,7 @@ class MemoryPlan:
             return 1.0
         stage = probe.zero_stage(args)
         if stage in (1, 2, 3) and probe.deepspeed_facts(args) is not None:
-            return 1.0 / report_world_size(args) if stage in (2, 3) else 1.0
+            return 1.0 / probe.world_size(args) if stage in (2, 3) else 1.0
         self.session.record([self._skipped(f"not planned under sharding ({sharded})")])
         return None
 
