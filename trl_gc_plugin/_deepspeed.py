@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._flags import pydantic_bool
+from .errors import short, type_name
 
 ACTIVATION_CHECKPOINTING_KEYS = (
     "partition_activations",
@@ -104,15 +105,8 @@ def _gather_window(zero: Mapping[str, Any] | None) -> int:
     return total
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _got(value: Any) -> str:
-    names = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
-    kind = "null" if value is None else names.get(type(value), type(value).__name__)
-    return f"{kind} {_short(value)}"
+    return f"{type_name(value)} {short(value)}"
 
 
 def _stage(raw: Any) -> int | None:
@@ -152,7 +146,7 @@ def deepspeed_facts(config: Mapping[str, Any], auto_stage: int = ACCELERATE_DEFA
         else:
             stage = _stage(raw)
             if stage is None:
-                problems.append(f"key 'zero_optimization.stage': must be 0, 1, 2 or 3, got {_short(raw)}")
+                problems.append(f"key 'zero_optimization.stage': must be 0, 1, 2 or 3, got {short(raw)}")
 
     overlap: bool | None = None
     raw_overlap = zero.get("overlap_comm") if zero is not None else None

@@ -43,7 +43,6 @@ ASSUMED_VERSIONS = {
 """Versions assumed when a package is neither installed nor given: the oldest supported, so the rules for old
 releases apply (conservative), and the output says so."""
 
-READERS = LAUNCHERS
 READ_KEYS = frozenset().union(*(module.READ_KEYS for module in LAUNCHERS.values()), {"torch_compile"})
 """Every top-level key some launcher module reads: only these values are built from a YAML file."""
 
@@ -310,7 +309,7 @@ def _first_read(index: int, path: str, launch: Launch) -> _Read:
         "deepspeed" in config.values or launch.accelerate_config is not None or "accelerate_config" in config.values
     )
     ctx = _context(launch, version_facts(launch, uses_deepspeed=uses_deepspeed))
-    return _Read(index, config, fmt, why, ctx, READERS[fmt].read(config, ctx))
+    return _Read(index, config, fmt, why, ctx, LAUNCHERS[fmt].read(config, ctx))
 
 
 def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None) -> Report:
@@ -378,9 +377,6 @@ def _refusal(fmt: str, name: str, message: str) -> Decision:
         after=None,
         source="user",
         reason=f"{name}'s own argument parsing refuses this config: {message}",
-        evidence=(),
-        applied=False,
-        stage="init_end",
         level="error",
     )
 

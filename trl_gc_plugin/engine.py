@@ -308,18 +308,17 @@ def _choose_use_reentrant(
 
 def _stale_model(rule: Rule | None, facts: Facts, final: Any, out: list[Decision]) -> None:
     """The model already checkpoints with another `use_reentrant` than the one in force: rewrite it."""
-    stale = rule
     effective = final if isinstance(final, bool) else None
-    if stale is not None and effective is not None and facts.model_use_reentrant != effective:
+    if rule is not None and effective is not None and facts.model_use_reentrant != effective:
         out.append(
             Decision.from_rule(
-                stale,
+                rule,
                 "repair",
                 facts.model_use_reentrant,
                 effective,
                 "trainer",
                 f"The model already checkpoints with use_reentrant={facts.model_use_reentrant!r}; "
-                f"rewritten to {effective!r}. " + stale.message,
+                f"rewritten to {effective!r}. " + rule.message,
                 facts.stage,
             )
         )

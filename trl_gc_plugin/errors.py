@@ -1,12 +1,24 @@
-"""The one deliberate error of trl_gc_plugin, `GCConfigError`, and its message (what to change, and why)."""
+"""The one deliberate error of trl_gc_plugin, `GCConfigError`, and its message (what to change, and why); how every
+message quotes a value it found (`short`, `type_name`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .decisions import Decision
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """`repr(value)`, cut to `limit` characters (error messages quote what they found, never a whole file)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def type_name(value: Any) -> str:
+    names = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 class GCConfigError(ValueError):

@@ -198,15 +198,21 @@ def uninstall() -> None:
                 cls.__post_init__ = original
             else:
                 logger.warning("TrainingArguments.__post_init__ was re-patched by someone else; left as it is.")
-        if _state["callback"] is not None:
-            defaults, cb = _state["callback"]
-            while cb in defaults:
-                defaults.remove(cb)
+        _remove_callback()
         _remove_refusal_hook()
-        _state.update(original=None, mode=None, callback=None, budget=None)
+        _state.update(original=None, mode=None, budget=None)
     from .loop import unpatch_enable
 
     unpatch_enable()
+
+
+def _remove_callback() -> None:
+    """Take the callback `install()` added out of `DEFAULT_CALLBACKS` (nothing when it added none)."""
+    if _state["callback"] is not None:
+        defaults, cb = _state["callback"]
+        while cb in defaults:
+            defaults.remove(cb)
+        _state["callback"] = None
 
 
 def installed_settings() -> dict[str, Any]:
@@ -232,10 +238,7 @@ def installed(mode: str | None = None, callback: bool = True, memory_budget: str
         else:
             _state["mode"], _state["budget"] = old_mode, old_budget
             if old_callback is None and _state["callback"] is not None:
-                defaults, cb = _state["callback"]
-                while cb in defaults:
-                    defaults.remove(cb)
-                _state["callback"] = None
+                _remove_callback()
                 from .loop import unpatch_enable
 
                 unpatch_enable()

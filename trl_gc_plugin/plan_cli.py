@@ -219,12 +219,10 @@ def _one_line(exc: BaseException) -> str:
 
 def _shown(plan: Any, show_all: bool) -> list[Any]:
     keep = {"none", "full", "selective", "selective-lean", "offload", "mixed"}
-    out = []
-    for c in plan.candidates:
-        main = c.name in keep or (c.every_n is not None and c.every_n <= 8)
-        if show_all or main or c is plan.chosen or c is plan.lowest:
-            out.append(c)
-    return out
+    main = [c.name in keep or (c.every_n is not None and c.every_n <= 8) for c in plan.candidates]
+    return [
+        c for c, m in zip(plan.candidates, main, strict=True) if show_all or m or c is plan.chosen or c is plan.lowest
+    ]
 
 
 def render(plan: Any, label: str, show_all: bool = False) -> str:
@@ -419,12 +417,10 @@ def run(argv: list[str] | None) -> tuple[int, str]:
         from .throughput import rank
 
         def estimate_at(mb: int) -> Any:
-            return (
-                est
-                if mb == ns.batch_size
-                else _with_gathered(
-                    estimate(config, mb, ns.seq_len, dtype=dtype, attn_implementation=ns.attn), layout, window
-                )
+            if mb == ns.batch_size:
+                return est
+            return _with_gathered(
+                estimate(config, mb, ns.seq_len, dtype=dtype, attn_implementation=ns.attn), layout, window
             )
 
         options = rank(

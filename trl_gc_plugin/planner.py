@@ -738,10 +738,8 @@ def lean_of(model: Any) -> tuple[bool, ...]:
 
 def offload_of(model: Any) -> tuple[bool, ...]:
     """Per block, whether its checkpoint function offloads (the planner's `offload_checkpoint`)."""
-    out = []
-    for b in ckpt.blocks(probe.unwrap(model)):
-        out.append(getattr(ckpt.real(ckpt.function_of(b)), "func", None) is offload_checkpoint)
-    return tuple(out)
+    functions = (ckpt.real(ckpt.function_of(b)) for b in ckpt.blocks(probe.unwrap(model)))
+    return tuple(getattr(f, "func", None) is offload_checkpoint for f in functions)
 
 
 def drift(model: Any, candidate: Candidate) -> list[str]:

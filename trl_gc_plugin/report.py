@@ -43,12 +43,13 @@ itself (`os.getppid()` is `<pid>`: `accelerate launch` run inside `trl sft`, tor
 again. A process started through a shell or by someone else says everything."""
 
 
-def _inherited() -> frozenset[str]:
-    pid, _, digests = os.environ.get(SAID_ENV, "").partition(":")
-    return frozenset(filter(None, digests.split(","))) if pid == str(os.getppid()) else frozenset()
+def _said(pid: int) -> frozenset[str]:
+    """The digests `SAID_ENV` holds for process `pid` (none when it names another process)."""
+    owner, _, digests = os.environ.get(SAID_ENV, "").partition(":")
+    return frozenset(filter(None, digests.split(","))) if owner == str(pid) else frozenset()
 
 
-_INHERITED = _inherited()
+_INHERITED = _said(os.getppid())
 
 
 def _digest(text: str) -> str:
@@ -65,8 +66,7 @@ def _said_by_parent(decision: Any) -> bool:
     digest = _digest(decision.line())
     if digest in _INHERITED:
         return True
-    pid, _, digests = os.environ.get(SAID_ENV, "").partition(":")
-    own = set(filter(None, digests.split(","))) if pid == str(os.getpid()) else set()
+    own = _said(os.getpid())
     if digest not in own:
         with contextlib.suppress(Exception):  # putenv refused: the children say it again, which is all it costs
             os.environ[SAID_ENV] = f"{os.getpid()}:" + ",".join(sorted(own | {digest}))

@@ -27,7 +27,7 @@ from .first_step import Parity
 from .keep import every_n_pattern
 from .replay import Replay
 from .rules import get_rule
-from .runtime_plan import MemoryPlan
+from .runtime_plan import MemoryPlan, no_plan
 from .session import Session, runtime_decision
 from .settings import GCSettings
 from .verify import Watch
@@ -127,10 +127,7 @@ class Run:
         compiled = facts.compiled  # said at init_end by rule `torch-compile-first-step`
         if settings.memory_budget is not None and not session.stands_back():
             if compiled:
-                why = (
-                    f"No memory plan: {compiled}, and the estimate runs the eager forward; checkpointing runs as asked."
-                )
-                session.record([runtime_decision(get_rule("memory-plan"), "warn", None, None, why, level="warning")])
+                session.record([no_plan(f"{compiled}, and the estimate runs the eager forward")])
             else:
                 self.memory_plan = self._install(MemoryPlan(session, settings.memory_budget), model)
         self.audit_pending = settings.audit
@@ -249,10 +246,9 @@ def _withdraw_default_under_launcher(args: Any, model: Any, previous: list[Decis
     record = probe.get_record(args)
     if record is None or record.value_source != "plugin" or record.user_given:
         return previous
-    base = probe.unwrap(model)
-    if not any(ckpt.wrapped(f) for _, f in ckpt.functions(base)):
+    if not _launcher_checkpoints(model):
         return previous
-    if "gradient_checkpointing_enable" not in vars(base):  # the Trainer's re-enable would not go through the launcher
+    if "gradient_checkpointing_enable" not in vars(probe.unwrap(model)):  # the Trainer's re-enable skips the launcher
         return previous
     set_args_kwarg(args, "use_reentrant", None)
     probe.remember(args, None, "unset")

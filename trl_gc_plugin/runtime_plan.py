@@ -14,6 +14,12 @@ from .rules import get_rule
 from .session import Session, runtime_decision
 
 
+def no_plan(why: str) -> Decision:
+    """The warning that no memory plan runs, and `why`: checkpointing runs as the arguments ask."""
+    why = f"No memory plan: {why}; checkpointing runs as asked."
+    return runtime_decision(get_rule("memory-plan"), "warn", None, None, why, level="warning")
+
+
 class MemoryPlan:
     """Plans how much to checkpoint under an activation-memory budget, once the first training forward shows the
     batch shape.
@@ -54,7 +60,7 @@ class MemoryPlan:
                     seq = planned_sequence_length(args)
                     batch = int(getattr(args, "per_device_train_batch_size", 0) or 0)
                     if not (seq and batch):
-                        self.session.record([self._skipped("the first forward's input shape could not be read")])
+                        self.session.record([no_plan("the first forward's input shape could not be read")])
                         return
                     planned = self._plan(model, batch, seq)
                     if planned is not None:
@@ -68,7 +74,7 @@ class MemoryPlan:
             except GCConfigError:
                 raise
             except Exception as exc:  # a plugin bug never stops training
-                self.session.record([self._skipped(f"{type(exc).__name__}: {exc}")])
+                self.session.record([no_plan(f"{type(exc).__name__}: {exc}")])
 
         # outside the module where torch allows it (a copy of the model made before the first forward carries
         # nothing of the plugin); else a module hook, gone after the first training forward
@@ -108,7 +114,7 @@ class MemoryPlan:
         except GCConfigError:
             raise
         except Exception as exc:  # a model the estimate cannot run: checkpointing stays as asked
-            self.session.record([self._skipped(f"the estimate failed ({type(exc).__name__}: {exc})")])
+            self.session.record([no_plan(f"the estimate failed ({type(exc).__name__}: {exc})")])
             return None
         if not self._apply_plan(model, plan, decisions, use_reentrant):
             return None
@@ -147,12 +153,12 @@ class MemoryPlan:
         try:
             fsdp2 = sharding.fsdp2_layout(model)
         except AttributeError as exc:  # another torch's FSDP2 internals
-            self.session.record([self._skipped(f"FSDP2's state could not be read ({exc})")])
+            self.session.record([no_plan(f"FSDP2's state could not be read ({exc})")])
             return None
         if fsdp2 is not None:
             return fsdp2.grad_fraction
         if any(sharding.is_dtensor(p) for p in probe.unwrap(model).parameters()):
-            self.session.record([self._skipped("not planned under tensor parallelism (DTensor parameters, no FSDP2)")])
+            self.session.record([no_plan("not planned under tensor parallelism (DTensor parameters, no FSDP2)")])
             return None
         fsdp1 = sharding.fsdp1_layout(model)
         if fsdp1 is not None:
@@ -163,7 +169,7 @@ class MemoryPlan:
         stage = probe.zero_stage(args)
         if stage in (1, 2, 3) and probe.deepspeed_facts(args) is not None:
             return 1.0 / probe.world_size(args) if stage in (2, 3) else 1.0
-        self.session.record([self._skipped(f"not planned under sharding ({sharded})")])
+        self.session.record([no_plan(f"not planned under sharding ({sharded})")])
         return None
 
     def _apply_plan(self, model: Any, plan: Any, decisions: list[Decision], use_reentrant: Any) -> bool:
@@ -180,7 +186,7 @@ class MemoryPlan:
             try:
                 planner.apply_plan(model, chosen, bool(use_reentrant))
             except ValueError as exc:  # e.g. blocks the estimate did not count: checkpointing stays as asked
-                self.session.record([self._skipped(f"it could not be applied ({exc})")])
+                self.session.record([no_plan(f"it could not be applied ({exc})")])
                 return False
             self.session.ensure_guard(probe.capabilities.installed().layer_kwargs()).record()
         report.note(
@@ -227,7 +233,7 @@ class MemoryPlan:
             except GCConfigError:
                 raise
             except Exception as exc:  # a plugin bug never stops training
-                self.session.record([self._skipped(f"the check failed ({type(exc).__name__}: {exc})")])
+                self.session.record([no_plan(f"the check failed ({type(exc).__name__}: {exc})")])
 
         hook = _hooks.on_forward(base, after)
         self._hook = _Once(finish)
@@ -305,12 +311,6 @@ class MemoryPlan:
             )
             self.session.record([runtime_decision(rule, "none", None, None, why, level="info")])
         return not unsafe
-
-    def _skipped(self, why: str) -> Decision:
-        rule = get_rule("memory-plan")
-        return runtime_decision(
-            rule, "warn", None, None, f"No memory plan: {why}; checkpointing runs as asked.", level="warning"
-        )
 
 
 SEQUENCE_FIELDS = ("max_length", "max_seq_length")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ._flags import FORMS, parse_flag
-from .errors import GCConfigError
+from .errors import GCConfigError, short
 from .modes import MODES, Mode
 
 BOOL_FORMS = FORMS
@@ -157,10 +157,7 @@ CALLBACK_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.callback
 
 def problem_line(setting: Setting, where: str, value: Any) -> str:
     """The one line said for a bad value: which setting, where it came from, the value, what is accepted."""
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return f"{where}: got {shown}; {setting.name} accepts {setting.accepted}"
+    return f"{where}: got {short(value, 80)}; {setting.name} accepts {setting.accepted}"
 
 
 @dataclass(frozen=True)
@@ -294,21 +291,15 @@ def checkpoint_kwargs_problem(value: Any) -> str | None:
     here is not JSON."""
     if value is None or isinstance(value, dict):
         return None
-    shown = repr(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    return f"{type(value).__name__} {shown}"
+    return f"{type(value).__name__} {short(value)}"
 
 
 def markdown_table() -> str:
     """The settings as a Markdown table (`docs/settings.md`)."""
-    rows = [
-        "| setting | `install()` | environment | accepted | default | what it does |",
-        "|---|---|---|---|---|---|",
-    ]
-    for s in SETTINGS:
-        rows.append(
-            f"| `{s.name}` | {'yes' if s.installable else 'no'} | {f'`{s.env}`' if s.env else '-'} | {s.accepted} "
-            f"| `{s.default!r}` | {s.help} |"
-        )
-    return "\n".join(rows)
+    head = "| setting | `install()` | environment | accepted | default | what it does |\n|---|---|---|---|---|---|"
+    rows = (
+        f"| `{s.name}` | {'yes' if s.installable else 'no'} | {f'`{s.env}`' if s.env else '-'} | {s.accepted} "
+        f"| `{s.default!r}` | {s.help} |"
+        for s in SETTINGS
+    )
+    return "\n".join([head, *rows])

@@ -52,27 +52,23 @@ def markdown(rules: Sequence[Rule] = RULES) -> str:
 
 def compact(rules: Sequence[Rule] = RULES) -> str:
     """The short table for the README: id, what it guards, action, where (the full one is `docs/rules.md`)."""
-    rows = ["| id | guards | action | applies where |", "|---|---|---|---|"]
-    for r in rules:
-        rows.append(f"| `{r.id}` | {r.title} | {_action(r)} | {_versions(r)} |".replace("\n", " "))
-    return "\n".join(rows)
+    rows = [f"| `{r.id}` | {r.title} | {_action(r)} | {_versions(r)} |".replace("\n", " ") for r in rules]
+    return "\n".join(["| id | guards | action | applies where |", "|---|---|---|---|", *rows])
 
 
 def text(rules: Sequence[Rule] = RULES) -> str:
-    blocks = []
-    for r in rules:
-        blocks.append(
-            "\n".join(
-                [
-                    f"{r.id}  [{_action(r)}]  applies where: {_versions(r)}",
-                    f"  when:     {r.condition}",
-                    f"  why:      {r.message}",
-                    *[f"  evidence: {e}" for e in r.evidence],
-                    f"  remove:   {r.remove_when}",
-                ]
-            )
+    return "\n\n".join(
+        "\n".join(
+            [
+                f"{r.id}  [{_action(r)}]  applies where: {_versions(r)}",
+                f"  when:     {r.condition}",
+                f"  why:      {r.message}",
+                *[f"  evidence: {e}" for e in r.evidence],
+                f"  remove:   {r.remove_when}",
+            ]
         )
-    return "\n\n".join(blocks)
+        for r in rules
+    )
 
 
 def as_json(rules: Sequence[Rule] = RULES) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..decisions import Action, Decision, Level
+from ..errors import short, type_name
 
 Origin = Literal[
     "file",
@@ -195,19 +196,6 @@ class Reading:
 
 
 # --- typed access ----------------------------------------------------------------------------------------------
-
-
-def short(value: Any, limit: int = 60) -> str:
-    """`repr(value)`, cut to `limit` characters (error messages quote what they found, never a whole file)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def type_name(value: Any) -> str:
-    names = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
-    if value is None:
-        return "null"
-    return names.get(type(value), type(value).__name__)
 
 
 def where(path: str, key: str, lines: Mapping[str, int] | None = None) -> str:
