@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -288,19 +287,8 @@ class SafeGCCallback(TrainerCallback):
 def _explicit_callbacks_of_this_trainer() -> list[SafeGCCallback]:
     """The `SafeGCCallback`s passed explicitly to the Trainer whose callback handler is calling us now (read-only
     look at the calling `CallbackHandler.call_event` frame; empty if it cannot be found)."""
-    try:
-        frame = sys._getframe(1)
-        for _ in range(6):
-            if frame is None:
-                break
-            handler = frame.f_locals.get("self")
-            callbacks = getattr(handler, "callbacks", None)
-            if type(handler).__name__ == "CallbackHandler" and isinstance(callbacks, list):
-                return [c for c in callbacks if isinstance(c, SafeGCCallback) and not c.auto_registered]
-            frame = frame.f_back
-    except Exception:  # never let the look fail the run
-        pass
-    return []
+    callbacks = getattr(tracker.calling_handler(), "callbacks", None)
+    return [c for c in callbacks or () if isinstance(c, SafeGCCallback) and not c.auto_registered]
 
 
 class AutoSafeGCCallback(SafeGCCallback):

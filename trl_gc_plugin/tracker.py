@@ -81,24 +81,26 @@ def _is_reporter(callback: Any) -> bool:
     return module.startswith("transformers.integrations")
 
 
-def move_before_reporters(callback: Any, depth: int = 12) -> bool:
-    """Put `callback` just before the first reporter of the Trainer's `CallbackHandler` on the call stack (the caller
-    of the event being handled). True when it moved; False when it already ran before them or no handler was found."""
+def calling_handler(depth: int = 12) -> Any:
+    """The Trainer's `CallbackHandler` whose event the caller of this function's caller is handling (a read-only look
+    at the call stack, `depth` frames up); None when there is none."""
     try:
         from transformers.trainer_callback import CallbackHandler
-    except ImportError:
-        return False
-    frame = sys._getframe(1)
-    handler = None
-    for _ in range(depth):
-        if frame is None:
-            break
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, CallbackHandler):
-            handler = candidate
-            break
-        frame = frame.f_back
-    del frame
+
+        frame = sys._getframe(2)
+        for _ in range(depth):
+            if frame is None or isinstance(frame.f_locals.get("self"), CallbackHandler):
+                break
+            frame = frame.f_back
+        return None if frame is None else frame.f_locals.get("self")
+    except Exception:  # never let the look fail the run
+        return None
+
+
+def move_before_reporters(callback: Any) -> bool:
+    """Put `callback` just before the first reporter of the Trainer's `CallbackHandler` on the call stack (the caller
+    of the event being handled). True when it moved; False when it already ran before them or no handler was found."""
+    handler = calling_handler()
     if handler is None:
         return False
     callbacks = handler.callbacks
