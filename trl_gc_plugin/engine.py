@@ -25,7 +25,7 @@ from packaging.version import InvalidVersion, Version
 
 from ._flags import parse_flag
 from .capabilities import Capabilities
-from .decisions import Action, Decision
+from .decisions import Action, Decision, Level
 from .facts import Facts
 from .modes import MODES, Mode
 from .policy import refused
@@ -249,40 +249,24 @@ def _choose_use_reentrant(
         out.append(dataclasses.replace(conflict, evidence=tuple(e for r in requires for e in r.evidence)))
     elif requires or prefers:
         rule = requires[0] if requires else prefers[0]
-        strong = bool(requires)
-        target = rule.value
+        strong, target = bool(requires), rule.value
+
+        def say(action: Action, before: Any, after: Any, who: str, reason: str, level: Level | None = None) -> None:
+            out.append(Decision.from_rule(rule, action, before, after, who, reason, facts.stage, level=level))
+
         if value is None:
-            out.append(
-                Decision.from_rule(
-                    rule,
-                    "default",
-                    None,
-                    target,
-                    "unset",
-                    f"use_reentrant unset; set to {target!r} ({rule.title}).",
-                    facts.stage,
-                )
-            )
+            say("default", None, target, "unset", f"use_reentrant unset; set to {target!r} ({rule.title}).")
             final = target
         elif value == target:
-            out.append(
-                Decision.from_rule(
-                    rule, "none", value, value, source, f"use_reentrant={value!r} kept ({rule.title}).", facts.stage
-                )
-            )
+            say("none", value, value, source, f"use_reentrant={value!r} kept ({rule.title}).")
         elif source == "plugin" or (strong and source == "trainer"):
-            action: Action = "default" if source == "plugin" else "override"
-            out.append(
-                Decision.from_rule(
-                    rule,
-                    action,
-                    value,
-                    target,
-                    source,
-                    f"use_reentrant={value!r} (set by the {source}) replaced by {target!r} "
-                    f"({rule.title}). " + (rule.message if strong else ""),
-                    facts.stage,
-                )
+            reason = f"use_reentrant={value!r} (set by the {source}) replaced by {target!r} ({rule.title}). "
+            say(
+                "default" if source == "plugin" else "override",
+                value,
+                target,
+                source,
+                reason + (rule.message if strong else ""),
             )
             final = target
         elif strong:
@@ -291,18 +275,8 @@ def _choose_use_reentrant(
             if refusal.action == "override":
                 final = target
         else:
-            out.append(
-                Decision.from_rule(
-                    rule,
-                    "warn",
-                    value,
-                    value,
-                    source,
-                    f"use_reentrant={value!r} kept as set; {target!r} is preferred. " + rule.message,
-                    facts.stage,
-                    level="info",
-                )
-            )
+            reason = f"use_reentrant={value!r} kept as set; {target!r} is preferred. " + rule.message
+            say("warn", value, value, source, reason, level="info")
     return final
 
 
