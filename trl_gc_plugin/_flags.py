@@ -1,6 +1,9 @@
-"""Spelling of on/off values in environment variables and configs (stdlib only: `_startup` uses it)."""
+"""Spelling of on/off values in environment variables and configs, and the launcher's rank (stdlib only: `_startup`
+uses it)."""
 
 from __future__ import annotations
+
+import os
 
 ON = frozenset({"1", "true", "yes", "on", "t", "y"})
 OFF = frozenset({"0", "false", "no", "off", "f", "n"})
@@ -22,6 +25,18 @@ def parse_flag(value: object) -> bool | None:
         if text in OFF:
             return False
     return None
+
+
+def launcher_main_process() -> bool:
+    """False on the ranks other than 0 of a distributed launch (the launcher's `RANK`, else `LOCAL_RANK`)."""
+    for var in ("RANK", "LOCAL_RANK"):
+        value = os.environ.get(var)
+        if value:
+            try:
+                return int(value) == 0
+            except ValueError:
+                return True
+    return True
 
 
 def pydantic_bool(value: object) -> bool | None:

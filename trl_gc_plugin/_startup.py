@@ -68,15 +68,9 @@ def run() -> None:
 
 
 def _main_process() -> bool:
-    """False on the ranks other than 0 of a distributed launch (the launcher's `RANK`, else `LOCAL_RANK`)."""
-    for var in ("RANK", "LOCAL_RANK"):
-        value = os.environ.get(var)
-        if value:
-            try:
-                return int(value) == 0
-            except ValueError:
-                return True
-    return True
+    from ._flags import launcher_main_process  # imported already (`enabled` read the value)
+
+    return launcher_main_process()
 
 
 def _write(text: str) -> None:

@@ -24,6 +24,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from ._flags import launcher_main_process
+
 logger = logging.getLogger("trl_gc_plugin")
 details = logging.getLogger("trl_gc_plugin.decisions")
 
@@ -112,14 +114,7 @@ def is_main_process(args: Any = None) -> bool:
             return int(args.process_index) == 0
         except Exception:  # args not fully built, or no distributed state yet
             pass
-    for var in ("RANK", "LOCAL_RANK"):
-        value = os.environ.get(var)
-        if value not in (None, ""):
-            try:
-                return int(value) == 0
-            except ValueError:
-                return True
-    return True
+    return launcher_main_process()
 
 
 def once(log: logging.Logger, level: int, message: str) -> bool:
