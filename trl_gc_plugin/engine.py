@@ -146,52 +146,30 @@ def _field_disagreement(rule: Rule, facts: Facts, value: Any, source: str, out: 
     """The two field names hold different values: the one written after `__post_init__` wins (the deprecated one when
     unknown); returns the `use_reentrant` that then stands and its source."""
     winner = facts.changed_field or "legacy"
+
+    def repair(before: Any, after: Any, who: str, setting: str, reason: str) -> None:
+        out.append(Decision.from_rule(rule, "repair", before, after, who, reason, facts.stage, setting=setting))
+
     if winner == "legacy":
         if facts.legacy_gc is not None:
-            out.append(
-                Decision.from_rule(
-                    rule,
-                    "repair",
-                    not facts.legacy_gc,
-                    facts.legacy_gc,
-                    "unknown",
-                    "`gradient_checkpointing` was written after `__post_init__`; copied to `activation_checkpointing`.",
-                    facts.stage,
-                    setting="activation_checkpointing",
-                )
-            )
+            why = "`gradient_checkpointing` was written after `__post_init__`; copied to `activation_checkpointing`."
+            repair(not facts.legacy_gc, facts.legacy_gc, "unknown", "activation_checkpointing", why)
         legacy = facts.legacy_kwargs
         legacy_value = legacy.get(USE_REENTRANT) if isinstance(legacy, dict) else None
         if legacy_value != value or legacy is None:
-            out.append(
-                Decision.from_rule(
-                    rule,
-                    "repair",
-                    facts.use_reentrant,
-                    legacy_value,
-                    "unknown",
-                    "`gradient_checkpointing_kwargs` was written after `__post_init__` and the Trainer would ignore it "
-                    f"(it reads `activation_checkpointing_kwargs`, use_reentrant={facts.use_reentrant!r}); "
-                    "the last write wins and both names now hold one dict.",
-                    facts.stage,
-                    setting="activation_checkpointing_kwargs",
-                )
+            why = (
+                "`gradient_checkpointing_kwargs` was written after `__post_init__` and the Trainer would ignore it "
+                f"(it reads `activation_checkpointing_kwargs`, use_reentrant={facts.use_reentrant!r}); "
+                "the last write wins and both names now hold one dict."
             )
+            repair(facts.use_reentrant, legacy_value, "unknown", "activation_checkpointing_kwargs", why)
             value, source = legacy_value, "unknown"
     else:
-        out.append(
-            Decision.from_rule(
-                rule,
-                "repair",
-                None,
-                None,
-                source,
-                "`activation_checkpointing*` was written after `__post_init__`; the deprecated "
-                "`gradient_checkpointing*` names are made to mirror it.",
-                facts.stage,
-                setting="gradient_checkpointing_kwargs",
-            )
+        why = (
+            "`activation_checkpointing*` was written after `__post_init__`; the deprecated "
+            "`gradient_checkpointing*` names are made to mirror it."
         )
+        repair(None, None, source, "gradient_checkpointing_kwargs", why)
     return value, source
 
 
@@ -202,32 +180,14 @@ def _non_bool(
     rule = rule or get_rule("invalid-use-reentrant")
     coerced = coerce_bool(value)
     if coerced is not None:
-        out.append(
-            Decision.from_rule(
-                rule,
-                "repair",
-                value,
-                coerced,
-                source,
-                f"use_reentrant={value!r} is not a bool (torch would read it as "
-                f"{bool(value)!r}); converted to {coerced!r}.",
-                facts.stage,
-            )
+        why = (
+            f"use_reentrant={value!r} is not a bool (torch would read it as {bool(value)!r}); converted to {coerced!r}."
         )
+        out.append(Decision.from_rule(rule, "repair", value, coerced, source, why, facts.stage))
         value = coerced
     else:
-        action: Action = refused(mode)
-        out.append(
-            Decision.from_rule(
-                rule,
-                action,
-                value,
-                None,
-                source,
-                f"use_reentrant={value!r} is not a bool and spells none; " + rule.message,
-                facts.stage,
-            )
-        )
+        why = f"use_reentrant={value!r} is not a bool and spells none; " + rule.message
+        out.append(Decision.from_rule(rule, refused(mode), value, None, source, why, facts.stage))
         value, source = None, "unset"
     return value, source
 
