@@ -241,3 +241,17 @@ def test_no_traceback_through_python_m(tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [f"error: {binary}: not a UTF-8 text file (it holds NUL bytes: binary, or UTF-16/UTF-32 text); save the config as UTF-8"]
     assert "checked 2 file(s): 1 fine, 0 refused, 1 not checked" in proc.stdout
+
+
+@pytest.mark.parametrize(("value", "static_graph"), [('"maybe"', True), ('"false"', True), ("false", False)])
+def test_a_plain_arguments_file_reads_ddp_keys_as_transformers_does(capsys, tmp_path, value, static_graph):
+    # parse_json_file converts no string: a quoted value is kept (a non-empty one counts as true) and said; TRL's
+    # boolean parsing (which refuses "maybe") is not the one that reads a TrainingArguments file
+    path = tmp_path / "args.json"
+    path.write_text(f'{{"output_dir": "x", "gradient_checkpointing": true, "ddp_static_graph": {value}}}')
+    code, out, err = run_cli(*model(str(path), "--json", "--format", "training-args"), capsys=capsys)
+    (report,) = json.loads(out)
+    assert code == 0 and err == ""
+    assert report["facts"]["ddp_static_graph"] is static_graph
+    warned = [d["before"] for d in report["decisions"] if d["rule_id"] == "training-args:string-boolean"]
+    assert warned == ([["ddp_static_graph"]] if value.startswith('"') else [])

@@ -156,3 +156,17 @@ def test_llamafactorys_own_parser_reads_what_the_model_reads(tmp_path):
         assert a.facts == b.facts, a.path
         assert [d.to_dict() for d in a.decisions] == [d.to_dict() for d in b.decisions]
         assert not [n for n in b.notes if "LLaMA-Factory parsed" in n or ("default" in n and "differs" in n)]
+
+
+def test_a_transformers_release_outside_llamafactorys_range_says_where_the_version_came_from(tmp_path):
+    # the release given with --transformers-version is said as the option's, not as the installed one
+    report = check(tmp_path, LF, versions=(("transformers", "4.50.0"),))
+    (given,) = [d for d in report.decisions if d.rule_id == "llamafactory:transformers-range"]
+    assert (given.before, given.source) == ("4.50.0", "option")
+    # without the option, the installed release is checked and said as installed where it is outside the range
+    installed = [d for d in check(tmp_path, LF).decisions if d.rule_id == "llamafactory:transformers-range"]
+    import transformers
+
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    outside = not ((4, 55) <= (major, minor) <= (5, 8))
+    assert [(d.before, d.source) for d in installed] == ([(transformers.__version__, "installed")] if outside else [])

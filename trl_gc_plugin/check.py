@@ -155,6 +155,7 @@ def _context(launch: Launch, versions: dict[str, Fact]) -> Context:
         trainer=launch.trainer,
         accelerate_config=launch.accelerate_config,
         versions={k: v.value for k, v in versions.items()},
+        version_origins={k: v.origin for k, v in versions.items()},
     )
 
 

@@ -121,12 +121,14 @@ class Context:
         trainer: `--trainer` (None when not given).
         accelerate_config: `--accelerate-config` (None when not given).
         versions: the versions the rules are evaluated for (installed, `--<package>-version`, or assumed).
+        version_origins: where each of them comes from: `installed`, `option` or `assumed`.
     """
 
     nproc: int | None = None
     trainer: str | None = None
     accelerate_config: str | None = None
     versions: Mapping[str, str | None] = field(default_factory=dict)
+    version_origins: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -622,7 +622,7 @@ def _apply_rules(
     }
     sources = {
         "use_reentrant": reading.reentrant_source(),
-        "transformers": "option" if ctx.versions.get("transformers") != tf else "installed",
+        "transformers": ctx.version_origins.get("transformers", "installed"),
     }
     reading.apply(
         RULES,

@@ -223,6 +223,7 @@ def read(config: Config, ctx: Context) -> Reading:
     _read_checkpointing(config, reading)
     _read_model(config, reading)
     read_launch(config, ctx, reading)
+    _read_ddp(config, reading)
     read_model_facts(config.get("model_name_or_path"), "model_name_or_path", reading)
     _read_trainer(ctx, reading)
     return reading
@@ -369,7 +370,8 @@ def read_kwargs_keys(reading: Reading, kwargs: dict[str, Any], key: str) -> None
 
 
 def read_launch(config: Config, ctx: Context, reading: Reading) -> None:
-    """DeepSpeed, FSDP, DDP and the process count: from `TrainingArguments` keys and the accelerate config."""
+    """DeepSpeed, FSDP and the process count: from `TrainingArguments` keys and the accelerate config (DDP's keys
+    each launcher parses its own way)."""
     flags = tuple(k for k in VALUELESS_LAUNCH_FLAGS if k in config.values)
     reading.extra["launch_flags"] = flags
     overrides = {k: config.values[k] for k in LAUNCH_KEYS if config.values.get(k) is not None}
@@ -379,7 +381,6 @@ def read_launch(config: Config, ctx: Context, reading: Reading) -> None:
     _read_deepspeed(config, reading, accel, where_accel)
     fsdp, fsdp_config = bool(config.get("fsdp")), read_fsdp_config(config)  # else the accelerate config's FSDP
     set_fsdp_facts(reading, fsdp, fsdp_config, accel, where_accel, ctx.versions.get("transformers"))
-    _read_ddp(config, reading)
 
 
 def _read_accelerate_config(
