@@ -41,8 +41,10 @@ from transformers import (
     TrainingArguments,
 )
 
-from trl_gc_plugin import SafeGCCallback, parity, verify
-from trl_gc_plugin.observe import Observation
+from trl_gc_plugin import SafeGCCallback
+from trl_gc_plugin.model import verify
+from trl_gc_plugin.model.observe import Observation
+from trl_gc_plugin.runtime import parity
 from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
 
 

@@ -32,7 +32,7 @@ def build(arm: str, device: str):
     """The model of `planner_mixed.py` (its `build`, same seed and shape) with `arm`'s checkpointing."""
     import planner_mixed
 
-    from trl_gc_plugin import ckpt
+    from trl_gc_plugin.model import ckpt
 
     planner_mixed.SHAPE.update(SHAPE)
     planner_mixed.DEVICE["name"] = device

@@ -39,7 +39,7 @@ ARMS = ("none", "full", "selective")
 def fit(rounds: int, seq: int) -> dict:
     import torch
 
-    from trl_gc_plugin import memory, planner
+    from trl_gc_plugin.planning import memory, planner
 
     torch.set_num_threads(1)
     planner_mixed.SHAPE["seq"] = seq
@@ -84,7 +84,7 @@ def main() -> None:
     ns = parser.parse_args()
     import torch
 
-    from trl_gc_plugin import planner
+    from trl_gc_plugin.planning import planner
 
     result = {"python": platform.python_version(), "torch": torch.__version__, "threads": 1, "rounds": ns.rounds,
               "balance_used": planner.BALANCE["cpu"], "load_average_before": list(os.getloadavg()), "fits": []}

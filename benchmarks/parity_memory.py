@@ -55,10 +55,11 @@ def child(config: str, cuda_1b: bool) -> dict[str, object]:
     callbacks = []
     probe_seconds: list[float] = []
     if config == "with":
-        from trl_gc_plugin import SafeGCCallback, callback
+        from trl_gc_plugin import SafeGCCallback
+        from trl_gc_plugin.routes import callback
 
         try:  # this checkout: the runtime checks call parity.parity_probe
-            from trl_gc_plugin import first_step
+            from trl_gc_plugin.runtime import first_step
 
             timed = first_step.parity
         except ImportError:  # an older checkout (--plugin-path): the callback called it

@@ -99,7 +99,7 @@ def run(kind: str, mode: str, out: str) -> dict:
 def check_cost(trainer, kwargs: dict, rounds: int) -> dict:
     import torch
 
-    from trl_gc_plugin import memory, plan_check
+    from trl_gc_plugin.planning import memory, plan_check
 
     model = trainer.model
     model.train()

@@ -82,7 +82,7 @@ def build(device: str, dtype_name: str):
 
 
 def table_for(model, allow_offload: bool):
-    from trl_gc_plugin import memory, planner
+    from trl_gc_plugin.planning import memory, planner
 
     est = memory.estimate(model, SHAPE["batch"], SHAPE["seq"])
     kind = "cuda" if allow_offload else "cpu"
@@ -103,7 +103,7 @@ def _status() -> dict[str, int]:
 def memory_worker(name: str, device: str, dtype_name: str, out: str) -> None:
     import torch
 
-    from trl_gc_plugin import memory, planner
+    from trl_gc_plugin.planning import memory, planner
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     model, batch = build(device, dtype_name)
@@ -165,7 +165,7 @@ def run_memory(ns: argparse.Namespace, names: list[str]) -> list[dict]:
 def run_time(ns: argparse.Namespace, names: list[str], budget: int | None) -> dict:
     import torch
 
-    from trl_gc_plugin import planner
+    from trl_gc_plugin.planning import planner
 
     cuda = ns.device == "cuda"
     if not cuda:
@@ -227,7 +227,7 @@ def run_time(ns: argparse.Namespace, names: list[str], budget: int | None) -> di
 def run_exact(ns: argparse.Namespace) -> dict:
     import torch
 
-    from trl_gc_plugin import planner
+    from trl_gc_plugin.planning import planner
 
     model, batch = build(ns.device, ns.dtype)
     _, table = table_for(model, ns.device == "cuda")
@@ -255,7 +255,8 @@ def run_exact(ns: argparse.Namespace) -> dict:
 
 
 def run_layouts() -> list[dict]:
-    from trl_gc_plugin import memory, plan_cli, planner
+    from trl_gc_plugin import plan_cli
+    from trl_gc_plugin.planning import memory, planner
 
     rows = []
     for layout, batch, seq, shards in LAYOUT_CASES:
@@ -284,7 +285,8 @@ def run_cost() -> dict:
     then repeats; the RSS peak growth shows no tensor memory is allocated (two real bf16 blocks would be 0.8 GiB)."""
     import resource
 
-    from trl_gc_plugin import memory, plan_cli, planner
+    from trl_gc_plugin import plan_cli
+    from trl_gc_plugin.planning import memory, planner
 
     config, _ = plan_cli.load_config("llama-7b")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -300,7 +302,8 @@ def run_cost() -> dict:
 
 
 def run_korthikanti() -> dict:
-    from trl_gc_plugin import memory, plan_cli
+    from trl_gc_plugin import plan_cli
+    from trl_gc_plugin.planning import memory
 
     config, _ = plan_cli.load_config("llama-7b")
     s, h, a = 4096, 4096, 32

@@ -63,7 +63,7 @@ def picks(est) -> tuple[dict, dict]:
     lean selective), and with the uniform candidates only; and every distinct candidate to run, by key."""
     import dataclasses
 
-    from trl_gc_plugin import planner
+    from trl_gc_plugin.planning import planner
 
     device = DEVICE["name"]
     constants = {"balance": planner.BALANCE[device], "op_overhead": planner.OP_OVERHEAD[device]}
@@ -102,7 +102,7 @@ def picks(est) -> tuple[dict, dict]:
 def run(rounds: int) -> dict:
     import torch
 
-    from trl_gc_plugin import memory, planner
+    from trl_gc_plugin.planning import memory, planner
 
     cuda = DEVICE["name"] == "cuda"
     if not cuda:
@@ -174,7 +174,8 @@ def plan_70b() -> dict:
     and the RSS peak growth (no tensor memory: two real bf16 blocks of this layout would be over 3 GiB)."""
     import resource
 
-    from trl_gc_plugin import memory, plan_cli, planner
+    from trl_gc_plugin import plan_cli
+    from trl_gc_plugin.planning import memory, planner
 
     config, _ = plan_cli.load_config("llama3-70b")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -44,7 +44,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from trl_gc_plugin import memory, planner, throughput
+    from trl_gc_plugin.planning import memory, planner, throughput
 
     torch.set_num_threads(1)
     model = build()

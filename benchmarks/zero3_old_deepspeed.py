@@ -56,7 +56,7 @@ def worker(out: str) -> None:
     from transformers import Trainer, TrainingArguments
 
     from trl_gc_plugin import SafeGCCallback
-    from trl_gc_plugin.ckpt import model_use_reentrant
+    from trl_gc_plugin.model.ckpt import model_use_reentrant
     from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
 
     gloo_for_deepspeed_on_cpu()

@@ -13,7 +13,7 @@ import datasets
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 
 import trl_gc_plugin
-from trl_gc_plugin.ckpt import model_use_reentrant
+from trl_gc_plugin.model.ckpt import model_use_reentrant
 from trl_gc_plugin.testing import make_model, make_tokenizer, preference_dataset, prompt_dataset
 
 COMMON = dict(max_steps=3, per_device_train_batch_size=2, use_cpu=True, bf16=False, report_to="none",

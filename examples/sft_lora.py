@@ -20,7 +20,7 @@ from peft import LoraConfig
 from trl import SFTConfig, SFTTrainer
 
 from trl_gc_plugin import GCConfigError, SafeGCCallback
-from trl_gc_plugin.ckpt import model_use_reentrant
+from trl_gc_plugin.model.ckpt import model_use_reentrant
 from trl_gc_plugin.testing import lm_dataset, make_model, make_tokenizer
 
 

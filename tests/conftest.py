@@ -43,17 +43,17 @@ def no_patch_left_behind():
 def no_hook_left_waiting():
     """Every run, refused or not, must leave no callback in the plugin's process-wide hook table (a waiting one
     keeps its model alive and the process-wide hooks registered)."""
-    from trl_gc_plugin import _hooks
+    from trl_gc_plugin.model import hooks as _hooks
 
     before = _hooks.waiting()
     yield
-    assert _hooks.waiting() == before, "a test left hooks waiting in trl_gc_plugin._hooks"
+    assert _hooks.waiting() == before, "a test left hooks waiting in trl_gc_plugin.model.hooks"
 
 
 @pytest.fixture(autouse=True)
 def fresh_plugin_logging():
     """Each test starts with the plugin's logging as a new process has it (no message seen yet, no handler)."""
-    from trl_gc_plugin import report
+    from trl_gc_plugin._base import report
 
     report.reset()
     yield
@@ -64,7 +64,7 @@ def fresh_plugin_logging():
 def plugin_log(caplog):
     """Every record of the plugin's loggers, details included (as with the Trainer's log_level="info")."""
     caplog.set_level(logging.INFO, logger="trl_gc_plugin")
-    caplog.set_level(logging.INFO, logger="trl_gc_plugin.decisions")
+    caplog.set_level(logging.INFO, logger="trl_gc_plugin.core.decisions")
     return caplog
 
 

@@ -25,7 +25,7 @@ from torchrun import write_results
 from transformers import Trainer, TrainingArguments
 
 from trl_gc_plugin import SafeGCCallback, installed
-from trl_gc_plugin.ckpt import model_use_reentrant
+from trl_gc_plugin.model.ckpt import model_use_reentrant
 from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
 
 FLAG = {"unset": None, "true": True, "false": False}

@@ -151,8 +151,8 @@ def _midway_budget(model, version: int = 2, kept: bool = False) -> int:
     after forward (`kept`: `shard_grad_op`), every unit stays whole until its backward: the whole model."""
     import dataclasses
 
-    from trl_gc_plugin import memory, planner
-    from trl_gc_plugin.planner import gathered_bytes
+    from trl_gc_plugin.planning import memory, planner
+    from trl_gc_plugin.planning.planner import gathered_bytes
 
     def size(module) -> int:
         return sum(p.numel() * p.element_size() for p in module.parameters())
@@ -178,7 +178,7 @@ def run(out: str, scenario: str) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from trl_gc_plugin import SafeGCCallback, installed
-    from trl_gc_plugin.ckpt import model_use_reentrant
+    from trl_gc_plugin.model.ckpt import model_use_reentrant
     from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
 
     kind, model_kind, gc, ac, cache, plugin = scenario.split("-")

@@ -10,7 +10,8 @@ import torch
 from trainers import make_trainer
 
 import trl_gc_plugin
-from trl_gc_plugin import GCConfigError, probe
+from trl_gc_plugin import GCConfigError
+from trl_gc_plugin.model import probe
 from trl_gc_plugin.testing import make_model
 
 trl = pytest.importorskip("trl")

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from trl_gc_plugin import Facts, capabilities, decide
-from trl_gc_plugin.capabilities import Capabilities, for_versions
-from trl_gc_plugin.engine import applicable, capabilities_apply, errors
-from trl_gc_plugin.rules import RULES, get_rule
+from trl_gc_plugin import Facts, decide
+from trl_gc_plugin.core import capabilities
+from trl_gc_plugin.core.capabilities import Capabilities, for_versions
+from trl_gc_plugin.core.engine import applicable, capabilities_apply, errors
+from trl_gc_plugin.core.rules import RULES, get_rule
 
 RELEASES = ("4.53.2", "4.57.6", "5.15.0", "5.16.0", "5.17.0", "5.22.0", "5.23.0", "5.24.0", "5.40.0")
 
@@ -130,7 +131,7 @@ def test_installed_capabilities_match_the_released_sources():
 def test_signature_and_source_text_agree():
     """Detection by signature (transformers imported) and by source text (not imported) give the same answer."""
     code = (
-        "import json, sys; from trl_gc_plugin import capabilities as c; a = c.installed();"
+        "import json, sys; from trl_gc_plugin.core import capabilities as c; a = c.installed();"
         "assert 'transformers' not in sys.modules and 'torch' not in sys.modules;"
         "import transformers.modeling_utils, transformers.training_args; c.installed.cache_clear();"
         "print(json.dumps([a.to_dict(), c.installed().to_dict()]))"

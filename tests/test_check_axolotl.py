@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from trl_gc_plugin.check import Launch, check_files
+from trl_gc_plugin.configcheck.check import Launch, check_files
 
 BASE = "base_model: NousResearch/Llama-3.2-1B\nmicro_batch_size: 1\n"
 
@@ -317,7 +317,7 @@ def test_a_misspelled_plugin_line_is_a_warning(tmp_path, entry):
 
 
 def test_the_plugin_line_itself_is_fine(tmp_path):
-    from trl_gc_plugin.launchers.axolotl import PLUGIN
+    from trl_gc_plugin.configcheck.launchers.axolotl import PLUGIN
 
     report = check(tmp_path, f"gradient_checkpointing: true\nplugins:\n  - {PLUGIN}\n  - axolotl.integrations.liger.LigerPlugin\n")
     assert not {r for r in rules(report) if "plugin" in r}

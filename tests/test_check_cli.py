@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from trl_gc_plugin.__main__ import check_main, main
-from trl_gc_plugin.decisions import Decision
+from trl_gc_plugin.core.decisions import Decision
 
 DATA = Path(__file__).with_name("data")
 
@@ -216,7 +216,7 @@ def test_mode_changes_the_verdict(capsys, mode, action):
 
 
 def test_unknown_deepspeed_release_is_assumed_old_and_said(capsys, monkeypatch):
-    from trl_gc_plugin import check as check_module
+    from trl_gc_plugin.configcheck import check as check_module
 
     real = dict(check_module.installed_versions())
     monkeypatch.setattr(check_module, "installed_versions", lambda: {**real, "deepspeed": None})

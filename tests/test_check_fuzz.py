@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trl_gc_plugin.__main__ import check_main
-from trl_gc_plugin.check import READ_KEYS, Launch, check_files
-from trl_gc_plugin.launchers import axolotl, llamafactory, trl
+from trl_gc_plugin.configcheck.check import READ_KEYS, Launch, check_files
+from trl_gc_plugin.configcheck.launchers import axolotl, llamafactory, trl
 
 WORDS = ["true", "false", "yes", "no", "off", "on", "offload", "offload_disk", "unsloth", "legacy", "disk",
          "hidden_states", "lora", "qlora", "full", "freeze", "dpo", "ebft", "strided", "flex_attention", "sft",

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import trl_gc_plugin
-from trl_gc_plugin.check import Launch, check_files
-from trl_gc_plugin.launchers.common import ConfigError
-from trl_gc_plugin.launchers.load import load
-from trl_gc_plugin.launchers.openrlhf import parse_command
+from trl_gc_plugin.configcheck.check import Launch, check_files
+from trl_gc_plugin.configcheck.launchers.common import ConfigError
+from trl_gc_plugin.configcheck.launchers.load import load
+from trl_gc_plugin.configcheck.launchers.openrlhf import parse_command
 from trl_gc_plugin.testing import make_model
 
 SCRIPT = """\
@@ -123,7 +123,7 @@ def test_the_check_and_the_run_agree(tmp_path, reentrant, lora):
         model.train()
         ids = torch.randint(3, 64, (2, 8))
         model(input_ids=ids, labels=ids).loss.backward()
-        route = trl_gc_plugin.loop._ROUTES.get(trl_gc_plugin.probe.unwrap(model))
+        route = trl_gc_plugin.routes.model_route._ROUTES.get(trl_gc_plugin.model.probe.unwrap(model))
         ran = {(d.rule_id, d.action, d.after) for d in route.run.decisions if d.stage == "init_end"}
         route.stop()
     assert checked == ran, textwrap.shorten(f"check {checked} run {ran}", 400)

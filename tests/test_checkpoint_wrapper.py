@@ -17,7 +17,7 @@ pytest.importorskip("deepspeed")
 
 from torchrun import free_port
 
-from trl_gc_plugin.check import Launch, check_files
+from trl_gc_plugin.configcheck.check import Launch, check_files
 
 RULE = "checkpoint-wrapper-zero3-saved-keys"
 

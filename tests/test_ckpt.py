@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from trl_gc_plugin import ckpt
-from trl_gc_plugin.memory import selective_context
-from trl_gc_plugin.observe import Observation, _Observer
+from trl_gc_plugin.model import ckpt
+from trl_gc_plugin.model.observe import Observation, _Observer
+from trl_gc_plugin.planning.memory import selective_context
 from trl_gc_plugin.testing import make_model
 
 LAYERS = 4

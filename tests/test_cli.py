@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from trl_gc_plugin import RULES
-from trl_gc_plugin.table import DOC_HEADER, README_BEGIN, README_END, compact, markdown
+from trl_gc_plugin.core.table import DOC_HEADER, README_BEGIN, README_END, compact, markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,8 @@ import torch
 from trainers import make_trainer
 from transformers import TrainingArguments
 
-from trl_gc_plugin import SafeGCCallback, probe
+from trl_gc_plugin import SafeGCCallback
+from trl_gc_plugin.model import probe
 from trl_gc_plugin.testing import make_model
 
 dynamo = pytest.importorskip("torch._dynamo")
@@ -63,7 +64,7 @@ def test_a_model_compiled_before_the_trainer_is_seen(tmp_path):
 def test_the_check_says_what_the_run_says_of_torch_compile(tmp_path, text):
     """`trl-gc-check` on a config with `torch_compile: true` (checkpointing on) gives the decision the run records at
     train begin."""
-    from trl_gc_plugin.check import Launch, check_files
+    from trl_gc_plugin.configcheck.check import Launch, check_files
 
     path = tmp_path / "cfg.yaml"
     path.write_text(text)

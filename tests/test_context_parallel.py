@@ -16,8 +16,8 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 
 import trl_gc_plugin
 from trl_gc_plugin import SafeGCCallback
-from trl_gc_plugin._parallel import cp_size_from_args, cp_size_from_env, cp_size_of
-from trl_gc_plugin.check import Launch, check_files
+from trl_gc_plugin.configcheck.check import Launch, check_files
+from trl_gc_plugin.core.context_parallel import cp_size_from_args, cp_size_from_env, cp_size_of
 from trl_gc_plugin.testing import make_model
 
 RULE = "context-parallel-backward-in-context"

@@ -11,7 +11,9 @@ import torch
 from trainers import make_trainer
 from transformers import TrainerCallback
 
-from trl_gc_plugin import SafeGCCallback, _hooks, ckpt
+from trl_gc_plugin import SafeGCCallback
+from trl_gc_plugin.model import ckpt
+from trl_gc_plugin.model import hooks as _hooks
 from trl_gc_plugin.testing import make_model
 
 EVENTS = ("on_train_begin", "on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end")
@@ -64,8 +66,8 @@ def test_a_copy_at_any_first_step_event_equals_the_plugin_free_copy(reentrant, b
 def test_a_copy_of_a_guarded_model_enables_its_own_checkpointing_and_nothing_stays_on_the_class():
     """The enable guard (kept layer pattern across TRL's re-enables) lives on the class and dispatches by identity:
     a deep copy made while it is installed carries nothing of it, and enabling the copy changes the copy only."""
-    from trl_gc_plugin import probe
-    from trl_gc_plugin.keep import EnableGuard
+    from trl_gc_plugin.model import probe
+    from trl_gc_plugin.model.enable_guard import EnableGuard
 
     model = make_model(num_hidden_layers=4)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -4,8 +4,8 @@ import json
 import logging
 
 from trl_gc_plugin import Decision, Facts, decide
-from trl_gc_plugin.decisions import read_decisions, write_decisions
-from trl_gc_plugin.report import is_main_process, log_decisions
+from trl_gc_plugin._base.report import is_main_process, log_decisions
+from trl_gc_plugin.core.decisions import read_decisions, write_decisions
 
 
 def sample() -> list[Decision]:
@@ -38,7 +38,7 @@ def test_log_levels_follow_actions(caplog):
     levels = {r.getMessage().split("]")[0][1:]: r.levelname for r in caplog.records}
     assert levels["invalid-use-reentrant"] == "WARNING"
     assert levels["use-cache-off"] == "INFO"
-    assert all(r.name == "trl_gc_plugin.decisions" for r in caplog.records)
+    assert all(r.name == "trl_gc_plugin.core.decisions" for r in caplog.records)
 
 
 def test_other_processes_log_nothing(caplog):

@@ -17,7 +17,7 @@ pytest.importorskip("deepspeed")
 from torchrun import free_port
 from trainers import HAS_ACTIVATION_FIELDS, common_args
 
-from trl_gc_plugin import probe
+from trl_gc_plugin.model import probe
 
 ZERO3 = {"zero_optimization": {"stage": 3}, "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
          "gradient_accumulation_steps": "auto"}

@@ -1,4 +1,4 @@
-"""One reading of a DeepSpeed config (`trl_gc_plugin._deepspeed`) for the running plugin and `trl-gc-check` (issue
+"""One reading of a DeepSpeed config (`trl_gc_plugin.core.deepspeed_config`) for the running plugin and `trl-gc-check` (issue
 19): each tricky config goes through both real paths (`probe` on arguments naming the JSON file, and the check's
 `launchers.deepspeed.read_deepspeed` on the same file), which must agree, and the values are DeepSpeed's own where
 DeepSpeed can tell (its config classes, when installed)."""
@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from trl_gc_plugin import probe
-from trl_gc_plugin._deepspeed import ACTIVATION_CHECKPOINTING_KEYS, deepspeed_facts
-from trl_gc_plugin.launchers.common import ConfigError
-from trl_gc_plugin.launchers.deepspeed import read_deepspeed
+from trl_gc_plugin.configcheck.launchers.common import ConfigError
+from trl_gc_plugin.configcheck.launchers.deepspeed import read_deepspeed
+from trl_gc_plugin.core.deepspeed_config import ACTIVATION_CHECKPOINTING_KEYS, deepspeed_facts
+from trl_gc_plugin.model import probe
 
 # name: (config, (stage, activation_checkpointing, overlap_comm) or the start of the problem)
 CASES: dict[str, tuple[dict[str, Any], tuple[int | None, bool, bool | None] | str]] = {

@@ -9,7 +9,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 from trl_gc_plugin import RULES, Facts, Rule, decide
-from trl_gc_plugin.engine import applicable, coerce_bool, errors, final_use_reentrant, version_applies
+from trl_gc_plugin.core.engine import applicable, coerce_bool, errors, final_use_reentrant, version_applies
 
 TF4 = {"transformers": "4.57.6", "torch": "2.13.0"}
 TF5 = {"transformers": "5.23.0", "torch": "2.13.0"}
@@ -200,7 +200,7 @@ def test_every_rule_is_documented(rule):
 
 def test_the_engines_own_answers_are_rows_of_the_table():
     """`checkpointing-off` and `conflict` are decisions like any other: `get_rule` finds them and the docs list them."""
-    from trl_gc_plugin.rules import get_rule
+    from trl_gc_plugin.core.rules import get_rule
 
     (off,) = [d for d in decide(Facts(gc_enabled=False)) if d.rule_id == "checkpointing-off"]
     assert get_rule(off.rule_id).kind == "state" and off.evidence == get_rule("checkpointing-off").evidence
@@ -213,7 +213,7 @@ def test_rule_ids_are_unique():
 
 
 def test_engine_and_facts_import_no_transformers_or_torch():
-    code = ("import sys, trl_gc_plugin, trl_gc_plugin.engine, trl_gc_plugin.facts, trl_gc_plugin.rules;"
+    code = ("import sys, trl_gc_plugin, trl_gc_plugin.core.engine, trl_gc_plugin.core.facts, trl_gc_plugin.core.rules;"
             "trl_gc_plugin.decide(trl_gc_plugin.Facts(gc_enabled=True));"
             "print(sorted(m for m in ('torch', 'transformers', 'trl', 'peft') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -346,8 +346,8 @@ def test_every_rule_setting_has_a_value_the_engine_can_read():
     setting the engine cannot read fails here, not in a user's run."""
     import dataclasses
 
-    from trl_gc_plugin.engine import SETTING_FACTS, _current
-    from trl_gc_plugin.rules import RULES
+    from trl_gc_plugin.core.engine import SETTING_FACTS, _current
+    from trl_gc_plugin.core.rules import RULES
 
     fields = {f.name for f in dataclasses.fields(Facts)}
     assert all(field in fields for field, _ in SETTING_FACTS.values())

@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 from trainers import TF5, block_params, make_trainer, unchanged_block_params
 
 from trl_gc_plugin import SafeGCCallback
-from trl_gc_plugin.ckpt import model_use_reentrant
+from trl_gc_plugin.model.ckpt import model_use_reentrant
 from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
 
 pytestmark = pytest.mark.skipif(TF5, reason="transformers >= 5.0 defaults to non-reentrant and hooks the inputs")

@@ -8,7 +8,7 @@ from transformers import TrainingArguments
 
 import trl_gc_plugin
 from trl_gc_plugin import SafeGCCallback
-from trl_gc_plugin.ckpt import model_use_reentrant
+from trl_gc_plugin.model.ckpt import model_use_reentrant
 from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
 
 pytestmark = pytest.mark.skipif(not HAS_ACTIVATION_FIELDS, reason="needs transformers >= 5.23")

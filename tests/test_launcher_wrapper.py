@@ -10,9 +10,10 @@ import pytest
 import torch
 from trainers import block_params, make_trainer, unchanged_block_params
 
-from trl_gc_plugin import SafeGCCallback, ckpt
-from trl_gc_plugin.ckpt import functions as checkpoint_functions
-from trl_gc_plugin.ckpt import model_use_reentrant
+from trl_gc_plugin import SafeGCCallback
+from trl_gc_plugin.model import ckpt
+from trl_gc_plugin.model.ckpt import functions as checkpoint_functions
+from trl_gc_plugin.model.ckpt import model_use_reentrant
 from trl_gc_plugin.testing import make_model
 
 FALSE_ALARMS = (

@@ -51,8 +51,8 @@ def test_plugin_manager_loads_the_plugin_from_its_dotted_path(manager):
     from axolotl.integrations.base import BasePlugin
     from axolotl.integrations.config import merge_input_args
 
+    from trl_gc_plugin.configcheck.launchers.axolotl import PLUGIN as CHECKED
     from trl_gc_plugin.integrations.axolotl import PLUGIN_LINE
-    from trl_gc_plugin.launchers.axolotl import PLUGIN as CHECKED
 
     assert PLUGIN == PLUGIN_LINE == CHECKED  # the line trl-gc-check asks for is the one Axolotl loads
     manager.register(PLUGIN)

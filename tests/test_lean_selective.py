@@ -9,7 +9,8 @@ import pytest
 import torch
 import zoo
 
-from trl_gc_plugin import ckpt, memory, planner
+from trl_gc_plugin.model import ckpt
+from trl_gc_plugin.planning import memory, planner
 
 
 def gradients(model, batch) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Loops without a Trainer (issue 27): the model route (`trl_gc_plugin.loop`) runs the Trainer route's runtime for a
+"""Loops without a Trainer (issue 27): the model route (`trl_gc_plugin.routes.model_route`) runs the Trainer route's runtime for a
 loop that calls `gradient_checkpointing_enable` itself (OpenRLHF, verl, accelerate and plain PyTorch loops).
 
 Each outcome is measured against the same loop without the plugin: which decoder-layer tensors a real optimizer step
@@ -21,8 +21,9 @@ from packaging.version import Version
 from zoo import BY_NAME
 
 import trl_gc_plugin
-from trl_gc_plugin import GCConfigError, loop
-from trl_gc_plugin.ckpt import functions, keywords
+from trl_gc_plugin import GCConfigError
+from trl_gc_plugin.model.ckpt import functions, keywords
+from trl_gc_plugin.routes import model_route as loop
 from trl_gc_plugin.testing import make_model
 
 TF5 = Version(transformers.__version__) >= Version("5.0.0")
@@ -333,7 +334,7 @@ def test_qlora_loop_through_peft_prepare(tiny_checkpoint, reentrant, patched):
         opt.step()
         opt.zero_grad()
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in adapters)
-    route = loop._ROUTES.get(trl_gc_plugin.probe.unwrap(model))
+    route = loop._ROUTES.get(trl_gc_plugin.model.probe.unwrap(model))
     said = {d.rule_id for d in route.run.decisions if d.action != "none"}
     assert route.run.session.final == (reentrant, "user")
     assert ("quantized-prefers-non-reentrant" in said) is reentrant

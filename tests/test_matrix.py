@@ -19,7 +19,7 @@ from trainers import (
 )
 
 from trl_gc_plugin import GCConfigError, SafeGCCallback
-from trl_gc_plugin.ckpt import model_use_reentrant
+from trl_gc_plugin.model.ckpt import model_use_reentrant
 
 
 def _grpo_hooks_inputs() -> bool:

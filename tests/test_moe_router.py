@@ -12,7 +12,7 @@ import transformers
 from zoo import LLAMA_LIKE, Arch, _causal, lm_batch
 from zoo_run import run
 
-from trl_gc_plugin import ckpt, probe
+from trl_gc_plugin.model import ckpt, probe
 
 MOE = {
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),

@@ -152,7 +152,7 @@ def test_install_writes_nothing_into_the_arguments(tmp_path):
     assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}  # the decision, in a field of its own
     for obj in (args, off):
         assert b"trl_gc_plugin" not in pickle.dumps(obj)
-    assert trl_gc_plugin.probe.get_record(args) is not None  # the plugin still knows who set what
+    assert trl_gc_plugin.model.probe.get_record(args) is not None  # the plugin still knows who set what
 
 
 RESUME = BLOCKER + textwrap.dedent("""

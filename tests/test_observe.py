@@ -11,9 +11,10 @@ from trainers import TF5, common_args
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from zoo_run import build, run
 
-from trl_gc_plugin import GCConfigError, SafeGCCallback, _hooks
-from trl_gc_plugin.ckpt import functions as checkpoint_functions
-from trl_gc_plugin.observe import Observation, _Observer
+from trl_gc_plugin import GCConfigError, SafeGCCallback
+from trl_gc_plugin.model import hooks as _hooks
+from trl_gc_plugin.model.ckpt import functions as checkpoint_functions
+from trl_gc_plugin.model.observe import Observation, _Observer
 
 
 def hooks(model):

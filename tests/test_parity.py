@@ -15,8 +15,9 @@ from torch import nn
 from zoo import BY_NAME, TF
 from zoo_run import build
 
-from trl_gc_plugin import parity, probe
-from trl_gc_plugin.memory import live_bytes
+from trl_gc_plugin.model import probe
+from trl_gc_plugin.planning.memory import live_bytes
+from trl_gc_plugin.runtime import parity
 
 TF5 = TF.major >= 5
 

@@ -14,9 +14,9 @@ from transformers import TrainingArguments
 
 import trl_gc_plugin
 from trl_gc_plugin import GCConfigError, SafeGCCallback
-from trl_gc_plugin.callback import AutoSafeGCCallback
-from trl_gc_plugin.ckpt import functions as checkpoint_functions
-from trl_gc_plugin.probe import get_record
+from trl_gc_plugin.model.ckpt import functions as checkpoint_functions
+from trl_gc_plugin.model.probe import get_record
+from trl_gc_plugin.routes.callback import AutoSafeGCCallback
 from trl_gc_plugin.testing import make_model
 
 
@@ -57,7 +57,7 @@ def test_unpatched_default_differs_by_transformers_version(tmp_path):
     assert args.gradient_checkpointing_kwargs is None
     model = make_model()
     model.gradient_checkpointing_enable()
-    from trl_gc_plugin.ckpt import model_use_reentrant
+    from trl_gc_plugin.model.ckpt import model_use_reentrant
 
     assert model_use_reentrant(model) is (not TF5)
 
@@ -167,7 +167,7 @@ def test_no_message_repeats_within_a_process(tmp_path, plugin_log):
     with trl_gc_plugin.installed():
         for run in ("a", "b"):
             make_trainer("trainer", make_model(), str(tmp_path / run), gc_kwargs=None).train()
-    lines = [r.getMessage() for r in plugin_log.records if r.name == "trl_gc_plugin.decisions"]
+    lines = [r.getMessage() for r in plugin_log.records if r.name == "trl_gc_plugin.core.decisions"]
     assert lines and len(lines) == len(set(lines)), lines
     summaries = [r.getMessage() for r in plugin_log.records if r.name == "trl_gc_plugin"]
     assert len([m for m in summaries if m.startswith("gradient checkpointing on")]) == 2

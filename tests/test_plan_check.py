@@ -11,8 +11,9 @@ import pytest
 import torch
 from trainers import make_trainer
 
-from trl_gc_plugin import SafeGCCallback, memory, plan_check, planner
-from trl_gc_plugin.decisions import read_decisions
+from trl_gc_plugin import SafeGCCallback
+from trl_gc_plugin.core.decisions import read_decisions
+from trl_gc_plugin.planning import memory, plan_check, planner
 from trl_gc_plugin.testing import make_model
 
 LAYERS = 4
@@ -224,7 +225,7 @@ def test_the_held_check_warns_above_the_tolerance_and_when_it_could_not_read():
 def test_a_failing_held_reading_never_stops_the_forward():
     """`sharding.watch_held` samples inside the user's forward: a reading that raises (another release's internals)
     stops the sampling and is said after the forward, never raised into it."""
-    from trl_gc_plugin import sharding
+    from trl_gc_plugin.planning import sharding
 
     model = make_model().train()
     calls = []

@@ -12,7 +12,8 @@ from trainers import common_args, make_trainer
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import trl_gc_plugin
-from trl_gc_plugin import GCConfigError, SafeGCCallback, memory, planner, throughput
+from trl_gc_plugin import GCConfigError, SafeGCCallback
+from trl_gc_plugin.planning import memory, planner, throughput
 from trl_gc_plugin.testing import make_model
 
 LAYERS, BATCH, SEQ = 4, 2, 128

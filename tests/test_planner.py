@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_gc_plugin import memory, planner
-from trl_gc_plugin.decisions import Decision
+from trl_gc_plugin.core.decisions import Decision
+from trl_gc_plugin.planning import memory, planner
 from trl_gc_plugin.testing import make_config, make_model
 
 LAYERS, BATCH, SEQ = 4, 2, 48
@@ -370,7 +370,7 @@ def test_an_impossible_budget_is_refused_in_strict_and_falls_back_in_fix():
 
 def test_importing_the_planner_imports_neither_torch_nor_transformers():
     code = (
-        "import sys, trl_gc_plugin.planner, trl_gc_plugin.memory, trl_gc_plugin.plan_cli; "
+        "import sys, trl_gc_plugin.planning.planner, trl_gc_plugin.planning.memory, trl_gc_plugin.plan_cli; "
         "print([m for m in ('torch', 'transformers') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from trl_gc_plugin import memory, planner
+from trl_gc_plugin.planning import memory, planner
 
 LAYERS, BATCH, SEQ = 6, 2, 64
 

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from trl_gc_plugin import policy
-from trl_gc_plugin.policy import POLICY, action_for
+from trl_gc_plugin.core import policy
+from trl_gc_plugin.core.policy import POLICY, action_for
 
 
 def documented():

@@ -9,7 +9,7 @@ import torch
 from zoo import BY_NAME, count_in_blocks
 from zoo_run import build, run
 
-from trl_gc_plugin.replay import changed, read_state
+from trl_gc_plugin.runtime.replay import changed, read_state
 
 ARCHS = ("llama", "gpt2", "qwen3_moe", "bart")
 

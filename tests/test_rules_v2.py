@@ -11,8 +11,9 @@ from trainers import TF5, common_args, make_trainer
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from zoo_run import run
 
-from trl_gc_plugin import GCConfigError, SafeGCCallback, capabilities
-from trl_gc_plugin.probe import block_pattern
+from trl_gc_plugin import GCConfigError, SafeGCCallback
+from trl_gc_plugin.core import capabilities
+from trl_gc_plugin.model.probe import block_pattern
 from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
 
 READS = capabilities.installed().layer_kwargs()

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trl_gc_plugin import SafeGCCallback, ckpt, probe
-from trl_gc_plugin.memory import is_selective
+from trl_gc_plugin import SafeGCCallback
+from trl_gc_plugin.model import ckpt, probe
+from trl_gc_plugin.planning.memory import is_selective
 from trl_gc_plugin.testing import make_model
 
 peft = pytest.importorskip("peft")

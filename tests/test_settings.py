@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from trainers import block_params, make_trainer, unchanged_block_params
 
 import trl_gc_plugin
-from trl_gc_plugin import GCConfigError, SafeGCCallback, ckpt, probe
-from trl_gc_plugin.settings import SETTINGS, GCSettings, markdown_table, unknown_checkpoint_keys
+from trl_gc_plugin import GCConfigError, SafeGCCallback
+from trl_gc_plugin.core.settings import SETTINGS, GCSettings, markdown_table, unknown_checkpoint_keys
+from trl_gc_plugin.model import ckpt, probe
 from trl_gc_plugin.testing import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -317,7 +318,7 @@ def test_any_kwargs_value_is_refused_replaced_loudly_or_left_never_silently_repl
 
 def test_the_check_reports_an_unknown_key_with_the_same_rule_and_message(tmp_path):
     """trl-gc-check reads the kwargs of a TRL config through the same layer: the same decision as the run."""
-    from trl_gc_plugin.check import Launch, check_files
+    from trl_gc_plugin.configcheck.check import Launch, check_files
 
     path = tmp_path / "sft.yaml"
     path.write_text("model_name_or_path: m\ndataset_name: d\ngradient_checkpointing: true\n"
@@ -376,7 +377,7 @@ def test_the_startup_route_reads_its_mode_through_the_settings_layer(monkeypatch
     """`TRL_GC_PLUGIN=1` patches the arguments class before any argument exists (no mode given): the mode is
     `$TRL_GC_PLUGIN_MODE` read by the settings layer, as every other route reads it; a bad value is said in its words
     and `strict` used; by the main process only (a rank other than 0 says nothing)."""
-    from trl_gc_plugin import patching
+    from trl_gc_plugin.routes import post_init as patching
 
     class Args:
         def __post_init__(self) -> None:

@@ -28,7 +28,7 @@ def py(python, code, cwd, **env):
 
 PROBE = """
     import sys
-    heavy = sorted(m for m in ("torch", "transformers", "trl_gc_plugin.patching") if m in sys.modules)
+    heavy = sorted(m for m in ("torch", "transformers", "trl_gc_plugin.routes.post_init") if m in sys.modules)
     finders = [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "_TransformersFinder"]
     from transformers import TrainingArguments
     import transformers.trainer as t
@@ -67,7 +67,7 @@ AT_STARTUP = """
     print(sorted(m for m in sys.modules if m.startswith(("torch", "transformers", "trl_gc_plugin"))),
           [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "_TransformersFinder"])
 """
-HOOK = "['trl_gc_plugin', 'trl_gc_plugin._flags', 'trl_gc_plugin._startup']"
+HOOK = "['trl_gc_plugin', 'trl_gc_plugin._base', 'trl_gc_plugin._base.flags', 'trl_gc_plugin._startup']"
 
 
 @pytest.mark.parametrize(("value", "expected"), [
@@ -168,7 +168,7 @@ def test_transformers_already_imported_is_handled_at_once(venv_python, tmp_path,
 
 def test_a_failing_patch_is_logged_and_never_breaks_the_import(venv_python, tmp_path):
     code = """
-        import trl_gc_plugin.patching as p
+        import trl_gc_plugin.routes.post_init as p
         def boom(*a, **k):
             raise RuntimeError("boom")
         p.patch_training_args = boom
@@ -269,7 +269,7 @@ def test_torchrun_two_ranks_get_the_callback_and_the_same_decision(venv_python, 
 
 
 SUMMARY = "[trl_gc_plugin] INFO: gradient checkpointing on"
-DETAIL = "[trl_gc_plugin.decisions] INFO: [non-reentrant-default]"
+DETAIL = "[trl_gc_plugin.core.decisions] INFO: [non-reentrant-default]"
 
 
 @pytest.mark.parametrize("value", ["1", "1 --log_level info", "maybe"])

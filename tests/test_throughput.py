@@ -9,7 +9,8 @@ import pytest
 import torch
 import zoo
 
-from trl_gc_plugin import memory, plan_cli, planner, throughput
+from trl_gc_plugin import plan_cli
+from trl_gc_plugin.planning import memory, planner, throughput
 from trl_gc_plugin.testing import make_config
 
 SEQ = 64

@@ -10,7 +10,8 @@ import pytest
 from trainers import make_trainer
 
 import trl_gc_plugin
-from trl_gc_plugin import SafeGCCallback, tracker
+from trl_gc_plugin import SafeGCCallback
+from trl_gc_plugin.routes import tracker
 from trl_gc_plugin.testing import make_model
 
 pytest.importorskip("tensorboard")
@@ -69,7 +70,7 @@ def test_a_passed_callback_moves_just_before_the_reporters_and_nothing_else_move
 
 
 def test_mlflow_style_reporters_get_numbers_only():
-    from trl_gc_plugin.decisions import Decision
+    from trl_gc_plugin.core.decisions import Decision
 
     decisions = [Decision(rule_id="non-reentrant-default", action="default", setting="use_reentrant", before=None,
                           after=False, source="unset", reason="x", stage="init_end")]

@@ -8,8 +8,8 @@ from trainers import TF5, block_params, make_trainer, unchanged_block_params
 from transformers import TrainerCallback
 
 from trl_gc_plugin import GCConfigError, SafeGCCallback
-from trl_gc_plugin.ckpt import model_use_reentrant
-from trl_gc_plugin.probe import input_grad_hooks
+from trl_gc_plugin.model.ckpt import model_use_reentrant
+from trl_gc_plugin.model.probe import input_grad_hooks
 from trl_gc_plugin.testing import make_model
 
 

@@ -218,7 +218,7 @@ def run_trainer(out: str, scenario: str) -> dict:
     from transformers import Trainer
 
     from trl_gc_plugin import SafeGCCallback
-    from trl_gc_plugin.ckpt import model_use_reentrant
+    from trl_gc_plugin.model.ckpt import model_use_reentrant
 
     _, stage, model_kind, gc, plugin = scenario.split("-")
     rank = dist.get_rank()
@@ -245,7 +245,7 @@ def run_trainer(out: str, scenario: str) -> dict:
         "zero_optimization": zero, "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto", "zero_force_ds_cpu_optimizer": False}}
     if plugin == "budget":  # strict, with a budget midway between the predicted peaks of no and full checkpointing
-        from trl_gc_plugin import memory, planner
+        from trl_gc_plugin.planning import memory, planner
 
         est = memory.estimate(model, 2, 16)  # the Trainer's batch: 2 rows of the 16-token tokenized dataset
         n, share = est.num_blocks, 1.0 / dist.get_world_size() if stage in ("2", "3") else 1.0

@@ -76,7 +76,7 @@ def count_in_blocks(model: Any, how: str = "buffer") -> list[Any]:
     """Every checkpointable block counts the tokens it sees in its training forward, in a buffer (in place) or in a
     plain int attribute, as MoE tokens-per-expert statistics do: the block's class gets a subclass whose forward
     counts (transformers 5 checkpoints `forward`, 4.x `__call__`: both recompute it). Returns the blocks."""
-    from trl_gc_plugin import ckpt
+    from trl_gc_plugin.model import ckpt
 
     blocks = ckpt.blocks(model)
     assert blocks, "no checkpointable block found"

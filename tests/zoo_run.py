@@ -47,7 +47,7 @@ class Outcome:
 
     def settle(self, params: dict[str, Any], before: dict[str, Any], model: Any, exc: BaseException | None = None) -> None:
         """Record what changed (and what was raised, if anything) once the run is over."""
-        from trl_gc_plugin.ckpt import model_use_reentrant
+        from trl_gc_plugin.model.ckpt import model_use_reentrant
 
         changed = frozenset(n for n, p in params.items() if not torch.equal(p.detach(), before[n]))
         if exc is None:
@@ -131,7 +131,9 @@ def run_loop(arch: Arch | str, variant: str, use_reentrant: Any = "unset", plugi
     `installed(plugin)` around the loop's own `gradient_checkpointing_enable` call and its steps."""
     import contextlib
 
-    from trl_gc_plugin import installed, loop, probe
+    from trl_gc_plugin import installed
+    from trl_gc_plugin.model import probe
+    from trl_gc_plugin.routes import model_route as loop
 
     arch = BY_NAME[arch] if isinstance(arch, str) else arch
     torch.manual_seed(0)

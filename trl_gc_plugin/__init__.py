@@ -29,28 +29,28 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .callback import SafeGCCallback
-    from .decisions import Decision
-    from .engine import decide
-    from .errors import GCConfigError
-    from .facts import Facts
-    from .loop import guard
-    from .patching import install, installed, is_installed, uninstall
-    from .rules import RULES, Rule
+    from .core.decisions import Decision
+    from .core.engine import decide
+    from .core.errors import GCConfigError
+    from .core.facts import Facts
+    from .core.rules import RULES, Rule
+    from .routes.callback import SafeGCCallback
+    from .routes.model_route import guard
+    from .routes.post_init import install, installed, is_installed, uninstall
 
 _LAZY = {
-    "RULES": "rules",
-    "Rule": "rules",
-    "Decision": "decisions",
-    "Facts": "facts",
-    "GCConfigError": "errors",
-    "decide": "engine",
-    "SafeGCCallback": "callback",  # imports transformers
-    "guard": "loop",  # loops without a Trainer
-    "install": "patching",
-    "installed": "patching",
-    "is_installed": "patching",
-    "uninstall": "patching",
+    "RULES": "core.rules",
+    "Rule": "core.rules",
+    "Decision": "core.decisions",
+    "Facts": "core.facts",
+    "GCConfigError": "core.errors",
+    "decide": "core.engine",
+    "SafeGCCallback": "routes.callback",  # imports transformers
+    "guard": "routes.model_route",  # loops without a Trainer
+    "install": "routes.post_init",
+    "installed": "routes.post_init",
+    "is_installed": "routes.post_init",
+    "uninstall": "routes.post_init",
 }
 
 

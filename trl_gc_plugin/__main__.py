@@ -11,18 +11,18 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
-from . import table
+from .core import table
 
 if TYPE_CHECKING:
-    from .check import Launch
-    from .modes import Mode
+    from .configcheck.check import Launch
+    from .core.modes import Mode
 
 
 def trainer_kinds() -> tuple[str, ...]:
     """The trainers TRL has: its CLI's commands first, then its other trainer classes (as the plugin names them
     from the config class), and `trainer` for transformers' own Trainer. TRL configs take only the CLI's commands."""
-    from .launchers.trl import CLI_TRAINERS
-    from .probe import GENERATING_TRAINERS, RL_TRAINERS
+    from .configcheck.launchers.trl import CLI_TRAINERS
+    from .model.probe import GENERATING_TRAINERS, RL_TRAINERS
 
     others = sorted((RL_TRAINERS | GENERATING_TRAINERS) - set(CLI_TRAINERS))
     return (*CLI_TRAINERS, *others, "trainer")
@@ -113,9 +113,9 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
 
     from packaging.version import InvalidVersion, Version
 
-    from .check import Launch
-    from .launchers.accelerate import trl_bundled
-    from .launchers.detect import FORMATS
+    from .configcheck.check import Launch
+    from .configcheck.launchers.accelerate import trl_bundled
+    from .configcheck.launchers.detect import FORMATS
 
     nproc = None
     if ns.nproc is not None:
@@ -128,7 +128,7 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
     trainer = ns.trainer
     if trainer is not None and trainer not in trainer_kinds():
         raise OptionError(f"--trainer {trainer!r}: not a trainer TRL has; one of {', '.join(trainer_kinds())}")
-    from .settings import BY_NAME, GCSettings, parse_mode
+    from .core.settings import BY_NAME, GCSettings, parse_mode
 
     try:
         if ns.mode is not None:
@@ -184,7 +184,7 @@ def run_check(ns: argparse.Namespace) -> int:
     an option is invalid. Problems go to stderr, one line each; never a traceback."""
     try:
         launch, mode = _launch(ns)
-        from .check import check_files, exit_code, render, render_json, summary
+        from .configcheck.check import check_files, exit_code, render, render_json, summary
 
         reports = check_files(list(ns.configs), launch, mode)
     except OptionError as exc:

@@ -40,7 +40,9 @@ def enabled(value: str | None) -> bool | None:
     """True for 1/true/yes/on/t/y, False for unset/empty/0/false/no/off/f/n (any case), None for anything else."""
     if value is None or not value.strip():
         return False
-    from ._flags import parse_flag  # here, not at the top: Python 3.15's `.start` imports this module every start-up
+    from ._base.flags import (
+        parse_flag,
+    )  # here, not at the top: Python 3.15's `.start` imports this module every start-up
 
     return parse_flag(value)
 
@@ -68,7 +70,7 @@ def run() -> None:
 
 
 def _main_process() -> bool:
-    from ._flags import launcher_main_process  # imported already (`enabled` read the value)
+    from ._base.flags import launcher_main_process  # imported already (`enabled` read the value)
 
     return launcher_main_process()
 
@@ -141,7 +143,7 @@ class _TransformersFinder:
 
 def _patch(fullname: str, module: object) -> None:
     try:
-        from . import patching
+        from .routes import post_init as patching
 
         if fullname == "transformers.training_args":
             patching.patch_training_args(module.TrainingArguments)  # type: ignore[attr-defined]
@@ -149,7 +151,7 @@ def _patch(fullname: str, module: object) -> None:
         elif fullname == "transformers.trainer":
             patching.register_callback(module)
         elif fullname == "transformers.modeling_utils":
-            from . import loop
+            from .routes import model_route as loop
 
             loop.patch_enable(module.PreTrainedModel)  # type: ignore[attr-defined]  # loops without a Trainer
     except Exception:

@@ -91,7 +91,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> _Parser:
-    from .planner import SHARDED_LAYOUTS
+    from .planning.planner import SHARDED_LAYOUTS
 
     parser = _Parser(
         prog="trl-gc-plan",
@@ -227,7 +227,7 @@ def _shown(plan: Any, show_all: bool) -> list[Any]:
 
 def render(plan: Any, label: str, show_all: bool = False) -> str:
     """The candidate table and the pick, as text."""
-    from .planner import format_bytes
+    from .planning.planner import format_bytes
 
     e = plan.estimate
     head = (
@@ -289,8 +289,8 @@ def _accelerate_sharding(file: str) -> tuple[str | None, int | None, str]:
     """(layout, gradient shards, what it was read from) of an accelerate config, through the reader `trl-gc-check`
     uses (`launchers.accelerate.read_accelerate`); gradient shards None when the file does not say how many
     processes."""
-    from .launchers.accelerate import read_accelerate
-    from .launchers.common import ConfigError
+    from .configcheck.launchers.accelerate import read_accelerate
+    from .configcheck.launchers.common import ConfigError
 
     try:
         accel = read_accelerate(file)
@@ -314,7 +314,7 @@ def _sharding(ns: argparse.Namespace) -> tuple[str | None, int, int]:
     """The parameter sharding to plan for, ZeRO-3's window (elements) and the gradient shards: from
     `--sharded-params` / `--grad-shards`, or from the `--deepspeed` config or the `--accelerate-config` through the
     readers the run and `trl-gc-check` use (an explicit option that disagrees with them is refused)."""
-    from ._deepspeed import ZERO3_WINDOW_DEFAULTS
+    from .core.deepspeed_config import ZERO3_WINDOW_DEFAULTS
 
     layout, window = _deepspeed_sharding(ns) if ns.deepspeed is not None else (ns.sharded_params, None)
     window = sum(ZERO3_WINDOW_DEFAULTS.values()) if window is None else window
@@ -340,7 +340,7 @@ def _sharding(ns: argparse.Namespace) -> tuple[str | None, int, int]:
 
 def _deepspeed_sharding(ns: argparse.Namespace) -> tuple[str | None, int]:
     """The parameter sharding and ZeRO-3's window of the `--deepspeed` config (`_deepspeed.deepspeed_facts`)."""
-    from ._deepspeed import deepspeed_facts
+    from .core.deepspeed_config import deepspeed_facts
 
     try:
         with open(ns.deepspeed, encoding="utf-8") as fh:
@@ -367,7 +367,7 @@ def _with_gathered(est: Any, layout: str | None, window: int) -> Any:
         return est
     import dataclasses
 
-    from .planner import layout_gathered
+    from .planning.planner import layout_gathered
 
     return dataclasses.replace(est, gathered_bytes=layout_gathered(est, layout, window))
 
@@ -375,7 +375,7 @@ def _with_gathered(est: Any, layout: str | None, window: int) -> Any:
 def run(argv: list[str] | None) -> tuple[int, str]:
     """Parse, estimate, plan. Returns (exit status, stdout text); raises `InputError` for exit status 2."""
     ns = _parser().parse_args(argv)
-    from .planner import parse_budget, plan
+    from .planning.planner import parse_budget, plan
 
     try:
         budget = parse_budget(ns.budget)
@@ -389,7 +389,7 @@ def run(argv: list[str] | None) -> tuple[int, str]:
         raise InputError(f"--batch-size x --seq-len must be at most {MAX_TOKENS} tokens")
     layout, window, shards = _sharding(ns)
     config, label = load_config(ns.model)
-    from .memory import _dtype_of, config_dtype, estimate
+    from .planning.memory import _dtype_of, config_dtype, estimate
 
     dtype = ns.dtype
     if dtype is None:
@@ -414,7 +414,7 @@ def run(argv: list[str] | None) -> tuple[int, str]:
     if ns.effective_batch is not None:
         if ns.effective_batch < 1:
             raise InputError("--effective-batch must be a positive integer")
-        from .throughput import rank
+        from .planning.throughput import rank
 
         def estimate_at(mb: int) -> Any:
             if mb == ns.batch_size:
@@ -448,7 +448,7 @@ def run(argv: list[str] | None) -> tuple[int, str]:
 
 def render_throughput(options: list[Any], effective: int, batch_size: int) -> str:
     """The (micro-batch, accumulation, plan) options, fastest first, and the advice."""
-    from .planner import format_bytes
+    from .planning.planner import format_bytes
 
     lines = [f"effective batch {effective} rows per device, ranked by predicted tokens/s (relative to the fastest):"]
     rows = [("micro-batch", "accumulation", "plan", "peak", "speed")]

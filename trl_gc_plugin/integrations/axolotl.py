@@ -34,9 +34,10 @@ try:
     from axolotl.integrations.base import BasePlugin
     from pydantic import BaseModel, model_validator
 
-    from .. import probe, report
-    from ..callback import SafeGCCallback
-    from ..settings import CALLBACK_SETTINGS, GCSettings
+    from .._base import report
+    from ..core.settings import CALLBACK_SETTINGS, GCSettings
+    from ..model import probe
+    from ..routes.callback import SafeGCCallback
 except ImportError as exc:  # PluginManager only logs an ImportError and trains on without the plugin
     raise RuntimeError(
         f"trl_gc_plugin's Axolotl plugin could not be loaded ({exc}); training without it would run unchecked. "
@@ -56,7 +57,7 @@ def config_key(name: str) -> str:
 
 
 class SafeGCArgs(BaseModel):
-    """The plugin's keys in an Axolotl config (one per setting of `trl_gc_plugin.settings`, prefixed `trl_gc_`).
+    """The plugin's keys in an Axolotl config (one per setting of `trl_gc_plugin.core.settings`, prefixed `trl_gc_`).
     Values are checked by the settings layer, not by pydantic's types, so the messages are the plugin's."""
 
     trl_gc_mode: Any = None

@@ -1,0 +1,178 @@
+"""How the plugin talks: stdlib logging, the conventions of the Trainer it lives in, each message once per process.
+
+Two loggers, both under `trl_gc_plugin`:
+
+- `trl_gc_plugin`: one short summary per run (INFO: what runs, what changed, where `gc_decisions.json` is), and what
+  the user should act on (WARNING), refusals (ERROR). Visible under default settings.
+- `trl_gc_plugin.core.decisions`: one line per decision, at the decision's level. Its INFO lines (defaults filled,
+  routine repairs of upstream behaviour) show when the Trainer's log level is `info` or `debug`
+  (`TrainingArguments(log_level="info")`, `--log_level info` on the TRL CLI); its warnings and errors always show.
+
+Like transformers does for its own library logger, the plugin gives `trl_gc_plugin` a stderr handler and stops
+propagation, unless the application configured the logger first (a handler or a level of its own): then the
+application decides. Levels follow the Trainer only while they are the plugin's own defaults. Only the main process
+logs. A message already logged in this process is not logged again (the summary excepted), nor a decision taken
+when the arguments were built that the process which started this one already logged: a launcher that builds the
+arguments before it starts the training processes (`trl sft` -> `accelerate launch`) says each once (`SAID_ENV`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from .flags import launcher_main_process
+
+logger = logging.getLogger("trl_gc_plugin")
+details = logging.getLogger("trl_gc_plugin.core.decisions")
+
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+_state: dict[str, Any] = {"handler": None, "owns_levels": False}
+_seen: set[str] = set()
+
+SAID_ENV = "_TRL_GC_PLUGIN_SAID"
+"""Private: `<pid>:<digest>,<digest>...`, the post-init decision lines process `<pid>` logged; a process it started
+itself (`os.getppid()` is `<pid>`: `accelerate launch` run inside `trl sft`, torchrun's workers) does not log them
+again. A process started through a shell or by someone else says everything."""
+
+
+def _said(pid: int) -> frozenset[str]:
+    """The digests `SAID_ENV` holds for process `pid` (none when it names another process)."""
+    owner, _, digests = os.environ.get(SAID_ENV, "").partition(":")
+    return frozenset(filter(None, digests.split(","))) if owner == str(pid) else frozenset()
+
+
+_INHERITED = _said(os.getppid())
+
+
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
+def _said_by_parent(decision: Any) -> bool:
+    """A post-init decision line the process that started this one logged already; else remember it for the
+    processes this one starts (only post-init lines: a launcher's parent builds the arguments, never the Trainer)."""
+    if getattr(decision, "stage", None) != "post_init":
+        return False
+    digest = _digest(decision.line())
+    if digest in _INHERITED:
+        return True
+    own = _said(os.getpid())
+    if digest not in own:
+        with contextlib.suppress(Exception):  # putenv refused: the children say it again, which is all it costs
+            os.environ[SAID_ENV] = f"{os.getpid()}:" + ",".join(sorted(own | {digest}))
+    return False
+
+
+def setup() -> None:
+    """Give `trl_gc_plugin` a handler and default levels (summary INFO, details WARNING), once, unless the
+    application configured it already."""
+    if _state["handler"] is not None:
+        return
+    if logger.handlers or logger.level != logging.NOTSET or details.level != logging.NOTSET:
+        _state["handler"] = False  # configured by the application: leave it alone
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(name)s] %(levelname)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    details.setLevel(logging.WARNING)
+    _state.update(handler=handler, owns_levels=True)
+
+
+def follow_trainer(args: Any) -> None:
+    """Set the levels from the Trainer's (`args.log_level`: `passive` keeps the defaults; `info`/`debug` show
+    every decision; `warning`/`error` hide the summary too), as long as they are the plugin's own defaults."""
+    setup()
+    if not _state["owns_levels"]:
+        return
+    name = str(getattr(args, "log_level", "passive") or "passive").lower()
+    if name not in _LEVELS:
+        logger.setLevel(logging.INFO)
+        details.setLevel(logging.WARNING)
+        return
+    logger.setLevel(_LEVELS[name])
+    details.setLevel(_LEVELS[name])
+
+
+def is_main_process(args: Any = None) -> bool:
+    """True on the main process: rank 0 of `args`' distributed state when given, else of the launcher's env vars."""
+    if args is not None:
+        try:
+            return int(args.process_index) == 0
+        except Exception:  # args not fully built, or no distributed state yet
+            pass
+    return launcher_main_process()
+
+
+def once(log: logging.Logger, level: int, message: str) -> bool:
+    """Log `message` unless this process logged it before; True if it was logged."""
+    if message in _seen:
+        return False
+    _seen.add(message)
+    log.log(level, message)
+    return True
+
+
+def log_decisions(decisions: Iterable[Any], main_process: bool = True) -> None:
+    """Log each decision on `trl_gc_plugin.core.decisions` at its level (main process only, once per process)."""
+    if not main_process:
+        return
+    setup()
+    for decision in decisions:
+        if not _said_by_parent(decision):
+            once(details, _LEVELS[decision.level], decision.line())
+
+
+def note(message: str, level: str = "info", main_process: bool = True) -> None:
+    """A message of the plugin's own (not a decision) on `trl_gc_plugin`, once per process."""
+    if main_process:
+        setup()
+        once(logger, _LEVELS[level], message)
+
+
+def summary_line(decisions: list[Any], mode: str, use_reentrant: Any, source: str, json_path: str | None) -> str:
+    """The run's one-line summary: what runs, what the plugin changed or would change, where the decisions are."""
+    where = f"; decisions in {json_path}" if json_path else ""
+    flagged = sorted({d.rule_id for d in decisions if d.level in ("warning", "error")})  # a check said at two stages
+    said = f"; {len(flagged)} warning(s)/refusal(s): " + ", ".join(flagged) if flagged else ""
+    if any(d.rule_id == "checkpointing-off" for d in decisions):
+        return f"gradient checkpointing is off (mode={mode}){said}{where}."
+    who = {
+        "plugin": "chosen by the plugin",
+        "user": "yours",
+        "trainer": "set by the trainer",
+        "unset": "unset",
+        "unknown": "set before the plugin saw it",
+    }.get(source, f"set by {source}")
+    running = "the library default" if use_reentrant is None else repr(use_reentrant)
+    changed = sorted({f"{d.setting}={d.after!r}" for d in decisions if d.applied and d.setting != "use_reentrant"})
+    parts = [f"gradient checkpointing on, use_reentrant={running} ({who}), mode={mode}"]
+    if changed:
+        parts.append("also set: " + ", ".join(changed))
+    return "; ".join(parts) + said + where + " (`log_level=info` lists every decision)."
+
+
+def reset() -> None:
+    """Forget which messages were logged, and undo `setup()` (the handler, propagation and levels it set)."""
+    _seen.clear()
+    handler = _state["handler"]
+    if handler:
+        logger.removeHandler(handler)
+        logger.propagate = True
+    if _state["owns_levels"]:
+        logger.setLevel(logging.NOTSET)
+        details.setLevel(logging.NOTSET)
+    _state.update(handler=None, owns_levels=False)

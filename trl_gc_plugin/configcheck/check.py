@@ -1,0 +1,498 @@
+"""`trl-gc-check` / `python -m trl_gc_plugin check CONFIG...`: the rule engine on config files, before launching.
+
+For each file: read it (`launchers.load`), tell its format (`launchers.detect`: TRL, Axolotl, LLaMA-Factory or a
+plain `TrainingArguments` JSON), read its facts the way its launcher does (`launchers.<launcher>`: the launcher's
+own parser where it can run, in a clean subprocess, else the plugin's documented model of it), fill what the file
+cannot say from the options and the installed packages (an unknown DeepSpeed release is assumed to be the oldest
+transformers supports, and said), and run `engine.decide` on the result, beside the launcher's own verdicts. Every
+fact says where it came from; a refusal says the one change to make.
+
+Exit status: 0 every file fine; 1 strict mode (or the launcher itself) refuses at least one; 2 at least one file
+cannot be read, has no recognised format, or an option is invalid. Nothing raises out of `check_files`: a bug in the
+check is reported as an error for that file (exit 2), never as a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .._base.flags import parse_flag
+from ..core import capabilities
+from ..core.decisions import Decision, first_sentence
+from ..core.engine import decide
+from ..core.facts import Facts
+from ..core.modes import Mode
+from ..model.probe import installed_versions
+from .launchers import detect, llamafactory, native, trl
+from .launchers.common import ConfigError, Context, Fact, Reading, yaml_bool
+from .launchers.load import Config
+from .launchers.load import load as load_config
+from .launchers.registry import LAUNCHERS, NAMES
+
+__all__ = ["ConfigError", "Launch", "Report", "check_files", "render", "render_json", "summary"]
+
+PACKAGES = ("transformers", "trl", "peft", "torch", "deepspeed")
+ASSUMED_VERSIONS = {
+    "deepspeed": ("0.9.3", "the oldest DeepSpeed transformers supports"),
+    "transformers": ("4.53.2", "the oldest transformers the plugin supports"),
+}
+"""Versions assumed when a package is neither installed nor given: the oldest supported, so the rules for old
+releases apply (conservative), and the output says so."""
+
+READ_KEYS = frozenset().union(*(module.READ_KEYS for module in LAUNCHERS.values()), {"torch_compile"})
+"""Every top-level key some launcher module reads: only these values are built from a YAML file."""
+
+FACT_FIELDS = frozenset(f.name for f in dataclasses.fields(Facts))
+Status = Literal["ok", "refused", "error"]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The check's options: what the file cannot say, and how to read it.
+
+    Args:
+        nproc: processes the launch starts (`--nproc`; None: from the file, else 1, said).
+        trainer: TRL CLI command for TRL configs (`--trainer`; None: `sft`, said).
+        versions: `(package, version)` to check for instead of the installed ones.
+        format: `auto` or a format name (`--format`).
+        parser: `auto` (the launcher's own code where it can run, else the plugin's model), `launcher` (only the
+            launcher's own code; a file it cannot read is an error) or `model` (only the model: fast, no imports).
+        accelerate_config: the accelerate config of the launch (`--accelerate-config`).
+        timeout: seconds for the launchers' own parsers, all files together.
+    """
+
+    nproc: int | None = None
+    trainer: str | None = None
+    versions: tuple[tuple[str, str], ...] = ()
+    format: str = "auto"
+    parser: str = "auto"
+    accelerate_config: str | None = None
+    timeout: float = 120.0
+
+
+@dataclass
+class Report:
+    """The check of one file.
+
+    Args:
+        path: the file.
+        status: `ok`, `refused` (strict mode or the launcher refuses) or `error` (not checked).
+        format / detected_by / parser: what it is, why, and who read it.
+        facts: the engine's input; `sources` says where each fact came from.
+        decisions: the launcher's verdicts, then the engine's.
+        notes: what else must be said.
+        change: the one change to make, when refused.
+        error: why the file could not be checked.
+        training: False for a config that trains nothing.
+    """
+
+    path: str
+    status: Status
+    format: str | None = None
+    detected_by: str = ""
+    parser: str = ""
+    facts: Facts | None = None
+    sources: dict[str, Fact] = field(default_factory=dict)
+    decisions: list[Decision] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    change: str | None = None
+    error: str | None = None
+    training: bool = True
+
+    @property
+    def exit_code(self) -> int:
+        return {"ok": 0, "refused": 1, "error": 2}[self.status]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "format": self.format,
+            "detected_by": self.detected_by,
+            "parser": self.parser,
+            "training": self.training,
+            "facts": self.facts.to_dict() if self.facts is not None else None,
+            "sources": {name: fact.to_dict() for name, fact in self.sources.items()},
+            "decisions": [d.to_dict() for d in self.decisions],
+            "change": self.change,
+            "notes": list(self.notes),
+            "error": self.error,
+        }
+
+
+def version_facts(launch: Launch, uses_deepspeed: bool) -> dict[str, Fact]:
+    """The version of each package the rules gate on: given, installed, or (for DeepSpeed when the config uses it,
+    and transformers) assumed to be the oldest supported."""
+    installed = installed_versions()
+    given = dict(launch.versions)
+    out: dict[str, Fact] = {}
+    for package in PACKAGES:
+        if given.get(package):
+            out[package] = Fact(given[package], "option", f"--{package}-version")
+        elif installed.get(package):
+            out[package] = Fact(installed[package], "installed", "installed where the check runs")
+        elif package in ASSUMED_VERSIONS and (package != "deepspeed" or uses_deepspeed):
+            version, why = ASSUMED_VERSIONS[package]
+            out[package] = Fact(
+                version,
+                "assumed",
+                f"not installed here and no --{package}-version: assumed {version}, {why}, so the rules for old "
+                f"releases apply; pass --{package}-version for the release the launch uses",
+            )
+        else:
+            out[package] = Fact(None, "installed", "not installed here")
+    return out
+
+
+def _context(launch: Launch, versions: dict[str, Fact]) -> Context:
+    return Context(
+        nproc=launch.nproc,
+        trainer=launch.trainer,
+        accelerate_config=launch.accelerate_config,
+        versions={k: v.value for k, v in versions.items()},
+        version_origins={k: v.origin for k, v in versions.items()},
+    )
+
+
+COMPILE_KEY = "torch_compile"
+"""The `TrainingArguments` field (TRL, LLaMA-Factory and Axolotl configs pass it through) that compiles the model."""
+
+
+def _facts(reading: Reading, versions: dict[str, Fact], config: Config) -> Facts:
+    if parse_flag(config.values.get(COMPILE_KEY)) is True:
+        reading.facts.setdefault("compiled", Fact(f"{COMPILE_KEY}=True", "file", COMPILE_KEY))
+    all_versions: dict[str, str | None] = dict(installed_versions())
+    all_versions.update({k: v.value for k, v in versions.items()})
+    values = {name: fact.value for name, fact in reading.facts.items() if name in FACT_FIELDS and name != "versions"}
+    return Facts(stage="init_end", versions=all_versions, capabilities=capabilities.for_check(all_versions), **values)
+
+
+ENGINE_CHANGES = {
+    "conflict": "upgrade DeepSpeed to >= 0.19.3 (then non-reentrant works under ZeRO-3 and the two rules agree)",
+    "invalid-use-reentrant": "write use_reentrant as a boolean: true or false",
+}
+
+
+KWARG_SETTINGS = ("preserve_rng_state", "offload")
+"""Settings that are keys of the checkpointing kwargs, spelled like `use_reentrant` in each format."""
+
+
+def change_line(reading: Reading, decisions: list[Decision]) -> str | None:
+    """The one change to make: for the first refusal (the launcher's own first), in the format's spelling."""
+    errors = [d for d in decisions if d.action == "error"]
+    errors.sort(key=lambda d: 0 if ":" in d.rule_id else 1)
+    forced: dict[str, str] = reading.extra.get("forced", {})
+    for d in errors:
+        if d.rule_id in reading.changes_for:
+            return reading.changes_for[d.rule_id]
+        if d.setting in forced:
+            return forced[d.setting]
+        if d.rule_id == "conflict" and "zero3-frozen-needs-reentrant" not in d.reason:
+            return "the rules demand opposite use_reentrant values: change the launch (see the decision)"
+        if d.rule_id in ENGINE_CHANGES:
+            return ENGINE_CHANGES[d.rule_id]
+        template = reading.changes.get(d.setting)
+        kwargs_template = reading.changes.get("use_reentrant", "")
+        if template is None and d.setting in KWARG_SETTINGS and "kwargs" in kwargs_template:
+            template = kwargs_template.replace("use_reentrant", d.setting)
+        if template and isinstance(d.after, bool):
+            line = template.format(
+                value=yaml_bool(d.after), not_value=yaml_bool(not d.after), switch="add" if d.after else "remove"
+            )
+            return line if template.startswith("{switch}") else "set " + line
+        return first_sentence(d.reason)
+    return None
+
+
+def _relabel(decisions: list[Decision], reading: Reading) -> list[Decision]:
+    """A `use_reentrant` the launcher wrote is `unknown` to the engine (treated as set explicitly, as the plugin
+    treats it at runtime); the output names the launcher."""
+    if reading.value("use_reentrant_source") != "unknown":
+        return decisions
+    label = f"launcher ({reading.format})"
+    return [dataclasses.replace(d, source=label) if d.source == "unknown" else d for d in decisions]
+
+
+def _native_jobs(items: list[tuple[int, Config, str]], launch: Launch) -> list[dict[str, Any]]:
+    jobs: list[dict[str, Any]] = []
+    if launch.parser == "model":
+        return jobs
+    for index, config, fmt in items:
+        if fmt == "trl" and native.importable("trl"):
+            trainer = launch.trainer or "sft"
+            if trainer in trl.CLI_TRAINERS:
+                jobs.append({"id": index, "launcher": "trl", "path": os.path.abspath(config.path), "trainer": trainer})
+        elif fmt == "llamafactory" and native.importable("llamafactory"):
+            jobs.append(
+                {
+                    "id": index,
+                    "launcher": "llamafactory",
+                    "path": os.path.abspath(config.path),
+                    "training": llamafactory.is_training_config(config),
+                }
+            )
+    return jobs
+
+
+@dataclass
+class _Read:
+    """A file read by the plugin's model, waiting for its launcher's own parser."""
+
+    index: int
+    config: Config
+    format: str
+    why: str
+    ctx: Context
+    reading: Reading
+
+
+def check_files(paths: list[str], launch: Launch = Launch(), mode: Mode = "strict") -> list[Report]:
+    """Check every file of `paths`; one `Report` each, in order. Never raises.
+
+    Every file is read, detected and read by the plugin's model first (fast; a wrong type stops it there); the
+    files a launcher's own parser can read then go to one subprocess together; each is finished with what that
+    parser read."""
+    reports: list[Report | None] = [None] * len(paths)
+    pending: list[_Read] = []
+    for i, path in enumerate(paths):
+        try:
+            pending.append(_first_read(i, path, launch))
+        except ConfigError as exc:
+            reports[i] = Report(path=path, status="error", error=str(exc))
+        except Exception as exc:  # a bug in the check: never a traceback, never a verdict
+            reports[i] = _internal_error(path, exc)
+    jobs = _native_jobs([(p.index, p.config, p.format) for p in pending], launch)
+    try:
+        results = native.run(jobs, launch.timeout)
+    except Exception as exc:
+        results = {
+            job["id"]: {"ok": False, "kind": "environment", "message": f"{type(exc).__name__}: {exc}"} for job in jobs
+        }
+    for p in pending:
+        try:
+            reports[p.index] = _finish(p, launch, mode, results.get(p.index))
+        except ConfigError as exc:
+            reports[p.index] = Report(
+                path=p.config.path, status="error", format=p.format, detected_by=p.why, error=str(exc)
+            )
+        except Exception as exc:
+            reports[p.index] = _internal_error(p.config.path, exc)
+    return [r for r in reports if r is not None]
+
+
+def _internal_error(path: str, exc: BaseException) -> Report:
+    return Report(
+        path=path,
+        status="error",
+        error=f"{path}: internal error in trl-gc-check ({type(exc).__name__}: {first_sentence(str(exc), 160)}); "
+        "this is a bug of the check, not of the config: please report it",
+    )
+
+
+def _first_read(index: int, path: str, launch: Launch) -> _Read:
+    config = load_config(path, READ_KEYS)
+    fmt, why = detect.detect(config, launch.format)
+    if fmt in ("axolotl", "openrlhf") and launch.parser == "launcher":
+        raise ConfigError(
+            f"{path}: --parser launcher: {NAMES[fmt]}'s own code cannot be used by the check (it is not importable "
+            "here); use --parser auto or model"
+        )
+    if launch.parser == "launcher" and fmt == "llamafactory" and not native.importable("llamafactory"):
+        raise ConfigError(
+            f"{path}: --parser launcher: LLaMA-Factory is not importable here; use --parser auto or model"
+        )
+    uses_deepspeed = (
+        "deepspeed" in config.values or launch.accelerate_config is not None or "accelerate_config" in config.values
+    )
+    ctx = _context(launch, version_facts(launch, uses_deepspeed=uses_deepspeed))
+    return _Read(index, config, fmt, why, ctx, LAUNCHERS[fmt].read(config, ctx))
+
+
+def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None) -> Report:
+    config, fmt, ctx, reading = p.config, p.format, p.ctx, p.reading
+    notes: list[str] = []
+    if fmt == "llamafactory" and result is not None and result.get("ok"):
+        reading = llamafactory.read_native(config, ctx, result)
+    if fmt == "trl" and result is not None and result.get("ok"):
+        trl.apply_native(config, ctx, reading, result)
+    if result is not None and not result.get("ok"):
+        kind, message = result.get("kind"), result.get("message", "")
+        launcher_name = NAMES.get(fmt, fmt)
+        if kind == "usage":
+            raise ConfigError(f"{config.path}: {launcher_name}'s own parser refuses it: {message}")
+        if kind == "refused":
+            if not any(d.action == "error" and ":" in d.rule_id for d in reading.decisions):
+                reading.decisions.append(_refusal(fmt, launcher_name, message))
+            else:
+                notes.append(f"{launcher_name}'s own parser refuses it too: {message}")
+        else:
+            if launch.parser == "launcher":
+                raise ConfigError(
+                    f"{config.path}: --parser launcher: {launcher_name}'s own parser could not run here: {message}"
+                )
+            reading.parser += f" ({launcher_name}'s own parser could not run here: {first_sentence(message, 160)})"
+    elif result is None and launch.parser == "launcher":
+        raise ConfigError(f"{config.path}: --parser launcher: {fmt}'s own code is not importable here")
+    if fmt == "trl":
+        trl.finish(config, ctx, reading)
+
+    # versions: now that the stage is known, DeepSpeed is assumed only where the config uses it
+    versions = version_facts(launch, uses_deepspeed=reading.value("zero_stage") is not None)
+    for package, fact in versions.items():
+        reading.facts[f"versions.{package}"] = fact
+    installed_tf = installed_versions().get("transformers")
+    if result is not None and result.get("ok") and versions["transformers"].value != installed_tf:
+        notes.append(
+            f"parsed with the installed transformers {installed_tf}; the rules are evaluated for "
+            f"{versions['transformers'].value}"
+        )
+    facts = _facts(reading, versions, config)
+    decisions = list(reading.decisions) + _relabel(decide(facts, mode), reading)
+    refused = any(d.action == "error" for d in decisions)
+    return Report(
+        path=config.path,
+        status="refused" if refused else "ok",
+        format=fmt,
+        detected_by=p.why,
+        parser=reading.parser,
+        facts=facts,
+        sources=dict(reading.facts),
+        decisions=decisions,
+        notes=reading.notes + notes,
+        change=change_line(reading, decisions) if refused else None,
+        training=reading.training,
+    )
+
+
+def _refusal(fmt: str, name: str, message: str) -> Decision:
+    return Decision(
+        rule_id=f"{fmt}:refuses",
+        action="error",
+        setting="config",
+        before=None,
+        after=None,
+        source="user",
+        reason=f"{name}'s own argument parsing refuses this config: {message}",
+        level="error",
+    )
+
+
+# --- output ----------------------------------------------------------------------------------------------------
+
+SHOWN = (
+    ("checkpointing", "gc_enabled"),
+    ("use_reentrant", "use_reentrant"),
+    ("other checkpointing kwargs", "kwargs_keys"),
+    ("checkpointing kwargs nothing reads", "kwargs_unknown"),
+    ("offload (transformers' kwarg)", "offload"),
+    ("activation offloading (launcher)", "activation_offloading"),
+    ("selective checkpointing", "selective"),
+    ("PEFT adapter", "is_peft"),
+    ("quantization", "quantization"),
+    ("frozen parameters", "frozen_params"),
+    ("inputs require grad", "inputs_require_grad"),
+    ("Unsloth", "unsloth"),
+    ("cross-layer shared state", "shared_state_layers"),
+    ("dropout", "dropout"),
+    ("model.config.use_cache", "use_cache"),
+    ("trainer", "trainer_kind"),
+    ("processes", "world_size"),
+    ("DeepSpeed ZeRO stage", "zero_stage"),
+    ("DeepSpeed activation_checkpointing", "deepspeed_activation_checkpointing"),
+    ("FSDP", "fsdp"),
+    ("FSDP activation checkpointing", "fsdp_activation_checkpointing"),
+    ("ddp_find_unused_parameters", "ddp_find_unused_parameters"),
+    ("ddp_static_graph", "ddp_static_graph"),
+    ("transformers", "versions.transformers"),
+    ("trl", "versions.trl"),
+    ("peft", "versions.peft"),
+    ("deepspeed", "versions.deepspeed"),
+)
+
+
+def _value(value: Any) -> str:
+    if value is True:
+        return "yes"
+    if value is False:
+        return "no"
+    if value is None:
+        return "-"
+    if isinstance(value, tuple):
+        return ", ".join(map(str, value)) or "-"
+    return repr(value) if isinstance(value, str) and value in ("", "true", "false") else str(value)
+
+
+def strip_links(text: str) -> str:
+    """`text` without its source links (`(https://... (what))`): they stay in the JSON, the text keeps the words."""
+    while True:
+        start = text.find(" (https://")
+        if start == -1:
+            start = text.find("(https://")
+            if start == -1:
+                return text
+        depth, end = 0, start
+        for end in range(text.index("(", start), len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        text = text[:start] + text[end + 1 :]
+
+
+def render(report: Report) -> str:
+    """One file's check as text: what it is, the facts and where each came from, the decisions, the verdict and
+    the one change to make."""
+    if report.status == "error":
+        return f"{report.path}: cannot be checked: {report.error}"
+    lines = [f"{report.path}: {report.format} config ({report.detected_by}); read by {report.parser}"]
+    if not report.training:
+        lines += [f"  - {note}" for note in report.notes]
+        lines.append("  verdict: fine (nothing trains: checkpointing does not apply)")
+        return "\n".join(lines)
+    lines.append("  facts:")
+    for label, name in SHOWN:
+        fact = report.sources.get(name)
+        if fact is None:
+            continue
+        if name in ("offload", "selective", "unsloth", "activation_offloading") and not fact.value:
+            continue
+        detail = strip_links(fact.detail)
+        where = fact.origin + (f": {detail}" if detail else "")
+        lines.append(f"    {label:<36} {_value(fact.value):<17} {where}")
+    lines.append("  decisions:")
+    for d in report.decisions:
+        lines.append(f"    {d.line()}")
+        if "The plugin disagrees on purpose:" in d.reason:
+            lines.append(
+                "      disagrees on purpose: " + d.reason.split("The plugin disagrees on purpose:", 1)[1].strip()
+            )
+    if report.notes:
+        lines.append("  notes:")
+        lines += [f"    - {note}" for note in report.notes]
+    if report.status == "refused":
+        lines.append("  verdict: REFUSED (strict mode, or the launcher itself, stops this run)")
+        lines.append(f"  change: {report.change}" if report.change else "  change: see the decisions above")
+    else:
+        warned = sum(1 for d in report.decisions if d.action in ("warn", "override"))
+        lines.append("  verdict: fine" + (f" ({warned} warning(s) above)" if warned else ""))
+    return "\n".join(lines)
+
+
+def render_json(reports: list[Report]) -> str:
+    return json.dumps([r.to_dict() for r in reports], indent=2, default=repr)
+
+
+def summary(reports: list[Report]) -> str:
+    counts = {s: sum(1 for r in reports if r.status == s) for s in ("ok", "refused", "error")}
+    return (
+        f"checked {len(reports)} file(s): {counts['ok']} fine, {counts['refused']} refused, "
+        f"{counts['error']} not checked (unreadable, unrecognised or invalid)"
+    )
+
+
+def exit_code(reports: list[Report]) -> int:
+    return max((r.exit_code for r in reports), default=0)

@@ -1,0 +1,258 @@
+"""Parse configs with the launchers' own code, in a clean process: `python -m trl_gc_plugin.configcheck.launchers._worker`.
+
+Reads `{"jobs": [...]}` (JSON) on stdin and writes one JSON line per job on stdout, flushed as each finishes (so a
+parent that stops waiting keeps the finished ones). Started by `native.py` with the distributed variables removed
+(`TrainingArguments.__post_init__` sets up the device, which with `RANK`/`WORLD_SIZE` set waits for other ranks
+forever), no GPU visible, and the Hub offline.
+
+- `trl` jobs: `trl.scripts.<command>.make_parser().parse_args_and_config(["--config", path, "--use_cpu", "true"])`
+  (exactly what `trl <command>` runs; `--use_cpu` only lets TRL's `bf16=True` default pass on a machine without a
+  GPU), then `probe.facts_from_args` on the real `TrainingArguments`, as the callback reads them. Keys TRL hands to
+  `accelerate launch` are checked against accelerate's own launch parser, and `accelerate_config` is resolved by
+  TRL's own `resolve_accelerate_config_argument`.
+- `llamafactory` jobs: LLaMA-Factory's own `read_args` (OmegaConf) and `get_train_args` / `get_infer_args`, without
+  the `deepspeed` key (LLaMA-Factory refuses DeepSpeed outside a distributed launch; the check reads that file
+  itself) and with `DISABLE_VERSION_CHECK=1`.
+
+PyYAML's `safe_load` is pointed at libyaml's C loader here (same YAML 1.1 semantics) so a large file does not take
+minutes. Each job runs with `os.environ` restored afterwards (TRL applies a config's `env:` mapping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import re
+import sys
+from typing import Any
+
+FACT_FIELDS = (
+    "gc_enabled",
+    "use_reentrant",
+    "kwargs_given",
+    "zero_stage",
+    "fsdp",
+    "fsdp_activation_checkpointing",
+    "ddp_find_unused_parameters",
+    "ddp_static_graph",
+    "gc_flag_source",
+    "trainer_kind",
+    "fsdp_version",
+    "zero_overlap_comm",
+)
+
+ENVIRONMENT = re.compile(
+    r"GPU|CUDA|cuda|Ampere|NPU|XPU|MPS|\bmps\b|bf16|fp16|tf32|not installed|pip install|is not available|"
+    r"requires? .* (installed|library)|Output directory|No such file|device|Expected a string path to an existing",
+)
+"""Failures that come from the machine the check runs on, not from the config: the parse falls back to the model."""
+
+
+def _classify(exc: BaseException) -> str:
+    if isinstance(exc, (ImportError, OSError, RuntimeError, MemoryError)):
+        return "environment"
+    if isinstance(exc, (ValueError, TypeError, AssertionError, KeyError, AttributeError)):
+        return "environment" if ENVIRONMENT.search(str(exc)) else "refused"
+    return "environment"
+
+
+TRL0_COMMANDS = ("dpo", "grpo", "kto", "reward", "rloo", "sft")
+"""The training commands of TRL 0.x's CLI (`trl/cli.py`, one module; TRL 1.x lists them in `trl.cli.commands`)."""
+
+
+def _accelerate_config_file(value: str) -> str:
+    """What `trl <command>` hands to `accelerate launch --config_file` for `--accelerate_config value`."""
+    try:
+        from trl.cli.accelerate_config import resolve_accelerate_config_argument
+    except ImportError:  # TRL 0.x resolves it inside trl/cli.py's main(): a file path, else a config TRL ships
+        pass
+    else:
+        return str(resolve_accelerate_config_argument(["--accelerate_config", value])[1])
+    from trl_gc_plugin.configcheck.launchers.accelerate import trl_bundled
+
+    file = value if os.path.isfile(value) else trl_bundled(value)
+    if file is None:
+        raise ValueError(f"Accelerate config {value} is neither a file nor a valid config in the `trl` package.")
+    return file
+
+
+def _trl(job: dict[str, Any]) -> dict[str, Any]:
+    import inspect
+
+    import trl
+
+    from trl_gc_plugin.model.probe import facts_from_args
+
+    module = importlib.import_module(f"trl.scripts.{job['trainer']}")
+    parser = module.make_parser()
+    argv = ["--config", job["path"], "--use_cpu", "true"]
+    if "separate_remaining_strings" in inspect.signature(parser.parse_args_and_config).parameters:  # TRL >= 1.0
+        out = parser.parse_args_and_config(argv, return_remaining_strings=True, separate_remaining_strings=True)
+        remaining = out[-2]  # the config's keys no dataclass took (the command line's are out[-1])
+    else:  # TRL 0.x: one list; the command line here has nothing left over
+        out = parser.parse_args_and_config(argv, return_remaining_strings=True)
+        remaining = out[-1]
+    args, model_args = out[1], out[2]
+    facts = facts_from_args(args, stage="post_init")  # the arguments alone: no Trainer, no model yet
+    keys = [remaining[i][2:] for i in range(0, len(remaining), 2)]
+    accelerate_config = None
+    unknown: list[str] = []
+    valueless: list[str] = []
+    if keys:
+        from accelerate.commands.launch import launch_command_parser
+
+        launch = launch_command_parser()
+        options = {o.lstrip("-").replace("-", "_"): a for a in launch._actions for o in a.option_strings}
+        for key in keys:
+            if key == "accelerate_config":
+                accelerate_config = _accelerate_config_file(remaining[remaining.index("--accelerate_config") + 1])
+            elif key not in options:
+                unknown.append(key)
+            elif options[key].nargs == 0:
+                valueless.append(key)
+    known_by = {key: _commands_with_field(key) for key in unknown}
+    kwargs_name = (
+        "activation_checkpointing_kwargs"
+        if hasattr(args, "activation_checkpointing_kwargs")
+        else "gradient_checkpointing_kwargs"
+    )
+    kwargs = getattr(args, kwargs_name, None)
+    return {
+        "version": trl.__version__,
+        "facts": {name: getattr(facts, name) for name in FACT_FIELDS if hasattr(facts, name)},
+        "kwargs": kwargs if isinstance(kwargs, dict) else None,
+        "use_peft": bool(model_args.use_peft),
+        "load_in_4bit": bool(model_args.load_in_4bit),
+        "load_in_8bit": bool(model_args.load_in_8bit),
+        "unknown_keys": unknown,
+        "known_by": known_by,
+        "valueless_keys": valueless,
+        "accelerate_config": accelerate_config,
+    }
+
+
+_FIELDS: dict[str, set[str]] = {}
+
+
+def _commands_with_field(key: str) -> list[str]:
+    """The `trl` commands whose config has a field `key` (from TRL's own parsers)."""
+    try:
+        from trl.cli.commands import get_commands
+    except ImportError:  # TRL 0.x
+        commands = list(TRL0_COMMANDS)
+    else:
+        commands = [c.name for c in get_commands() if type(c).__name__ == "TrainingCommand"]
+    for name in commands:
+        if name not in _FIELDS:
+            try:
+                parser = importlib.import_module(f"trl.scripts.{name}").make_parser()
+                _FIELDS[name] = {action.dest for action in parser._actions}
+            except Exception:
+                _FIELDS[name] = set()
+    return [name for name in commands if key in _FIELDS[name]]
+
+
+LLAMAFACTORY_FIELDS = {
+    "model": (
+        "disable_gradient_checkpointing",
+        "use_reentrant_gc",
+        "use_unsloth_gc",
+        "use_unsloth",
+        "use_kt",
+        "quantization_bit",
+        "quantization_method",
+        "adapter_name_or_path",
+    ),
+    "training": (
+        "do_train",
+        "gradient_checkpointing",
+        "gradient_checkpointing_kwargs",
+        "ddp_find_unused_parameters",
+        "ddp_static_graph",
+        "fsdp",
+        "fsdp_config",
+    ),
+    "finetuning": ("stage", "finetuning_type"),
+}
+
+
+def _plain(value: Any) -> Any:
+    """JSON-able: enums by value, lists kept, other objects by str."""
+    value = getattr(value, "value", value)
+    if value is None or isinstance(value, (bool, int, float, str, list, dict)):
+        return value
+    return str(value)
+
+
+def _llamafactory(job: dict[str, Any]) -> dict[str, Any]:
+    os.environ["DISABLE_VERSION_CHECK"] = "1"
+    import llamafactory
+    from llamafactory.hparams import get_infer_args, get_train_args
+    from llamafactory.hparams.parser import read_args
+
+    saved_argv = sys.argv
+    sys.argv = ["llamafactory-cli", job["path"]]
+    try:
+        values = read_args()
+    finally:
+        sys.argv = saved_argv
+    if not isinstance(values, dict):
+        raise ValueError("LLaMA-Factory read no mapping from the file")
+    values.pop("deepspeed", None)
+    result: dict[str, Any] = {"version": getattr(llamafactory, "__version__", "unknown")}
+    if job["training"]:
+        values["use_cpu"] = True
+        model_args, _data, training_args, finetuning_args, _gen = get_train_args(values)
+    else:
+        model_args, _data, finetuning_args, _gen = get_infer_args(values)
+        training_args = None
+    parsed = {"model": model_args, "training": training_args, "finetuning": finetuning_args}
+    result["values"] = {
+        name: _plain(getattr(parsed[group], name))
+        for group, names in LLAMAFACTORY_FIELDS.items()
+        for name in names
+        if hasattr(parsed[group], name)  # False for the training arguments of a non-training config (None)
+    }
+    return result
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    """One job, never raising: `{"id", "ok": True, ...}` or `{"id", "ok": False, "kind", "message"}`."""
+    saved = dict(os.environ)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            out = _trl(job) if job["launcher"] == "trl" else _llamafactory(job)
+        return {"id": job["id"], "ok": True, **out}
+    except SystemExit:
+        lines = [line for line in err.getvalue().splitlines() if line.strip()]
+        message = lines[-1] if lines else "the parser exited"
+        message = message.split(": error: ", 1)[-1]
+        return {"id": job["id"], "ok": False, "kind": "usage", "message": message}
+    except BaseException as exc:  # the launcher's own code: anything may come out of it
+        return {"id": job["id"], "ok": False, "kind": _classify(exc), "message": f"{type(exc).__name__}: {exc}"[:400]}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def main() -> int:
+    import yaml
+
+    if hasattr(yaml, "CSafeLoader"):
+        c_loader = yaml.CSafeLoader
+        yaml.safe_load = lambda stream: yaml.load(stream, Loader=c_loader)  # type: ignore[assignment]
+    request = json.load(sys.stdin)
+    real_stdout = sys.stdout
+    for job in request["jobs"]:
+        result = run(job)
+        real_stdout.write(json.dumps(result, default=repr) + "\n")
+        real_stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

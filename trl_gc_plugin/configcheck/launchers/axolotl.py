@@ -1,0 +1,1057 @@
+"""Axolotl YAML configs (`axolotl train cfg.yml`).
+
+Axolotl cannot be imported here (its wheels need Python >= 3.12 and pin other transformers/TRL releases), so this
+module is the plugin's model of what Axolotl main@067b021c does with a config before the Trainer runs (read in its
+sources; every step cites the file and lines, `SRC`):
+
+1. the schema (pydantic, lax): `gradient_checkpointing` is true/false (also "false", "no", "0", ...), `offload` or
+   `offload_disk`; anything else (e.g. `unsloth`) is refused. `activation_offloading` is true/false, `legacy`,
+   `disk` or `hidden_states`. `selective_checkpointing` is a mapping or a boolean. `gradient_checkpointing_kwargs`
+   is kept as written (a string `"false"` stays a string, which torch reads as True).
+2. the validators that run on the raw file (`mode="before"`) and on the validated config (`mode="after"`):
+   `RULES` below, and the rewrites: `offload` -> `activation_offloading: true`, `offload_disk` -> `disk`;
+   `activation_offloading: hidden_states` defaults `use_reentrant` to False; EBFT strided + flex_attention forces
+   `use_reentrant: true`; `fsdp_config` keys lose their `fsdp_` prefix (`fsdp_activation_checkpointing` is
+   `activation_checkpointing`).
+3. `normalize_config`: with checkpointing on and none of `unfrozen_parameters`, `gradient_checkpointing_kwargs`,
+   `rl` set, it writes `gradient_checkpointing_kwargs: {use_reentrant: true}`; Gemma 4 forces non-reentrant.
+4. the trainer builders: SFT passes `ddp_find_unused_parameters=bool(cfg value)` under several processes (False when
+   unset); the RL builder passes nothing (transformers decides: True for a PEFT model). Without kwargs the builder
+   passes `{use_reentrant: False}`. `activation_offloading` true/`disk`/`legacy` replaces the Trainer's
+   checkpointing (full fine-tune: torch's non-reentrant `checkpoint_wrapper`; adapters keep the load-time
+   checkpointing with the config's kwargs). `selective_checkpointing` patches the model to non-reentrant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..._base.flags import pydantic_bool
+from ...core.context_parallel import KEY as CP_KEY
+from ...core.context_parallel import cp_size_of
+from .common import (
+    ConfigError,
+    Context,
+    LauncherRule,
+    Origin,
+    Reading,
+    expect_mapping,
+    release,
+    short,
+    type_name,
+    where,
+)
+from .deepspeed import read_deepspeed
+from .load import Config
+from .model_config import local_model_config, read_model_facts
+from .trl import read_kwargs_keys
+
+COMMIT = "067b021c8b87a9e5e380b9173c704cf7340e30f5"
+VERSION_MODELLED = "Axolotl main@067b021c"
+PLUGIN = "trl_gc_plugin.integrations.axolotl.SafeGCPlugin"
+"""The `plugins:` entry of the plugin's Axolotl integration (`trl_gc_plugin/integrations/axolotl.py`)."""
+SRC = f"https://github.com/axolotl-ai-cloud/axolotl/blob/{COMMIT}/src/axolotl/"
+VALIDATION = SRC + "utils/schemas/validation.py"
+
+
+def _src(file: str, first: int, last: int, what: str) -> str:
+    return f"{SRC}{file}#L{first}-L{last} ({what})"
+
+
+SOURCES = {
+    "schema": _src(
+        "utils/schemas/config.py",
+        600,
+        635,
+        "gradient_checkpointing, gradient_checkpointing_kwargs, selective_checkpointing, activation_offloading",
+    ),
+    "normalize": _src(
+        "utils/config/__init__.py", 377, 383, "normalize_config: use_reentrant True for SFT when nothing else sets it"
+    ),
+    "ddp": _src("utils/config/__init__.py", 221, 221, "cfg.ddp: every multi-process run"),
+    "gemma4": _src(
+        "utils/config/__init__.py", 385, 415, "Gemma 4: use_reentrant False, ddp_find_unused_parameters True"
+    ),
+    "causal_ddp": _src(
+        "core/builders/causal.py", 262, 268, "SFT: ddp_find_unused_parameters=bool(cfg value) under DDP"
+    ),
+    "rl_builder": _src("core/builders/rl.py", 101, 229, "RL: ddp_find_unused_parameters is not passed"),
+    "builder_gc": _src("core/builders/base.py", 581, 610, "_configure_gradient_checkpointing"),
+    "input_grads": _src("loaders/adapter.py", 427, 428, "enable_input_require_grads() for every adapter"),
+    "sac": _src(
+        "monkeypatch/selective_checkpointing.py", 317, 326, "selective checkpointing forces use_reentrant=False"
+    ),
+    "ac_wrap": _src(
+        "core/trainers/mixins/activation_checkpointing.py",
+        148,
+        150,
+        "ac_wrap_hf_model: torch checkpoint_wrapper, NO_REENTRANT",
+    ),
+    "offload_cpu": _src(
+        "monkeypatch/gradient_checkpointing/offload_cpu.py",
+        38,
+        68,
+        "legacy offloading: a reentrant-style autograd Function",
+    ),
+    "offload": f"{VALIDATION}#L1426-L1442 (offload -> activation_offloading)",
+    "hidden_states": f"{VALIDATION}#L1497-L1515 (hidden_states: use_reentrant defaults to False)",
+    "cp_env": "axolotl 0.19.0 utils/trainer.py setup_parallelism_envs: PARALLELISM_CONFIG_CP_SIZE, "
+    "ACCELERATE_USE_PARALLELISM_CONFIG",
+    "ebft_reentrant": f"{VALIDATION}#L1825-L1843 (EBFT strided + flex_attention forces use_reentrant: true)",
+    "fsdp_prefix": f"{VALIDATION}#L1085-L1104 (fsdp_config: the fsdp_ prefix is dropped)",
+}
+
+MARKERS = frozenset(
+    {
+        "base_model",
+        "base_model_config",
+        "sequence_len",
+        "num_epochs",
+        "adapter",
+        "lora_target_linear",
+        "lora_model_dir",
+        "rl",
+        "unfrozen_parameters",
+        "sample_packing",
+        "pad_to_sequence_len",
+        "val_set_size",
+        "special_tokens",
+        "flash_attention",
+        "activation_offloading",
+        "selective_checkpointing",
+        "tokenizer_type",
+        "wandb_project",
+    }
+)
+"""Keys only Axolotl's configs use (`base_model` is required by its schema). Not `micro_batch_size`: LLaMA-Factory's
+v1 configs use it too."""
+
+STRONG_MARKERS = frozenset({"base_model"})
+
+READ_KEYS = frozenset(
+    {
+        "base_model",
+        "gradient_checkpointing",
+        "gradient_checkpointing_kwargs",
+        "activation_offloading",
+        "selective_checkpointing",
+        "context_parallel_size",
+        "sequence_parallel_degree",
+        "unfrozen_parameters",
+        "rl",
+        "adapter",
+        "plugins",
+        "inference",
+        "merge_lora",
+        "load_in_4bit",
+        "load_in_8bit",
+        "gptq",
+        "deepspeed",
+        "fsdp",
+        "fsdp_config",
+        "fsdp_version",
+        "ddp",
+        "ddp_find_unused_parameters",
+        "attn_implementation",
+        "ebft",
+        "sample_packing",
+    }
+)
+
+RL_TYPES = {
+    "dpo": "dpo",
+    "ipo": "dpo",
+    "orpo": "orpo",
+    "kto": "kto",
+    "simpo": "cpo",
+    "grpo": "grpo",
+    "gdpo": "grpo",
+    "ebft": "grpo",
+}
+"""Axolotl's `RLType` values (`utils/schemas/enums.py`) and the TRL trainer kind each one runs."""
+
+GENERATING = frozenset({"grpo", "gdpo", "ebft"})
+
+BUNDLED_DEEPSPEED = {
+    "zero1.json": 1,
+    "zero1_torch_compile.json": 1,
+    "zero2.json": 2,
+    "zero2_torch_compile.json": 2,
+    "zero3.json": 3,
+    "zero3_bf16.json": 3,
+    "zero3_bf16_cpuoffload_all.json": 3,
+    "zero3_bf16_cpuoffload_params.json": 3,
+}
+"""Axolotl's `deepspeed_configs/` (copied by `axolotl fetch deepspeed_configs`), with their ZeRO stages."""
+
+
+@dataclass(frozen=True)
+class View:
+    """The config as Axolotl's validators see it: `raw` (before validation) and the validated values."""
+
+    raw: dict[str, Any]
+    gc: Any  # validated: True / False / None (after the offload rewrite)
+    kwargs: dict[str, Any] | None  # after the validators
+    activation_offloading: Any
+    selective: dict[str, Any] | None
+    unfrozen: list[str] | None
+    rl: str | None
+    adapter: str | None
+    load_in_4bit: bool
+    load_in_8bit: bool
+    gptq: bool
+    n_gpu: int
+    base_model: str
+    ebft_strided_flex: bool
+    sample_packing: bool
+    inference: bool
+    merge_lora: bool
+    plugins: bool
+
+    def raw_kwargs(self) -> dict[str, Any]:
+        value = self.raw.get("gradient_checkpointing_kwargs")
+        return value if isinstance(value, dict) else {}
+
+
+def _trl_gc_entries(raw: Any, callbacks: bool) -> list[str]:
+    """The `plugins:` entries under `trl_gc_plugin.` that are not the plugin: the callback's path (`callbacks`) or
+    anything else."""
+    entries = raw.get("plugins") if isinstance(raw.get("plugins"), list) else []
+    ours = [e.strip() for e in entries if isinstance(e, str) and e.strip().startswith("trl_gc_plugin.")]
+    return [e for e in ours if e != PLUGIN and (e.rsplit(".", 1)[-1] == "SafeGCCallback") == callbacks]
+
+
+def _matmul_saves(v: View) -> list[str]:
+    ops = ("aten::mm", "aten::addmm", "aten::matmul", "aten::bmm")
+    save = (v.selective or {}).get("save", ["attention"])
+    return [s for s in save if isinstance(s, str) and s != "attention" and any(s in op for op in ops)]
+
+
+RULES: tuple[LauncherRule, ...] = (
+    LauncherRule(
+        id="axolotl:unfrozen-needs-non-reentrant",
+        action="error",
+        setting="use_reentrant",
+        condition="`unfrozen_parameters` and `gradient_checkpointing_kwargs.use_reentrant: true`",
+        message='Axolotl refuses to start: "`use_reentrant` must be false when used with partially frozen model."',
+        change="gradient_checkpointing_kwargs: {use_reentrant: false}",
+        evidence=(
+            f"{VALIDATION}#L456-L467 (check_use_reentrant_mismatch)",
+            "https://github.com/huggingface/transformers/issues/21381",
+        ),
+        when=lambda v: bool(v.raw.get("unfrozen_parameters")) and v.raw_kwargs().get("use_reentrant") is True,
+    ),
+    LauncherRule(
+        id="axolotl:distributed-rl-qlora-reentrant",
+        action="error",
+        setting="use_reentrant",
+        condition="`rl`, checkpointing, `use_reentrant` true, `load_in_4bit`, `adapter: qlora`, more than one GPU",
+        message=(
+            'Axolotl refuses to start: "The `use_reentrant: True` implementation of gradient checkpointing is not '
+            'supported for distributed RL training with QLoRA." (it counts GPUs from WORLD_SIZE, i.e. --nproc here)'
+        ),
+        change="gradient_checkpointing_kwargs: {use_reentrant: false}",
+        evidence=(f"{VALIDATION}#L718-L739 (check_rl_config_gradient_checkpointing)",),
+        when=lambda v: bool(
+            v.raw.get("rl")
+            and v.raw.get("gradient_checkpointing")
+            and v.raw_kwargs().get("use_reentrant")
+            and v.raw.get("load_in_4bit")
+            and v.raw.get("adapter") == "qlora"
+            and v.n_gpu > 1
+        ),
+    ),
+    LauncherRule(
+        id="axolotl:fsdp-and-deepspeed",
+        action="error",
+        setting="deepspeed",
+        condition="`deepspeed` and `fsdp` both set",
+        message='Axolotl refuses to start: "deepspeed and fsdp cannot be used together."',
+        change="keep one of `deepspeed:` / `fsdp:`",
+        evidence=(f"{VALIDATION}#L1226-L1229 (check_fsdp_deepspeed)",),
+        when=lambda v: bool(v.raw.get("deepspeed") and v.raw.get("fsdp")),
+    ),
+    LauncherRule(
+        id="axolotl:quantized-needs-adapter",
+        action="error",
+        setting="adapter",
+        condition="`load_in_4bit` or `load_in_8bit` without an `adapter` (and not `inference`)",
+        message='Axolotl refuses to start: "load_in_8bit and load_in_4bit are not supported without setting an adapter for training."',
+        change="set `adapter: lora` (or `qlora`), or turn off load_in_4bit / load_in_8bit",
+        evidence=(_src("utils/schemas/peft.py", 179, 199, "validate_adapter"),),
+        when=lambda v: (
+            not v.raw.get("adapter")
+            and not v.raw.get("inference")
+            and bool(v.raw.get("load_in_8bit") or v.raw.get("load_in_4bit"))
+        ),
+    ),
+    LauncherRule(
+        id="axolotl:unknown-adapter",
+        action="error",
+        setting="adapter",
+        condition="`adapter` other than lora / qlora / llama-adapter, and no `plugins:` that could register it",
+        message='Axolotl refuses to start: the adapter "is not built in and was not registered by a plugin".',
+        change="use `adapter: lora` or `qlora`, or add the plugin that provides the adapter to `plugins:`",
+        evidence=(_src("utils/schemas/peft.py", 179, 199, "validate_adapter"),),
+        when=lambda v: bool(v.adapter) and v.adapter not in ("lora", "qlora", "llama-adapter") and not v.plugins,
+    ),
+    LauncherRule(
+        id="axolotl:qlora-needs-4bit",
+        action="error",
+        setting="load_in_4bit",
+        condition="`adapter: qlora` without `load_in_4bit: true`, or with `load_in_8bit` / `gptq` (not merging)",
+        message="Axolotl refuses to start: qlora requires `load_in_4bit: true` and neither 8-bit nor GPTQ loading.",
+        change="set `load_in_4bit: true` (and remove load_in_8bit / gptq)",
+        evidence=(_src("utils/schemas/peft.py", 202, 224, "validate_qlora"),),
+        when=lambda v: v.adapter == "qlora" and not v.merge_lora and (v.load_in_8bit or v.gptq or not v.load_in_4bit),
+    ),
+    LauncherRule(
+        id="axolotl:offloading-needs-gc",
+        action="error",
+        setting="gradient_checkpointing",
+        condition="`activation_offloading` with checkpointing off",
+        message='Axolotl refuses to start: "activation_offloading requires gradient_checkpointing".',
+        change="gradient_checkpointing: true (or remove activation_offloading)",
+        evidence=(f"{VALIDATION}#L1445-L1448 (check_activation_offloading_wo_gc)",),
+        when=lambda v: bool(v.activation_offloading) and not v.gc,
+    ),
+    LauncherRule(
+        id="axolotl:selective-needs-gc",
+        action="error",
+        setting="gradient_checkpointing",
+        condition="`selective_checkpointing` with checkpointing off",
+        message='Axolotl refuses to start: "selective_checkpointing requires gradient_checkpointing".',
+        change="gradient_checkpointing: true (or remove selective_checkpointing)",
+        evidence=(f"{VALIDATION}#L1451-L1494 (check_selective_checkpointing)",),
+        when=lambda v: v.selective is not None and not v.gc,
+    ),
+    LauncherRule(
+        id="axolotl:selective-needs-non-reentrant",
+        action="error",
+        setting="use_reentrant",
+        condition="`selective_checkpointing` with `gradient_checkpointing_kwargs.use_reentrant` true",
+        message='Axolotl refuses to start: "selective_checkpointing requires non-reentrant checkpointing".',
+        change="gradient_checkpointing_kwargs: {use_reentrant: false}",
+        evidence=(f"{VALIDATION}#L1451-L1494 (check_selective_checkpointing)",),
+        when=lambda v: v.selective is not None and bool(v.gc) and bool((v.kwargs or {}).get("use_reentrant")),
+    ),
+    LauncherRule(
+        id="axolotl:selective-with-offloading",
+        action="error",
+        setting="activation_offloading",
+        condition="`selective_checkpointing` with `activation_offloading` other than false / hidden_states",
+        message="Axolotl refuses to start: selective checkpointing works only with `activation_offloading: hidden_states` (or false).",
+        change="activation_offloading: hidden_states (or false)",
+        evidence=(f"{VALIDATION}#L1451-L1494 (check_selective_checkpointing)",),
+        when=lambda v: (
+            v.selective is not None
+            and bool(v.gc)
+            and not (v.kwargs or {}).get("use_reentrant")
+            and bool(v.activation_offloading)
+            and v.activation_offloading != "hidden_states"
+        ),
+    ),
+    LauncherRule(
+        id="axolotl:selective-saves-matmul-with-adapter",
+        action="error",
+        setting="selective_checkpointing",
+        condition="`selective_checkpointing.save` entries that match matmul ops, with an adapter",
+        message="Axolotl refuses to start: saved matmul outputs are mutated in place by the adapter.",
+        change="selective_checkpointing: {save: [attention]}",
+        evidence=(f"{VALIDATION}#L1451-L1494 (check_selective_checkpointing)",),
+        when=lambda v: (
+            v.selective is not None
+            and bool(v.gc)
+            and bool(v.adapter)
+            and bool(_matmul_saves(v))
+            and not (v.kwargs or {}).get("use_reentrant")
+            and v.activation_offloading in (False, None, "hidden_states")
+        ),
+    ),
+    LauncherRule(
+        id="axolotl:hidden-states-reentrant-unfrozen",
+        action="error",
+        setting="use_reentrant",
+        condition="`activation_offloading: hidden_states`, `use_reentrant: true` and `unfrozen_parameters`",
+        message="Axolotl refuses to start: hidden-states offloading with reentrant checkpointing is incompatible with `unfrozen_parameters`.",
+        change="gradient_checkpointing_kwargs: {use_reentrant: false}",
+        evidence=(SOURCES["hidden_states"],),
+        when=lambda v: (
+            v.activation_offloading == "hidden_states"
+            and bool((v.kwargs or {}).get("use_reentrant"))
+            and bool(v.unfrozen)
+        ),
+    ),
+    LauncherRule(
+        id="axolotl:ebft-offloading-flex",
+        action="error",
+        setting="activation_offloading",
+        condition="EBFT strided + `attn_implementation: flex_attention` + `activation_offloading: true`",
+        message="Axolotl refuses to start: activation offloading conflicts with flex_attention's reentrant requirement in EBFT strided mode.",
+        change="remove activation_offloading",
+        evidence=(f"{VALIDATION}#L1846-L1863 (check_ebft_activation_offloading)",),
+        when=lambda v: v.ebft_strided_flex and v.activation_offloading is True,
+    ),
+    LauncherRule(
+        id="axolotl:mpt-checkpointing",
+        action="error",
+        setting="gradient_checkpointing",
+        condition="`base_model` names an MPT model and checkpointing is on",
+        message='Axolotl refuses to start: "gradient_checkpointing is not supported for MPT models".',
+        change="gradient_checkpointing: false",
+        evidence=(f"{VALIDATION}#L1403-L1408 (check_mpt_checkpointing)",),
+        when=lambda v: "mpt" in v.base_model.lower() and bool(v.gc),
+    ),
+    LauncherRule(
+        id="axolotl:nemotron-h-needs-packing",
+        action="error",
+        setting="gradient_checkpointing",
+        condition="`base_model` names a Nemotron-H model, checkpointing on, no `sample_packing`",
+        message="Axolotl refuses to start: Nemotron-H checkpointing requires `sample_packing: true`.",
+        change="sample_packing: true (or gradient_checkpointing: false)",
+        evidence=(f"{VALIDATION}#L1411-L1423 (check_nemotron_h_gradient_checkpointing)",),
+        when=lambda v: "nemotron-h" in v.base_model.lower() and bool(v.gc) and not v.sample_packing,
+    ),
+    LauncherRule(
+        id="axolotl:qlora-zero3-warning",
+        action="none",
+        setting="use_reentrant",
+        condition="`adapter: qlora`, `use_reentrant: false` and a `deepspeed` path containing 'zero3'",
+        message="Axolotl only warns: \"qlora + zero3 with use_reentrant: false may result in a CheckpointError\", and only when the DeepSpeed path's text contains 'zero3'.",
+        evidence=(f"{VALIDATION}#L628-L644 (warn_qlora_zero3_w_use_reentrant)",),
+        when=lambda v: (
+            v.raw.get("adapter") == "qlora"
+            and v.raw_kwargs().get("use_reentrant") is False
+            and isinstance(v.raw.get("deepspeed"), (str, dict))
+            and "zero3" in v.raw.get("deepspeed", "")
+        ),
+        disagreement=(
+            "the plugin reads the ZeRO stage from the DeepSpeed config itself, and refuses non-reentrant there only "
+            "on DeepSpeed < 0.19.3, where the CheckpointError happens (fixed by DeepSpeed PR 8148)."
+        ),
+    ),
+    LauncherRule(
+        id="axolotl:sft-defaults-reentrant",
+        action="none",
+        setting="use_reentrant",
+        condition="checkpointing on, no `gradient_checkpointing_kwargs`, no `unfrozen_parameters`, no `rl`",
+        message="Axolotl's normalize_config writes gradient_checkpointing_kwargs: {use_reentrant: true}.",
+        evidence=(SOURCES["normalize"],),
+        when=lambda v: (
+            bool(v.gc)
+            and v.raw.get("unfrozen_parameters") is None
+            and v.raw.get("gradient_checkpointing_kwargs") is None
+            and v.rl is None
+            and v.activation_offloading != "hidden_states"
+            and not v.ebft_strided_flex
+        ),
+        disagreement=(
+            "the plugin prefers non-reentrant (PyTorch's recommendation, correct with frozen inputs) but keeps a "
+            "value Axolotl wrote; where a rule requires non-reentrant, strict mode refuses it as it would a value you "
+            "set, and the change is `gradient_checkpointing_kwargs: {use_reentrant: false}`."
+        ),
+    ),
+    LauncherRule(
+        id="axolotl:rl-ignores-ddp-find-unused",
+        action="warn",
+        setting="ddp_find_unused_parameters",
+        condition="`rl` and `ddp_find_unused_parameters` in the file",
+        message="Axolotl's RL builder does not pass ddp_find_unused_parameters to the trainer, so the file's value has no effect: transformers decides (True for a PEFT model).",
+        evidence=(SOURCES["rl_builder"],),
+        when=lambda v: v.rl is not None and v.raw.get("ddp_find_unused_parameters") is not None,
+    ),
+    LauncherRule(
+        id="axolotl:string-use-reentrant",
+        action="none",
+        setting="use_reentrant",
+        condition="`gradient_checkpointing_kwargs.use_reentrant` is not a boolean (e.g. the string 'false')",
+        message="Axolotl passes the value through unchanged and its validators compare it with `is True` / `is False`, so they do not see it; torch reads a non-empty string as True.",
+        evidence=(SOURCES["schema"],),
+        when=lambda v: (
+            "use_reentrant" in v.raw_kwargs()
+            and not isinstance(v.raw_kwargs()["use_reentrant"], bool)
+            and v.raw_kwargs()["use_reentrant"] is not None
+        ),
+        disagreement="the plugin reads a string that spells a boolean as that boolean and writes the bool (rule invalid-use-reentrant).",
+    ),
+    LauncherRule(
+        id="axolotl:fsdp-checkpointing-and-gc",
+        action="none",
+        setting="gradient_checkpointing",
+        condition="`fsdp_config.activation_checkpointing` and `gradient_checkpointing` both on",
+        message="No Axolotl validator rejects FSDP's activation checkpointing together with gradient_checkpointing (its examples say \"don't use with fsdp_activation_checkpointing\").",
+        evidence=(f"{VALIDATION}#L1085-L1104 (fsdp_config keys; no check of the pair)",),
+        when=lambda v: False,  # added by `read` when the pair is on (it needs the parsed fsdp_config)
+        disagreement="transformers' Trainer refuses the pair (5.23: 'both activation checkpointing options'); the plugin says so before launch (rule fsdp-activation-checkpointing).",
+    ),
+    LauncherRule(
+        id="axolotl:plugin-is-a-callback",
+        action="error",
+        setting="plugins",
+        condition="`plugins:` lists `trl_gc_plugin.SafeGCCallback` (a Trainer callback, not an Axolotl plugin)",
+        message=(
+            "Axolotl stops with \"AttributeError: 'SafeGCCallback' object has no attribute 'register'\": it creates "
+            "every `plugins:` entry and calls its register(cfg)."
+        ),
+        change=f"plugins: [{PLUGIN}]",
+        evidence=(f"{SRC}cli/config.py (prepare_plugins); reproduced with Axolotl 0.19.0",),
+        when=lambda v: any(_trl_gc_entries(v.raw, callbacks=True)),
+    ),
+    LauncherRule(
+        id="axolotl:plugin-not-found",
+        action="warn",
+        setting="plugins",
+        condition=f"`plugins:` lists a `trl_gc_plugin.` entry that is neither {PLUGIN} nor the callback",
+        message=(
+            "Axolotl cannot load it: a module that does not exist is logged as an ImportError and the run goes on "
+            "without the plugin; a class that does not exist stops it."
+        ),
+        change=f"plugins: [{PLUGIN}]",
+        evidence=(f"{SRC}integrations/base.py (load_plugin, PluginManager.register); read in Axolotl 0.19.0",),
+        when=lambda v: any(_trl_gc_entries(v.raw, callbacks=False)),
+    ),
+)
+
+FORCED_REENTRANT_CHANGE = (
+    "EBFT strided mode with flex_attention forces use_reentrant: true in Axolotl, so setting it to false does not "
+    "hold: launch with DeepSpeed or FSDP instead of plain DDP, or use another attn_implementation"
+)
+
+
+def _bool_field(raw: dict[str, Any], key: str, config: Config, default: bool = False) -> bool:
+    value = raw.get(key)
+    if value is None:
+        return default
+    parsed = pydantic_bool(value)
+    if parsed is None:
+        raise ConfigError(
+            f"{where(config.path, key, config.lines)}: Axolotl's schema takes true or false, not {short(value)}"
+        )
+    return parsed
+
+
+def _optional_bool(raw: dict[str, Any], key: str, config: Config) -> bool | None:
+    return None if raw.get(key) is None else _bool_field(raw, key, config)
+
+
+@dataclass(frozen=True)
+class _Schema:
+    """The values Axolotl's schema gives the keys the plugin reads (before the validators' rewrites)."""
+
+    base_model: str
+    gc: Any  # True / False / None / "offload" / "offload_disk"
+    kwargs: dict[str, Any] | None
+    offloading: Any  # True / False / None / "legacy" / "disk" / "hidden_states"
+    selective: dict[str, Any] | None
+    unfrozen: list[str] | None
+    rl: str | None
+    adapter: str | None
+    four: bool
+    eight: bool
+    gptq: bool
+    ddp_flag: bool | None
+    find_unused: bool | None
+    sample_packing: bool
+    attn: Any
+    ebft: dict[str, Any] | None
+    fsdp: list[str] | None
+    fsdp_config: dict[str, Any]
+    fsdp_ac: bool
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return bool(self.fsdp) or bool(self.fsdp_config)
+
+
+@dataclass
+class _Reentrant:
+    """The kwargs and `use_reentrant` as each phase leaves them, with the fact's detail and origin."""
+
+    kwargs: dict[str, Any] | None
+    value: Any = None  # what the Trainer gets (set by the builders)
+    detail: str = "key 'gradient_checkpointing_kwargs.use_reentrant'"
+    origin: Origin = "file"
+
+    def rewrite(self, detail: str, origin: Origin = "launcher rewrite") -> None:
+        self.detail, self.origin = detail, origin
+
+
+@dataclass(frozen=True)
+class _Validated:
+    """`gradient_checkpointing` and `activation_offloading` as the validators leave them."""
+
+    gc: Any
+    gc_detail: str
+    offloading: Any
+    ebft_strided_flex: bool
+
+
+def _base_model(config: Config) -> str:
+    """`base_model`: required, a model id or path."""
+    base_model = config.values.get("base_model")
+    if not isinstance(base_model, str) or not base_model:
+        raise ConfigError(
+            f"{where(config.path, 'base_model', config.lines)}: Axolotl requires base_model (a model id or path), got {type_name(base_model)} {short(base_model)}"
+        )
+    return base_model
+
+
+def _enum_or_bool(config: Config, key: str, choices: tuple[str, ...], suffix: str = "") -> Any:
+    """A key the schema types as one of `choices` or a boolean (unset: False)."""
+    value = config.values.get(key, False)
+    if value in choices or value is None:
+        return value
+    parsed = pydantic_bool(value)
+    if parsed is None:
+        takes = f"true, false, {', '.join(choices[:-1])} or {choices[-1]}"
+        raise ConfigError(
+            f"{where(config.path, key, config.lines)}: Axolotl's schema takes {takes}, not {short(value)}{suffix}"
+        )
+    return parsed
+
+
+def _kwargs(config: Config) -> dict[str, Any] | None:
+    """`gradient_checkpointing_kwargs`: a mapping, kept as written."""
+    value = config.values.get("gradient_checkpointing_kwargs")
+    if value is None:
+        return None
+    return dict(
+        expect_mapping(value, config.path, "gradient_checkpointing_kwargs", config.lines, "{use_reentrant: false}")
+    )
+
+
+def _selective(config: Config) -> dict[str, Any] | None:
+    """`selective_checkpointing`: a mapping (its `save` a list of op names) or a boolean."""
+    path, lines = config.path, config.lines
+    selective_raw = config.values.get("selective_checkpointing")
+    if isinstance(selective_raw, dict):
+        selective = dict(selective_raw)
+        save = selective.get("save", ["attention"])
+        if not isinstance(save, list) or not all(isinstance(s, str) for s in save):
+            raise ConfigError(
+                f"{where(path, 'selective_checkpointing.save', lines)}: expected a list of op names, got {short(save)}"
+            )
+        return selective
+    if selective_raw is not None:
+        flag = pydantic_bool(selective_raw)
+        if flag is None:
+            raise ConfigError(
+                f"{where(path, 'selective_checkpointing', lines)}: Axolotl's schema takes a mapping or true/false, not {short(selective_raw)}"
+            )
+        return {"save": ["attention"]} if flag else None
+    return None
+
+
+def _training(config: Config) -> dict[str, Any]:
+    """`unfrozen_parameters`, `rl` and `adapter`, type-checked (the `_Schema` fields `unfrozen`, `rl`, `adapter`)."""
+    path, lines, raw = config.path, config.lines, config.values
+    unfrozen = raw.get("unfrozen_parameters")
+    if unfrozen is not None and (not isinstance(unfrozen, list) or not all(isinstance(p, str) for p in unfrozen)):
+        raise ConfigError(
+            f"{where(path, 'unfrozen_parameters', lines)}: Axolotl's schema takes a list of parameter-name patterns, got {short(unfrozen)}"
+        )
+    rl = raw.get("rl")
+    if rl is not None and (not isinstance(rl, str) or rl not in RL_TYPES):
+        raise ConfigError(
+            f"{where(path, 'rl', lines)}: not one of Axolotl's RL types ({', '.join(RL_TYPES)}): {short(rl)}"
+        )
+    adapter = raw.get("adapter")
+    if adapter is not None and not isinstance(adapter, str):
+        raise ConfigError(
+            f"{where(path, 'adapter', lines)}: expected a string such as lora or qlora, got {type_name(adapter)} {short(adapter)}"
+        )
+    return {"unfrozen": unfrozen, "rl": rl, "adapter": adapter}
+
+
+def _fsdp(config: Config) -> dict[str, Any]:
+    """`fsdp_version`, `fsdp`, and `fsdp_config` without its `fsdp_` prefixes, with its `activation_checkpointing`
+    (the `_Schema` fields `fsdp`, `fsdp_config`, `fsdp_ac`)."""
+    path, lines, raw = config.path, config.lines, config.values
+    version = raw.get("fsdp_version")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise ConfigError(f"{where(path, 'fsdp_version', lines)}: expected a whole number, got {short(version)}")
+    fsdp = raw.get("fsdp")
+    if fsdp is not None and (not isinstance(fsdp, list) or not all(isinstance(x, str) for x in fsdp)):
+        raise ConfigError(
+            f"{where(path, 'fsdp', lines)}: Axolotl's schema takes a list of FSDP options (deprecated: use fsdp_config), got {short(fsdp)}"
+        )
+    fsdp_config_raw = raw.get("fsdp_config")
+    fsdp_config: dict[str, Any] = {}
+    if fsdp_config_raw is not None:
+        fsdp_config = {  # check_fsdp_config_kwargs_prefix: `fsdp_activation_checkpointing` -> `activation_checkpointing`
+            (k[5:] if k.startswith("fsdp_") and k != "fsdp_version" else k): v
+            for k, v in expect_mapping(
+                fsdp_config_raw, path, "fsdp_config", lines, "{activation_checkpointing: true}"
+            ).items()
+        }
+    fsdp_ac = False
+    if "activation_checkpointing" in fsdp_config and fsdp_config["activation_checkpointing"] is not None:
+        fsdp_ac_value = pydantic_bool(fsdp_config["activation_checkpointing"])
+        if fsdp_ac_value is None:
+            raise ConfigError(
+                f"{where(path, 'fsdp_config.activation_checkpointing', lines)}: expected true or false, got {short(fsdp_config['activation_checkpointing'])}"
+            )
+        fsdp_ac = fsdp_ac_value
+    return {"fsdp": fsdp, "fsdp_config": fsdp_config, "fsdp_ac": fsdp_ac}
+
+
+def _schema(config: Config) -> _Schema:
+    """Phase 1: the schema's typed parsing (ConfigError where Axolotl's pydantic model fails), in its order (keyword
+    arguments are evaluated left to right)."""
+    raw = config.values
+    ebft = raw.get("ebft")
+    return _Schema(
+        base_model=_base_model(config),
+        gc=_enum_or_bool(config, "gradient_checkpointing", ("offload", "offload_disk"), "; Axolotl refuses to start"),
+        kwargs=_kwargs(config),
+        offloading=_enum_or_bool(config, "activation_offloading", ("legacy", "disk", "hidden_states")),
+        selective=_selective(config),
+        **_training(config),
+        four=_bool_field(raw, "load_in_4bit", config),
+        eight=_bool_field(raw, "load_in_8bit", config),
+        gptq=_bool_field(raw, "gptq", config),
+        ddp_flag=_optional_bool(raw, "ddp", config),
+        find_unused=_optional_bool(raw, "ddp_find_unused_parameters", config),
+        sample_packing=_bool_field(raw, "sample_packing", config),
+        attn=raw.get("attn_implementation"),
+        ebft=None if ebft is None else expect_mapping(ebft, config.path, "ebft", config.lines, "{mode: strided}"),
+        **_fsdp(config),
+    )
+
+
+def _world_size(ctx: Context, reading: Reading) -> int:
+    """The number of processes (`--nproc`, else 1), and a note when `--trainer` is given."""
+    if ctx.nproc is not None:
+        reading.set("world_size", ctx.nproc, "option", "--nproc (Axolotl reads WORLD_SIZE)")
+    else:
+        reading.set(
+            "world_size",
+            1,
+            "assumed",
+            "no --nproc: 1 process (`axolotl train` starts one per visible GPU; pass --nproc N)",
+        )
+    if ctx.trainer is not None:
+        reading.notes.append(
+            f"--trainer {ctx.trainer} is ignored: an Axolotl config says its trainer itself (`rl:`, else SFT)"
+        )
+    return ctx.nproc if ctx.nproc is not None else 1
+
+
+def _validators(s: _Schema, raw: dict[str, Any], kw: _Reentrant, reading: Reading) -> _Validated:
+    """Phase 2: the validators' rewrites (mode="after") of checkpointing, offloading and use_reentrant."""
+    gc, offloading = s.gc, s.offloading
+    gc_detail = "key 'gradient_checkpointing'" if "gradient_checkpointing" in raw else "Axolotl's default: false"
+    if gc == "offload":
+        gc, offloading = True, True
+        gc_detail = "gradient_checkpointing: offload -> true + activation_offloading: true (Axolotl validator)"
+    elif gc == "offload_disk":
+        gc, offloading = True, "disk"
+        gc_detail = "gradient_checkpointing: offload_disk -> true + activation_offloading: disk (Axolotl validator)"
+    ebft_strided_flex = bool(s.rl == "ebft" and (s.ebft or {}).get("mode") == "strided" and s.attn == "flex_attention")
+    if offloading == "hidden_states":
+        kw.kwargs = dict(kw.kwargs or {})
+        if "use_reentrant" not in kw.kwargs:
+            kw.kwargs["use_reentrant"] = False
+            kw.rewrite(
+                f"activation_offloading: hidden_states defaults use_reentrant to false ({SOURCES['hidden_states']})"
+            )
+    if ebft_strided_flex and gc:
+        if not (kw.kwargs or {}).get("use_reentrant"):
+            kw.kwargs = {**(kw.kwargs or {}), "use_reentrant": True}
+            kw.rewrite(f"EBFT strided + flex_attention forces use_reentrant: true ({SOURCES['ebft_reentrant']})")
+        reading.extra["forced"] = {"use_reentrant": FORCED_REENTRANT_CHANGE}
+    return _Validated(gc=gc, gc_detail=gc_detail, offloading=offloading, ebft_strided_flex=ebft_strided_flex)
+
+
+def _view(
+    config: Config, raw: dict[str, Any], s: _Schema, v: _Validated, kwargs: dict[str, Any] | None, world: int
+) -> View:
+    """The config as the validators that refuse or warn (`RULES`) see it."""
+    return View(
+        raw=raw,
+        gc=v.gc,
+        kwargs=kwargs,
+        activation_offloading=v.offloading,
+        selective=s.selective,
+        unfrozen=s.unfrozen,
+        rl=s.rl,
+        adapter=s.adapter,
+        load_in_4bit=s.four,
+        load_in_8bit=s.eight,
+        gptq=s.gptq,
+        n_gpu=world,
+        base_model=s.base_model,
+        ebft_strided_flex=v.ebft_strided_flex,
+        sample_packing=s.sample_packing,
+        inference=_bool_field(raw, "inference", config),
+        merge_lora=_bool_field(raw, "merge_lora", config),
+        plugins=bool(raw.get("plugins")),
+    )
+
+
+def _normalize(
+    s: _Schema, v: _Validated, kw: _Reentrant, model_type: str | None, world: int, reading: Reading
+) -> tuple[bool, bool | None]:
+    """Phase 3: normalize_config's rewrites; returns `cfg.ddp` and `ddp_find_unused_parameters`."""
+    ddp = s.ddp_flag if s.ddp_flag is not None else world != 1
+    find_unused = s.find_unused
+    if v.gc and s.unfrozen is None and kw.kwargs is None and s.rl is None:
+        kw.kwargs = {"use_reentrant": True}
+        kw.rewrite(f"Axolotl normalize_config writes {{use_reentrant: true}} ({SOURCES['normalize']})")
+    if model_type in ("gemma4", "gemma4_unified") and v.gc:
+        kw.kwargs = dict(kw.kwargs or {})
+        if kw.kwargs.get("use_reentrant") is not False:
+            kw.kwargs["use_reentrant"] = False
+            kw.rewrite(f"Gemma 4: Axolotl forces use_reentrant false ({SOURCES['gemma4']})")
+    if model_type in ("gemma4", "gemma4_unified") and ddp and find_unused is None and v.offloading is not True:
+        find_unused = True
+        reading.notes.append(f"Gemma 4 under DDP: Axolotl sets ddp_find_unused_parameters: true ({SOURCES['gemma4']})")
+    return ddp, find_unused
+
+
+def _builders(s: _Schema, v: _Validated, kw: _Reentrant, ctx: Context, reading: Reading) -> bool:
+    """Phase 4: the use_reentrant the trainer builders pass; returns whether activations are offloaded."""
+    offloading = v.offloading
+    kw.value = (kw.kwargs or {}).get("use_reentrant")
+    if offloading and offloading != "hidden_states":
+        if not s.adapter:
+            kw.value = False
+            kw.rewrite(
+                f"activation_offloading {offloading!r} on a full fine-tune: torch checkpoint_wrapper, non-reentrant ({SOURCES['ac_wrap']})"
+            )
+            reading.set("checkpoint_wrapped", True, "launcher rewrite", f"ac_wrap_hf_model ({SOURCES['ac_wrap']})")
+        elif offloading == "legacy":
+            kw.value = True
+            kw.rewrite(
+                f"activation_offloading: legacy runs Axolotl's CPU-offloading checkpoint, reentrant-style ({SOURCES['offload_cpu']})"
+            )
+        elif kw.value is None:
+            tf = ctx.versions.get("transformers") or "5"
+            kw.value = tf.split(".")[0].isdigit() and int(tf.split(".")[0]) < 5
+            kw.rewrite(
+                "adapter + activation_offloading: the load-time checkpointing without use_reentrant takes transformers' default",
+                "launcher default",
+            )
+    elif not offloading and v.gc and kw.kwargs is None:
+        kw.value = False
+        kw.rewrite(
+            f"Axolotl's builder passes {{use_reentrant: false}} when no kwargs are set ({SOURCES['builder_gc']})"
+        )
+    if s.selective is not None and v.gc:
+        kw.value = False
+        kw.rewrite(f"selective_checkpointing patches the model to non-reentrant ({SOURCES['sac']})")
+        reading.set("selective", True, "file", "key 'selective_checkpointing'")
+    return bool(offloading)
+
+
+def _gc_facts(raw: dict[str, Any], v: _Validated, kw: _Reentrant, offload: bool, reading: Reading) -> None:
+    """The checkpointing facts: enabled, use_reentrant and its source, kwargs, offloading."""
+    reentrant = kw.value
+    reading.set(
+        "gc_enabled", bool(v.gc), "file" if "gradient_checkpointing" in raw else "launcher default", v.gc_detail
+    )
+    reading.set("gc_flag_source", "user" if "gradient_checkpointing" in raw else "unset", "file", v.gc_detail)
+    from_file = kw.origin == "file" and reentrant is not None
+    reading.set(
+        "use_reentrant",
+        reentrant,
+        kw.origin if reentrant is not None else "file",
+        kw.detail if reentrant is not None else "no use_reentrant",
+    )
+    reading.set(
+        "use_reentrant_source",
+        "user" if from_file else ("unset" if reentrant is None else "unknown"),
+        kw.origin,
+        "written by Axolotl into the trainer's arguments: the plugin treats it as a value set explicitly"
+        if not from_file and reentrant is not None
+        else kw.detail,
+    )
+    reading.set("kwargs_given", kw.kwargs is not None or reentrant is not None, kw.origin, kw.detail)
+    if offload:
+        reading.set(
+            "activation_offloading",
+            v.offloading,
+            "file",
+            "Axolotl's activation offloading (not transformers' `offload` kwarg)",
+        )
+    if kw.kwargs:
+        read_kwargs_keys(reading, kw.kwargs, "gradient_checkpointing_kwargs")
+
+
+def _model_facts(raw: dict[str, Any], s: _Schema, ctx: Context, reading: Reading) -> None:
+    """The model and adapter facts: PEFT, quantization, frozen parameters, inputs that require grad."""
+    peft = bool(s.adapter)
+    quant = "bitsandbytes_4bit" if s.four else "bitsandbytes_8bit" if s.eight else "gptq" if s.gptq else None
+    reading.set(
+        "is_peft",
+        peft,
+        "file" if "adapter" in raw else "launcher default",
+        f"adapter: {s.adapter}" if s.adapter else "no adapter (full fine-tune)",
+    )
+    reading.set("quantization", quant, "file", "load_in_4bit / load_in_8bit / gptq")
+    reading.set(
+        "frozen_params",
+        peft or s.unfrozen is not None or quant is not None,
+        "file",
+        "adapter / unfrozen_parameters / quantization",
+    )
+    reading.set(
+        "model_is_pretrained", not peft, "file", "a PEFT model is not a PreTrainedModel" if peft else "no adapter"
+    )
+    reading.set(
+        "trainable_in_blocks",
+        True,
+        "assumed",
+        "a config trains the decoder blocks (full, partially or through adapters)",
+    )
+    grads: bool | None = True
+    origin: Origin = "launcher rewrite"
+    if peft:
+        detail = f"Axolotl calls enable_input_require_grads() for every adapter ({SOURCES['input_grads']})"
+    elif s.unfrozen is None:
+        origin, detail = "file", "full fine-tune: the embeddings train"
+    elif release(ctx.versions.get("transformers"))[0] >= 5:
+        detail = "transformers >= 5 hooks the input embeddings when it enables checkpointing"
+    else:
+        grads, origin = None, "assumed"
+        detail = "unfrozen_parameters decides whether the embeddings train; settled at the first forward"
+    reading.set("inputs_require_grad", grads, origin, detail)
+
+
+def _trainer_facts(rl: str | None, reading: Reading) -> None:
+    """The trainer kind: `rl:` names a TRL trainer, else Axolotl's SFT trainer."""
+    origin: Origin = "file" if rl else "launcher default"
+    detail = f"rl: {rl}" if rl else "no rl"
+    reading.set(
+        "trainer_kind",
+        RL_TYPES.get(rl, "sft") if rl else "sft",
+        origin,
+        detail if rl else "no rl: Axolotl's SFT trainer",
+    )
+    reading.set("rl_trainer", rl is not None, origin, detail)
+    reading.set("generates", rl in GENERATING, origin, detail)
+
+
+def _parallel_facts(config: Config, s: _Schema, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
+    """The DeepSpeed, FSDP and DDP facts."""
+    path, lines, raw = config.path, config.lines, config.values
+    ds_value = raw.get("deepspeed")
+    if ds_value is not None and not isinstance(ds_value, (str, dict)):
+        raise ConfigError(
+            f"{where(path, 'deepspeed', lines)}: Axolotl's schema takes a path or a mapping, got {type_name(ds_value)} {short(ds_value)}"
+        )
+    if ds_value:
+        ds = read_deepspeed(
+            ds_value, path, "deepspeed", config.base_dir, BUNDLED_DEEPSPEED, "deepspeed_configs/", lines
+        )
+        ds.set_facts(reading)
+    else:
+        reading.set("zero_stage", None, "file", "no deepspeed key")
+    reading.set("fsdp", s.uses_fsdp, "file", "fsdp / fsdp_config")
+    if s.uses_fsdp:  # check_fsdp_version_in_fsdp_config: fsdp_version, else fsdp_config's, else 1
+        version = raw.get("fsdp_version") or s.fsdp_config.get("fsdp_version") or s.fsdp_config.get("version") or 1
+        reading.set(
+            "fsdp_version",
+            version,
+            "file" if version != 1 or raw.get("fsdp_version") else "launcher default",
+            f"fsdp_version ({VALIDATION}#L1107-L1124)",
+        )
+    reading.set(
+        "fsdp_activation_checkpointing",
+        s.uses_fsdp and s.fsdp_ac,
+        "file",
+        f"fsdp_config.activation_checkpointing ({SOURCES['fsdp_prefix']})",
+    )
+    _ddp_facts(raw, s.rl, ddp, find_unused, reading)
+    _cp_facts(config, reading)
+
+
+def _cp_facts(config: Config, reading: Reading) -> None:
+    """`context_parallel_size` (or the deprecated `sequence_parallel_degree`, which `check_context_parallel_size`
+    copies into it): `setup_parallelism_envs` exports it as accelerate's `PARALLELISM_CONFIG_CP_SIZE`."""
+    raw = config.values
+    key = "context_parallel_size" if raw.get("context_parallel_size") else "sequence_parallel_degree"
+    if not raw.get(key):
+        return
+    size = cp_size_of({CP_KEY: raw[key]})
+    if size is None:
+        raise ConfigError(
+            f"{where(config.path, key, config.lines)}: Axolotl's schema takes a whole number, got {short(raw[key])}"
+        )
+    if size > 1:
+        reading.set("cp_size", size, "file", f"key {key!r} ({SOURCES['cp_env']})")
+
+
+def _ddp_facts(raw: dict[str, Any], rl: str | None, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
+    """`ddp_find_unused_parameters` as the SFT builder passes it (the RL builder passes nothing), `ddp_static_graph`."""
+    value = bool(find_unused) if rl is None and ddp else None
+    origin: Origin = "launcher rewrite"
+    if rl is not None:
+        detail = f"Axolotl's RL builder does not pass it: transformers decides ({SOURCES['rl_builder']})"
+    elif not ddp:
+        detail = f"one process: Axolotl passes None ({SOURCES['causal_ddp']})"
+    elif raw.get("ddp_find_unused_parameters") is not None:
+        origin, detail = "file", "key 'ddp_find_unused_parameters'"
+    else:
+        detail = f"Axolotl's SFT builder passes False under DDP when unset ({SOURCES['causal_ddp']})"
+    reading.set("ddp_find_unused_parameters", value, origin, detail)
+    reading.set("ddp_static_graph", None, "launcher default", "Axolotl does not pass ddp_static_graph")
+
+
+def _launcher_rules(raw: dict[str, Any], s: _Schema, v: _Validated, view: View, reading: Reading) -> None:
+    """The launcher rules (`RULES`) that apply, and the FSDP-checkpointing pair `RULES` cannot see."""
+    reading.apply(
+        RULES,
+        view,
+        VERSION_MODELLED,
+        lambda rule: reading.value("use_reentrant") if rule.setting == "use_reentrant" else raw.get(rule.setting),
+        lambda rule: reading.reentrant_source() if rule.setting == "use_reentrant" else "user",
+    )
+    if s.uses_fsdp and s.fsdp_ac and v.gc:
+        rule = next(r for r in RULES if r.id == "axolotl:fsdp-checkpointing-and-gc")
+        reading.decisions.append(rule.decision(VERSION_MODELLED, before=True))
+
+
+def read(config: Config, ctx: Context) -> Reading:
+    """The plugin's model of what Axolotl does with `config` (see the module docstring)."""
+    raw = dict(config.values)
+    reading = Reading(
+        format="axolotl",
+        parser=f"the plugin's model of {VERSION_MODELLED} (Axolotl is not imported)",
+        changes={
+            "use_reentrant": "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}",
+            "activation_checkpointing": "gradient_checkpointing: {value}",
+        },
+    )
+    s = _schema(config)
+    world = _world_size(ctx, reading)
+    kw = _Reentrant(s.kwargs)
+    v = _validators(s, raw, kw, reading)
+    model_type = _model_type(s.base_model, reading)
+    view = _view(config, raw, s, v, kw.kwargs, world)
+    ddp, find_unused = _normalize(s, v, kw, model_type, world, reading)
+    offload = _builders(s, v, kw, ctx, reading)
+    _gc_facts(raw, v, kw, offload, reading)
+    _model_facts(raw, s, ctx, reading)
+    _trainer_facts(s.rl, reading)
+    _parallel_facts(config, s, ddp, find_unused, reading)
+    _launcher_rules(raw, s, v, view, reading)
+    return reading
+
+
+def _model_type(base_model: str, reading: Reading) -> str | None:
+    """`model_type` as Axolotl reads it for its Gemma 4 rewrite: from a local model directory's config.json (which
+    also gives the model facts); for a Hub id (the check downloads nothing), `gemma4` when the name says Gemma 4,
+    with a note saying it was assumed."""
+    if local_model_config(base_model) is not None:
+        return read_model_facts(base_model, "base_model", reading)
+    compact = base_model.lower().replace("-", "").replace("_", "")
+    if "gemma4" in compact:
+        reading.notes.append(
+            f"base_model {base_model!r}: assumed to be Gemma 4 from its name (Axolotl reads model_type from the "
+            "model's config.json, which the check does not download): Axolotl forces use_reentrant: false and, under "
+            "DDP, ddp_find_unused_parameters: true"
+        )
+        return "gemma4"
+    return None

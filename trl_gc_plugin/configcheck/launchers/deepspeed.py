@@ -1,0 +1,145 @@
+"""Read the DeepSpeed config a training config names: its ZeRO stage, `overlap_comm`, and whether its
+`activation_checkpointing` block asks for something, through `trl_gc_plugin.core.deepspeed_config` (the reading the running
+plugin uses too). Launchers read a relative path from the directory the launch runs in; the check looks there first,
+then next to the config file (and says so), then in the launcher's table of the configs it ships (Axolotl's
+`deepspeed_configs/zero3.json`, LLaMA-Factory's `examples/deepspeed/ds_z3_config.json`), which examples name without
+shipping. A file that is none of these, that is not a JSON object, or with a value the run would fail on (the reader's
+`problems`), is a `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...core.deepspeed_config import deepspeed_facts
+from .common import ConfigError, Origin, Reading, short, type_name, where
+from .load import load_json_file
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """What the check needs from a DeepSpeed config.
+
+    Args:
+        stage: the ZeRO stage (0 when the config has no `zero_optimization.stage`, as DeepSpeed defaults; `"auto"`
+            is accelerate's 2).
+        activation_checkpointing: the `activation_checkpointing` block sets one of DeepSpeed's keys to a truthy value.
+        overlap_comm: `zero_optimization.overlap_comm` as DeepSpeed resolves it (unset or `auto`: True at stage 3,
+            else False); None for a shipped config that was not read.
+        origin: `deepspeed config` (read) or `launcher default` (a config the launcher ships, not found on disk).
+        detail: which file, and how it was found.
+        note: something the output must say (found next to the config rather than in the launch directory).
+    """
+
+    stage: int
+    activation_checkpointing: bool
+    origin: Origin
+    detail: str
+    note: str = ""
+    overlap_comm: bool | None = None
+
+    def set_facts(self, reading: Reading) -> None:
+        """Record the facts this config gives (stage, activation_checkpointing block, overlap_comm), with where from."""
+        reading.set("zero_stage", self.stage, self.origin, f"{self.detail}: zero_optimization.stage")
+        reading.set(
+            "deepspeed_activation_checkpointing",
+            self.activation_checkpointing,
+            self.origin,
+            f"{self.detail}: activation_checkpointing",
+        )
+        reading.set(
+            "zero_overlap_comm", self.overlap_comm, self.origin, f"{self.detail}: zero_optimization.overlap_comm"
+        )
+        if self.note:
+            reading.notes.append(self.note)
+
+
+def read_deepspeed(
+    value: Any,
+    path: str,
+    key: str,
+    base_dir: str,
+    bundled: Mapping[str, int],
+    bundled_where: str,
+    lines: Mapping[str, int] | None = None,
+) -> DeepSpeedConfig:
+    """The DeepSpeed config `value` (a mapping or a path) that `key` of the config at `path` holds.
+
+    Args:
+        value: the key's value (a non-empty string or a mapping; launcher modules check the type first).
+        path / key / lines: for messages.
+        base_dir: the config file's directory (the second place a relative path is looked for).
+        bundled: the launcher's shipped configs, file name -> ZeRO stage.
+        bundled_where: where the launcher ships them, for the message.
+    """
+    if isinstance(value, dict):
+        return _parse(value, f"{key} (inline)", path, key, lines, f"key {key!r} (inline mapping)")
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(
+            f"{where(path, key, lines)}: expected a path to a DeepSpeed JSON file or a mapping, got {type_name(value)} {short(value)}"
+        )
+    candidates = [value] if os.path.isabs(value) else [value, os.path.join(base_dir, value)]
+    for i, file in enumerate(candidates):
+        if os.path.isfile(file):
+            data = load_json_file(file, f"DeepSpeed config ({key!r})")
+            note = ""
+            if i == 1:
+                note = (
+                    f"{key}: {value!r} is not in the current directory {os.getcwd()!r}; read it next to the config "
+                    f"({file}). The launcher reads it relative to the directory you launch from."
+                )
+            return _parse(data, file, path, key, lines, file, note)
+        if os.path.exists(file):
+            raise ConfigError(f"{where(path, key, lines)}: {file} is not a regular file")
+    name = os.path.basename(value)
+    if name in bundled:
+        stage = bundled[name]
+        return DeepSpeedConfig(
+            stage=stage,
+            activation_checkpointing=False,
+            origin="launcher default",
+            detail=f"{value!r} is not on disk here: the launcher's shipped {bundled_where}{name}",
+            note=(
+                f"{key}: {value!r} was not found (current directory or next to the config); read as the launcher's "
+                f"shipped {bundled_where}{name}, ZeRO stage {stage}. Copy it where the launch runs."
+            ),
+        )
+    raise ConfigError(
+        f"{where(path, key, lines)}: DeepSpeed config {value!r} not found (looked in the current directory "
+        f"{os.getcwd()!r}, as the launcher does, and next to the config)"
+    )
+
+
+def _parse(
+    data: Any,
+    label: str,
+    path: str,
+    key: str,
+    lines: Mapping[str, int] | None,
+    detail: str,
+    note: str = "",
+) -> DeepSpeedConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"DeepSpeed config {label} ({path}, key {key!r}): must be a JSON object, not {type_name(data)}"
+        )
+    facts = deepspeed_facts(data)
+    if facts.problems or facts.stage is None:
+        raise ConfigError(f"DeepSpeed config {label}: " + "; ".join(facts.problems))
+    if facts.stage_auto:
+        auto = (
+            f"{label}: zero_optimization.stage is 'auto': read as {facts.stage}, the stage accelerate fills in "
+            "(ACCELERATE_DEEPSPEED_ZERO_STAGE, else 2)."
+        )
+        note = f"{note} {auto}" if note else auto
+    return DeepSpeedConfig(
+        stage=facts.stage,
+        activation_checkpointing=facts.activation_checkpointing,
+        overlap_comm=facts.overlap_comm,
+        origin="deepspeed config",
+        detail=detail,
+        note=note,
+    )

@@ -1,0 +1,261 @@
+"""OpenRLHF command lines (`deepspeed --module openrlhf.cli.train_sft ...`, `python -m openrlhf.cli.train_dpo ...`, the
+`train_ppo_ray` actor flags), in a shell script or a text file holding the command.
+
+OpenRLHF trains in its own DeepSpeed loops, without a Trainer: the plugin reaches such a run through the model route
+(`trl_gc_plugin.routes.model_route`: `TRL_GC_PLUGIN=1`, the patched `gradient_checkpointing_enable`). This module is the plugin's
+model of what OpenRLHF 0.11.2 does with its flags (read in its sources, `SRC`; the flat flags of OpenRLHF <= 0.9 are
+read too):
+
+1. `cli/train_*.py`: with `--model.gradient_checkpointing_enable` (`--actor.` in `train_ppo_ray`, whose critic uses the
+   actor's flags; `--gradient_checkpointing` before 0.10) it calls
+   `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": <flag>})`, the flag being
+   `--model.gradient_checkpointing_reentrant` (`--gradient_checkpointing_use_reentrant`), false by default: the value
+   is always passed, so the run keeps it as the user's.
+2. `models/actor.py`: `--ds.lora.rank N` (`--lora_rank`) > 0 wraps the model in PEFT LoRA after
+   `enable_input_require_grads()`; `--ds.load_in_4bit` (`--load_in_4bit`) loads it in 4 bits (with LoRA).
+3. `--ds.zero_stage` (`--zero_stage`), default 2: the DeepSpeed ZeRO stage of its strategy.
+4. The processes: `deepspeed --num_gpus N` / `--num_nodes`, `torchrun --nproc_per_node N`, `--actor.num_nodes` x
+   `--actor.num_gpus_per_node` under Ray; else `--nproc`, else one.
+
+OpenRLHF refuses nothing about checkpointing itself: this module has no launcher rules.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any
+
+from .common import ConfigError, Context, Origin, Reading
+from .load import Config
+from .model_config import read_model_facts
+
+VERSION_MODELLED = "OpenRLHF 0.11.2 (and the flat flags of <= 0.9)"
+SRC = "https://github.com/OpenRLHF/OpenRLHF/blob/v0.11.2/openrlhf/"
+SOURCES = {
+    "enable": SRC + "cli/train_sft.py#L39-L43 (gradient_checkpointing_kwargs={'use_reentrant': <flag>})",
+    "critic": SRC + "trainer/ray/ppo_critic.py#L221-L224 (the critic uses the actor's flags)",
+    "lora": SRC + "models/actor.py#L177-L189 (enable_input_require_grads, then get_peft_model)",
+    "zero": SRC + "cli/train_sft.py#L178 (--ds.zero_stage, default 2)",
+}
+ENTRY = "openrlhf_entry"
+"""The pseudo-key a command line's entry point is read into (`train_sft`, `train_ppo_ray`, ...)."""
+MARKERS = frozenset({ENTRY})
+STRONG_MARKERS = MARKERS
+READ_KEYS = frozenset({ENTRY})  # a command line is parsed whole (`parse_command`)
+
+KINDS = {
+    "train_sft": "sft",
+    "train_dpo": "dpo",
+    "train_rm": "reward",
+    "train_kto": "kto",
+    "train_prm": "prm",
+    "train_kd": "gkd",
+    "train_ppo_ray": "ppo",
+    "train_ppo": "ppo",
+    "train_remote_rm": "reward",
+}
+RL = frozenset({"dpo", "kto", "ppo"})
+GENERATING = frozenset({"ppo"})
+
+_ENTRY_TOKEN = re.compile(r"^openrlhf\.cli\.([A-Za-z_][A-Za-z0-9_]*)$")
+_END = frozenset({"&&", "||", ";", "|", "EOF", "&"})
+
+
+def looks_like_command(text: str) -> bool:
+    """Whether a file's text holds an OpenRLHF command line (`openrlhf.cli.<entry>`)."""
+    return "openrlhf.cli." in text
+
+
+def parse_command(path: str, text: str) -> Config:
+    """The flags of the OpenRLHF command in `text` as a `Config`: `--a.b 3` -> `{"a.b": "3"}`, a bare flag -> True,
+    `ENTRY` -> the entry point; `openrlhf_nproc` -> the process count the launcher before it says, when it says one."""
+    joined = re.sub(r"\\\r?\n", " ", text)
+    try:
+        tokens = shlex.split(joined, comments=True)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: cannot split the command line ({exc})") from None
+    entries = [(i, m.group(1)) for i, t in enumerate(tokens) if (m := _ENTRY_TOKEN.match(t))]
+    if not entries:
+        raise ConfigError(f"{path}: no OpenRLHF entry point (`openrlhf.cli.train_*`) in the command")
+    if len({name for _, name in entries}) > 1:
+        names = ", ".join(sorted({name for _, name in entries}))
+        raise ConfigError(f"{path}: several OpenRLHF commands ({names}); check one command per file")
+    start, entry = entries[0]
+    values: dict[str, Any] = {ENTRY: entry}
+    i = start + 1
+    while i < len(tokens) and tokens[i] not in _END:
+        token = tokens[i]
+        if token.startswith("--"):
+            name, eq, inline = token[2:].partition("=")
+            following = [] if eq else _values_after(tokens, i + 1)
+            values[name] = inline if eq else (following[0] if len(following) == 1 else following or True)
+            i += 1 + len(following)
+        else:
+            i += 1
+    nproc = _launcher_processes(tokens)
+    if nproc is not None:
+        values["openrlhf_nproc"] = nproc
+    return Config(path=path, values=values, keys=tuple(values), kind="command")
+
+
+def _values_after(tokens: list[str], i: int) -> list[str]:
+    out: list[str] = []
+    while i < len(tokens) and not tokens[i].startswith("--") and tokens[i] not in _END:
+        out.append(tokens[i])
+        i += 1
+    return out
+
+
+def _launcher_processes(tokens: list[str]) -> int | None:
+    """Processes per launch from `deepspeed --num_gpus N [--num_nodes M]` or `torchrun --nproc_per_node N
+    [--nnodes M]`, wherever the launcher line is in the script."""
+
+    def number(flag: str) -> int | None:
+        for j, t in enumerate(tokens):
+            value = (
+                t.split("=", 1)[1]
+                if t.startswith(flag + "=")
+                else tokens[j + 1]
+                if t == flag and j + 1 < len(tokens)
+                else None
+            )
+            if value is not None and value.isdigit():
+                return int(value)
+        return None
+
+    if any(t.endswith("deepspeed") for t in tokens):
+        gpus = number("--num_gpus")
+        return None if gpus is None else gpus * (number("--num_nodes") or 1)
+    if any(t.endswith("torchrun") or t == "torch.distributed.run" for t in tokens):
+        per_node = number("--nproc_per_node")
+        return None if per_node is None else per_node * (number("--nnodes") or 1)
+    return None
+
+
+def _flag(config: Config, names: tuple[str, ...]) -> tuple[bool, str | None]:
+    """(the flag's value, the spelling found) for the first of `names` the command has."""
+    for name in names:
+        if name in config.values:
+            value = config.values[name]
+            if value is True or (isinstance(value, str) and value.lower() in ("true", "1")):
+                return True, name
+            raise ConfigError(f"{config.path}: --{name} is a switch (store_true) and takes no value, got {value!r}")
+    return False, None
+
+
+def _int(config: Config, names: tuple[str, ...], default: int) -> tuple[int, str | None]:
+    for name in names:
+        if name in config.values:
+            value = config.values[name]
+            if isinstance(value, str) and value.lstrip("-").isdigit():
+                return int(value), name
+            raise ConfigError(f"{config.path}: --{name} takes a whole number, got {value!r}")
+    return default, None
+
+
+def read(config: Config, ctx: Context) -> Reading:
+    """The plugin's model of what OpenRLHF does with the command's flags (see the module docstring)."""
+    entry = str(config.values[ENTRY])
+    ppo = entry == "train_ppo_ray"
+    prefix = "actor." if ppo else "model."
+    reading = Reading(
+        format="openrlhf",
+        parser=f"the plugin's model of {VERSION_MODELLED} (OpenRLHF is not imported)",
+        changes={
+            "use_reentrant": "{switch} " + f"--{prefix}gradient_checkpointing_reentrant",
+            "activation_checkpointing": "{switch} " + f"--{prefix}gradient_checkpointing_enable",
+        },
+    )
+    _checkpointing(config, reading, prefix, ppo)
+    _model(config, reading, prefix)
+    _launch(config, ctx, reading, ppo)
+    kind = KINDS.get(entry, "sft")
+    reading.set("trainer_kind", kind, "file", f"openrlhf.cli.{entry}")
+    reading.set("rl_trainer", kind in RL, "file", f"openrlhf.cli.{entry}")
+    reading.set("generates", kind in GENERATING, "file", f"openrlhf.cli.{entry}")
+    reading.notes.append(
+        "OpenRLHF trains without a Trainer: the plugin acts through the model route (TRL_GC_PLUGIN=1 patches "
+        'gradient_checkpointing_enable; see the README\'s "Without a Trainer")'
+    )
+    return reading
+
+
+def _checkpointing(config: Config, reading: Reading, prefix: str, ppo: bool) -> None:
+    on, on_name = _flag(config, (f"{prefix}gradient_checkpointing_enable", "gradient_checkpointing"))
+    reentrant, re_name = _flag(
+        config, (f"{prefix}gradient_checkpointing_reentrant", "gradient_checkpointing_use_reentrant")
+    )
+    detail = f"--{on_name}" if on_name else f"no --{prefix}gradient_checkpointing_enable: OpenRLHF's default is off"
+    if ppo:
+        detail += f"; the critic checkpoints with the actor's flags ({SOURCES['critic']})"
+    reading.set("gc_enabled", on, "file" if on_name else "launcher default", detail)
+    reading.set("gc_flag_source", "user" if on_name else "unset", "file", detail)
+    if not on:
+        return
+    origin: Origin = "file" if re_name else "launcher rewrite"
+    why = (
+        f"--{re_name}"
+        if re_name
+        else f"OpenRLHF passes {{use_reentrant: false}} without --{prefix}gradient_checkpointing_reentrant ({SOURCES['enable']})"
+    )
+    reading.set("use_reentrant", reentrant, origin, why)
+    # the run's model route sees the kwargs passed to the enable call: the value is the loop's, kept as set
+    reading.set("use_reentrant_source", "user", origin, why)
+    reading.set("kwargs_given", True, origin, why)
+
+
+def _model(config: Config, reading: Reading, prefix: str) -> None:
+    rank, rank_name = _int(config, ("ds.lora.rank", "lora_rank"), 0)
+    four, four_name = _flag(config, ("ds.load_in_4bit", "load_in_4bit"))
+    peft = rank > 0
+    reading.set(
+        "is_peft",
+        peft,
+        "file" if rank_name else "launcher default",
+        f"--{rank_name} {rank}" if rank_name else "no LoRA rank: a full fine-tune",
+    )
+    reading.set(
+        "quantization", "bitsandbytes_4bit" if four else None, "file", f"--{four_name}" if four_name else "no 4-bit"
+    )
+    reading.set("frozen_params", peft or four, "file", "LoRA / 4-bit")
+    reading.set("model_is_pretrained", not peft, "file", "a PEFT model is not a PreTrainedModel" if peft else "no LoRA")
+    reading.set("trainable_in_blocks", True, "assumed", "a command trains the decoder blocks (fully or through LoRA)")
+    reading.set(
+        "inputs_require_grad",
+        True,
+        "launcher rewrite" if peft else "file",
+        f"OpenRLHF calls enable_input_require_grads() before LoRA ({SOURCES['lora']})"
+        if peft
+        else "full fine-tune: the embeddings train",
+    )
+    name = config.values.get(
+        "model.model_name_or_path", config.values.get(f"{prefix}model_name_or_path", config.values.get("pretrain"))
+    )
+    if isinstance(name, str):
+        read_model_facts(name, "--model.model_name_or_path", reading)
+
+
+def _launch(config: Config, ctx: Context, reading: Reading, ppo: bool) -> None:
+    stage, stage_name = _int(config, ("ds.zero_stage", "zero_stage"), 2)
+    reading.set(
+        "zero_stage",
+        stage,
+        "file" if stage_name else "launcher default",
+        f"--{stage_name}" if stage_name else f"OpenRLHF's default ZeRO stage ({SOURCES['zero']})",
+    )
+    nodes, _ = _int(config, ("actor.num_nodes", "actor_num_nodes"), 1)
+    gpus, gpus_name = _int(config, ("actor.num_gpus_per_node", "actor_num_gpus_per_node"), 1)
+    launched = config.values.get("openrlhf_nproc")
+    if ctx.nproc is not None:
+        reading.set("world_size", ctx.nproc, "option", "--nproc")
+    elif isinstance(launched, int):
+        reading.set("world_size", launched, "file", "the launcher's process count (deepspeed / torchrun)")
+    elif ppo and gpus_name:
+        reading.set("world_size", nodes * gpus, "file", "--actor.num_nodes x --actor.num_gpus_per_node")
+    else:
+        reading.set("world_size", 1, "assumed", "no process count in the command: 1 (pass --nproc N)")
+    reading.set("ddp_find_unused_parameters", None, "launcher default", "DeepSpeed, not torch DDP")
+    reading.set("ddp_static_graph", None, "launcher default", "DeepSpeed, not torch DDP")
+    reading.set("fsdp", False, "launcher default", "OpenRLHF runs DeepSpeed")
+    reading.set("fsdp_activation_checkpointing", False, "launcher default", "OpenRLHF runs DeepSpeed")

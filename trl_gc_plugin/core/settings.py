@@ -1,0 +1,305 @@
+"""The plugin's own settings, read and validated in one place, identically on every route.
+
+Every setting of the plugin (`SafeGCCallback(...)`, `install(...)`, the `TRL_GC_PLUGIN_*` variables) is a row of
+`SETTINGS`: its name, its environment variable, the forms it accepts and its default. `GCSettings.resolve` reads them
+with one precedence - the argument, else what `install()` was given, else the environment variable, else the
+default - and one policy for a value that is none of the accepted forms: a one-line message naming the setting, the
+value and what is accepted; in strict mode a `GCConfigError` (before anything runs), in fix and warn mode a warning
+and the documented default. Nothing the user wrote is ever replaced silently.
+
+The checkpointing kwargs (`gradient_checkpointing_kwargs` / `activation_checkpointing_kwargs`) are the Trainer's, not
+the plugin's: `checkpoint_kwargs_problem` and `unknown_checkpoint_keys` turn what is wrong with them into facts, and
+the rule table (`checkpointing-kwargs-not-a-dict`, `checkpointing-kwargs-unknown`) decides, as for every other fact.
+
+Booleans accept what `TrainingArguments` accepts on the command line (`transformers.hf_argparser.string_to_bool`:
+`yes`/`no`, `true`/`false`, `t`/`f`, `y`/`n`, `1`/`0`, any case) plus `on`/`off`, a bool, and the ints 0 and 1;
+nothing else is truthy by accident (`audit="no"` is False, `audit="perhaps"` is an error).
+
+`docs/settings.md` holds `markdown_table()` (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .._base.flags import FORMS, parse_flag
+from .errors import GCConfigError, short
+from .modes import MODES, Mode
+
+BOOL_FORMS = FORMS
+
+
+def parse_bool(value: Any) -> bool:
+    """`value` as a bool (`_flags.parse_flag`'s forms); `ValueError` for anything else."""
+    flag = parse_flag(value)
+    if flag is None:
+        raise ValueError(f"expected {BOOL_FORMS}")
+    return flag
+
+
+def parse_mode(value: Any) -> Mode:
+    """`strict`, `fix` or `warn` in any case, blanks around ignored; `ValueError` for anything else."""
+    if isinstance(value, str) and value.strip().lower() in MODES:
+        return value.strip().lower()  # type: ignore[return-value]
+    raise ValueError(f"expected one of {', '.join(MODES)} (any case)")
+
+
+def parse_budget(value: Any) -> int | str:
+    """Bytes (`"40GiB"`, `"512MiB"`, an int) or `"auto"`; `ValueError` naming the accepted forms for anything else."""
+    from ..planning.planner import BUDGET_FORMS
+    from ..planning.planner import parse_budget as _bytes
+
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _bytes(value)
+    except ValueError:
+        raise ValueError(f'expected {BUDGET_FORMS}, or "auto"') from None
+
+
+def parse_dir(value: Any) -> str:
+    """A directory path (a non-empty string); `ValueError` for anything else."""
+    if not isinstance(value, str) or not value.strip() or "\x00" in value:
+        raise ValueError("expected a directory path")
+    return value.strip()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One of the plugin's settings.
+
+    Args:
+        name: the keyword of `SafeGCCallback` (and of `install()` when `installable`).
+        env: the environment variable read when neither the argument nor `install()` gives it, or None.
+        accepted: the accepted forms, in words (the error message and the docs say this).
+        parse: turns an accepted form into the value; raises `ValueError` for anything else.
+        default: the value when nothing gives one (and the one used in fix/warn mode for a bad value).
+        help: what it does, in one sentence (docs).
+        installable: `install()` takes it too.
+        callback: a keyword of `SafeGCCallback` (and so a `trl_gc_*` key of the Axolotl plugin); False for a setting
+            of loops without a Trainer only (`guard()`).
+    """
+
+    name: str
+    env: str | None
+    accepted: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    installable: bool = False
+    callback: bool = True
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "mode",
+        "TRL_GC_PLUGIN_MODE",
+        "strict, fix or warn (any case)",
+        parse_mode,
+        "strict",
+        "strict: refuse an explicit choice known to break training; fix: override it loudly; warn: change nothing. "
+        "A bad value of this variable is reported and strict is used (there is no mode yet to judge it by).",
+        installable=True,
+    ),
+    Setting(
+        "audit",
+        "TRL_GC_PLUGIN_AUDIT",
+        BOOL_FORMS,
+        parse_bool,
+        True,
+        "the first-step gradient audit of every checkpointed block",
+    ),
+    Setting(
+        "parity_check",
+        None,
+        BOOL_FORMS + ", or None (on for reentrant single-process runs)",
+        parse_bool,
+        None,
+        "compare gradients with and without checkpointing once, at the first optimizer step",
+    ),
+    Setting(
+        "write_json",
+        None,
+        BOOL_FORMS,
+        parse_bool,
+        True,
+        "write the decisions to <output_dir>/gc_decisions.json",
+    ),
+    Setting(
+        "memory_budget",
+        "TRL_GC_PLUGIN_BUDGET",
+        'a size ("40GiB", "512MiB", "1.5GB", bytes as an int) or "auto" (free CUDA memory)',
+        parse_budget,
+        None,
+        "plan how much to checkpoint within this activation memory per device",
+        installable=True,
+    ),
+    Setting(
+        "output_dir",
+        "TRL_GC_PLUGIN_OUTPUT_DIR",
+        "a directory path (an existing directory: the plugin creates none)",
+        parse_dir,
+        None,
+        "where a loop without a Trainer writes gc_decisions.json (`guard(output_dir=...)`; a Trainer writes to its "
+        "own output_dir); none: logs only",
+        callback=False,
+    ),
+)
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+CALLBACK_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.callback)
+"""The settings `SafeGCCallback` takes (and the Axolotl plugin's `trl_gc_*` keys)."""
+
+
+def problem_line(setting: Setting, where: str, value: Any) -> str:
+    """The one line said for a bad value: which setting, where it came from, the value, what is accepted."""
+    return f"{where}: got {short(value, 80)}; {setting.name} accepts {setting.accepted}"
+
+
+@dataclass(frozen=True)
+class GCSettings:
+    """The settings one `SafeGCCallback` runs with, resolved once.
+
+    Args:
+        mode: `strict`, `fix` or `warn`.
+        audit: the first-step gradient audit.
+        parity_check: the one-off gradient comparison (`None`: automatic).
+        write_json: write `gc_decisions.json`.
+        memory_budget: bytes, `"auto"`, or None (no plan).
+        output_dir: where a loop without a Trainer writes `gc_decisions.json`, or None.
+        problems: the bad values met and reported (one line each), in fix/warn mode.
+    """
+
+    mode: Mode = "strict"
+    audit: bool = True
+    parity_check: bool | None = None
+    write_json: bool = True
+    memory_budget: int | str | None = None
+    output_dir: str | None = None
+    problems: tuple[str, ...] = ()
+
+    @classmethod
+    def resolve(
+        cls,
+        given: Mapping[str, Any],
+        installed: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+        caller: str = "SafeGCCallback",
+    ) -> GCSettings:
+        """Resolve every setting: `given[name]` when not None, else `installed[name]`, else the environment, else the
+        default.
+
+        Raises:
+            `GCConfigError` (a `ValueError`): for a bad `mode` argument, and in strict mode for any other bad value,
+            one line per value.
+        """
+        installed = installed or {}
+        environ = os.environ if environ is None else environ
+        found: dict[str, tuple[str, Any]] = {}
+        for setting in SETTINGS:
+            if given.get(setting.name) is not None:
+                found[setting.name] = (f"{caller}({setting.name}=...)", given[setting.name])
+            elif installed.get(setting.name) is not None:
+                found[setting.name] = (f"install({setting.name}=...)", installed[setting.name])
+            elif setting.env and str(environ.get(setting.env, "")).strip():
+                found[setting.name] = (f"{setting.env}", environ[setting.env])
+
+        values: dict[str, Any] = {}
+        bad: list[tuple[Setting, str, Any]] = []
+        for setting in SETTINGS:
+            if setting.name not in found:
+                values[setting.name] = setting.default
+                continue
+            where, raw = found[setting.name]
+            try:
+                values[setting.name] = setting.parse(raw)
+            except ValueError:
+                if setting.name == "mode" and where != setting.env:
+                    raise GCConfigError(problem_line(setting, where, raw)) from None
+                bad.append((setting, where, raw))
+                values[setting.name] = setting.default
+        lines = tuple(problem_line(s, w, v) for s, w, v in bad)
+        refusing = [line for (s, _, _), line in zip(bad, lines, strict=True) if s.name != "mode"]
+        if refusing and values["mode"] == "strict":
+            raise GCConfigError(
+                "trl_gc_plugin refused its settings (mode=strict): "
+                + "; ".join(refusing)
+                + ". Fix the value, or use mode='warn'/'fix' to go on with the default."
+            )
+        return cls(**values, problems=lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "problems"}
+
+
+# --- the Trainer's checkpointing kwargs ---------------------------------------------------------------------------
+
+LAYER_KWARGS = ("every_n_layers", "offload")
+"""Read by transformers itself where it can (5.16: every_n_layers; 5.17: offload); taken out by the plugin before."""
+PLUGIN_KWARGS = ("selective",)
+"""Read by the plugin (TRL's `selective: true` spelling of per-op checkpointing)."""
+TORCH_POPPED_KWARGS = ("preserve_rng_state",)
+"""Keywords `torch.utils.checkpoint.checkpoint` takes out of its `**kwargs` (not in its signature)."""
+
+
+@functools.lru_cache(maxsize=1)
+def torch_checkpoint_keywords() -> frozenset[str]:
+    """The keywords the installed `torch.utils.checkpoint.checkpoint` reads (its signature, read from the installed
+    torch, plus `preserve_rng_state`, which it pops from `**kwargs`); torch's documented set when torch is absent."""
+    documented = frozenset({"use_reentrant", "context_fn", "determinism_check", "debug", "early_stop"})
+    try:
+        import inspect
+
+        from torch.utils.checkpoint import checkpoint
+
+        params = inspect.signature(checkpoint).parameters.values()
+        named = frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    except Exception:
+        named = documented
+    return named | frozenset(TORCH_POPPED_KWARGS)
+
+
+def known_checkpoint_keys() -> frozenset[str]:
+    """Every key of the checkpointing kwargs that something reads (torch, transformers, the plugin)."""
+    return torch_checkpoint_keywords() | frozenset(LAYER_KWARGS) | frozenset(PLUGIN_KWARGS)
+
+
+def unknown_checkpoint_names(keys: Any) -> tuple[str, ...]:
+    """The keys nothing reads, as written."""
+    known = known_checkpoint_keys()
+    return tuple(sorted(str(key) for key in keys if str(key) not in known))
+
+
+def unknown_checkpoint_keys(keys: Any) -> tuple[str, ...]:
+    """The keys nothing reads, each with the nearest known key when one is close (`use_reentrent (did you mean
+    use_reentrant?)`)."""
+    known = sorted(known_checkpoint_keys())
+    out = []
+    for name in unknown_checkpoint_names(keys):
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        out.append(f"{name} (did you mean {near[0]}?)" if near else name)
+    return tuple(sorted(out))
+
+
+def checkpoint_kwargs_problem(value: Any) -> str | None:
+    """What is wrong with the checkpointing kwargs as a container (None: a dict, or unset); e.g.
+    `str 'use_reentrant=True'`. transformers parses a JSON string itself in `__post_init__`; what is left a string
+    here is not JSON."""
+    if value is None or isinstance(value, dict):
+        return None
+    return f"{type(value).__name__} {short(value)}"
+
+
+def markdown_table() -> str:
+    """The settings as a Markdown table (`docs/settings.md`)."""
+    head = "| setting | `install()` | environment | accepted | default | what it does |\n|---|---|---|---|---|---|"
+    rows = (
+        f"| `{s.name}` | {'yes' if s.installable else 'no'} | {f'`{s.env}`' if s.env else '-'} | {s.accepted} "
+        f"| `{s.default!r}` | {s.help} |"
+        for s in SETTINGS
+    )
+    return "\n".join([head, *rows])

@@ -1,0 +1,487 @@
+"""The one owner of checkpointing on a live model: which modules checkpoint, with which function, and every write.
+
+transformers (4.35+) keeps activation checkpointing on the modules themselves: a `gradient_checkpointing` flag on
+every module that can checkpoint (the `GradientCheckpointingLayer` blocks, and the stacks that call the function
+themselves), and next to it `_gradient_checkpointing_func`, a `functools.partial(torch.utils.checkpoint.checkpoint,
+**keywords)`. The plugin's first-forward observer (`observe.py`) stands in for that function during one forward and
+keeps the real one as its `original`; `real()` is the only place that looks behind it.
+
+A launcher may store its own function instead, a wrapper around that partial made with `functools.wraps` (so its
+`__wrapped__` is the partial): LLaMA-Factory's `custom_gradient_checkpointing_func` makes the hidden states require
+grad and skips frozen layers. `inner()` looks behind such a wrapper: the keywords, and so `use_reentrant`, are read
+from the partial inside; `wrapped()` says a wrapper stands there, a checkpoint function someone chose on purpose, which
+every writer keeps (it rebuilds the wrapper around the new partial, never replaces it with a bare one).
+
+- Readers: `blocks`, `functions`, `function_of`, `real`, `inner`, `wrapped`, `keywords`, `use_reentrant`,
+  `model_use_reentrant`.
+- Writers: `set_flag` and `set_function` (the two primitives every write goes through), `with_keywords` (a function
+  with other keywords), `set_keyword` (one keyword on every checkpointing module), `apply` (a frozen `Spec`: the
+  per-block pattern, `use_reentrant`, keywords, selective checkpointing, offloading) and `snapshot` / `restore`.
+
+No other module of the plugin writes `gradient_checkpointing` or `_gradient_checkpointing_func`. torch and
+transformers are imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+FLAG = "gradient_checkpointing"
+FUNC = "_gradient_checkpointing_func"
+
+# --- readers -----------------------------------------------------------------------------------------------------
+
+
+def blocks(model: Any) -> list[Any]:
+    """The repeated checkpointed blocks (decoder layers) of `model` (not unwrapped).
+
+    Args:
+        model: a transformers model (or any `nn.Module`).
+
+    Returns:
+        The `GradientCheckpointingLayer` instances, in module order; for a transformers that predates it (< 4.52),
+        the modules carrying a `gradient_checkpointing` flag that are not whole models.
+    """
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers < 4.52
+        GradientCheckpointingLayer = None  # type: ignore[assignment,misc]
+    from transformers import PreTrainedModel
+
+    out = []
+    for module in model.modules():
+        if (GradientCheckpointingLayer is not None and isinstance(module, GradientCheckpointingLayer)) or (
+            GradientCheckpointingLayer is None and hasattr(module, FLAG) and not isinstance(module, PreTrainedModel)
+        ):
+            out.append(module)
+    return out
+
+
+def functions(model: Any) -> list[tuple[Any, Any]]:
+    """(module, checkpoint function) for every module of `model` (not unwrapped) with checkpointing switched on.
+
+    The function is the one stored on the module: the first-forward observer while it stands in (see `real()`).
+    """
+    return [(m, getattr(m, FUNC)) for m in model.modules() if getattr(m, FLAG, False) is True and hasattr(m, FUNC)]
+
+
+def function_of(module: Any) -> Any:
+    """The checkpoint function stored on `module` itself (None when it has none), the observer included."""
+    return module.__dict__.get(FUNC)
+
+
+def real(func: Any) -> Any:
+    """The checkpoint function behind the plugin's first-forward observer (`func` itself when none stands in)."""
+    return getattr(func, "original", func)
+
+
+def inner(func: Any) -> Any:
+    """The `functools.partial` a checkpoint function runs: behind the plugin's observer, and behind wrappers that name
+    what they wrap in `__wrapped__` (`functools.wraps`, as LLaMA-Factory's `custom_gradient_checkpointing_func`);
+    `real(func)` when no partial stands behind it (torch's `checkpoint` itself, an autograd Function's `apply`)."""
+    base = real(func)
+    found, seen = base, 0
+    while not isinstance(found, functools.partial) and seen < 8:
+        found, seen = getattr(found, "__wrapped__", None), seen + 1
+        if found is None:
+            return base
+    return found if isinstance(found, functools.partial) else base
+
+
+def wrapped(func: Any) -> bool:
+    """Whether a wrapper of someone's own stands around the checkpoint partial (see `inner()`): a checkpoint function
+    chosen on purpose, with its own behaviour around torch's call, to keep."""
+    return inner(func) is not real(func)
+
+
+def keywords(func: Any) -> dict[str, Any]:
+    """The keywords a checkpoint function passes to torch's `checkpoint` (a copy; empty when it is no partial), read
+    behind the observer and behind a wrapper (`inner()`)."""
+    return dict(getattr(inner(func), "keywords", None) or {})
+
+
+def use_reentrant(func: Any) -> bool:
+    """The `use_reentrant` a checkpoint function really runs with (a missing key means torch's default: True)."""
+    value = keywords(func).get("use_reentrant")
+    return True if value is None else bool(value)
+
+
+def model_use_reentrant(model: Any) -> bool | None:
+    """The effective `use_reentrant` of the live model (a PEFT / DDP wrapper is unwrapped).
+
+    Returns:
+        `None` when no module checkpoints; the first checkpointing module's value when modules disagree.
+    """
+    from .probe import unwrap
+
+    funcs = functions(unwrap(model))
+    return use_reentrant(funcs[0][1]) if funcs else None
+
+
+_functions = functions
+
+
+def same(a: Any, b: Any) -> bool:
+    """Two checkpoint functions are the same: equal partials (function, arguments, keywords), the same wrapper code
+    around equal partials, or the same object."""
+    if a is b:
+        return True
+    if wrapped(a) and wrapped(b):
+        code_a, code_b = getattr(real(a), "__code__", None), getattr(real(b), "__code__", None)
+        return code_a is not None and code_a is code_b and same(inner(a), inner(b))
+    if not (isinstance(a, functools.partial) and isinstance(b, functools.partial)):
+        return False
+    return a.func is b.func and a.args == b.args and a.keywords == b.keywords
+
+
+def _rewrapped(func: Any, new_inner: Any) -> Any:
+    """`func` (a wrapper, see `inner()`) rebuilt around `new_inner` instead of the partial it wraps: a copy of the
+    wrapper function whose closure cell holding that partial holds `new_inner` (its `__wrapped__` too). `None` when
+    the wrapper does not keep the partial in its closure (it cannot be rebuilt)."""
+    wrapper, old = real(func), inner(func)
+    if not isinstance(wrapper, types.FunctionType):
+        return None
+    copy = closure_swapped(wrapper, lambda content: new_inner if content is old else content)
+    if copy is not None:
+        copy.__wrapped__ = new_inner  # type: ignore[attr-defined]
+    return copy
+
+
+def closure_swapped(func: types.FunctionType, swap: Callable[[Any], Any]) -> types.FunctionType | None:
+    """A copy of `func` whose closure cells hold `swap(content)` instead (empty cells kept); None when `swap`
+    changes no cell (or `func` closes over nothing)."""
+    cells, changed = [], False
+    for cell in func.__closure__ or ():
+        try:
+            content = cell.cell_contents
+        except ValueError:  # an empty cell
+            cells.append(cell)
+            continue
+        new = swap(content)
+        changed = changed or new is not content
+        cells.append(cell if new is content else types.CellType(new))
+    if not changed:
+        return None
+    copy = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, tuple(cells))
+    copy.__kwdefaults__ = func.__kwdefaults__
+    copy.__dict__.update(func.__dict__)
+    copy.__qualname__ = func.__qualname__
+    return copy
+
+
+# --- checkpoint functions ----------------------------------------------------------------------------------------
+
+
+def offload_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch's `checkpoint` with the saved inputs in pinned host memory (`save_on_cpu`); needs an accelerator."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        return checkpoint(function, *args, **kwargs)
+
+
+def _torch_checkpoint() -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint
+
+
+def with_keywords(func: Any, **changes: Any) -> Any:
+    """`func` (a checkpoint function, observer unwrapped) rebuilt with other keywords, keeping the rest.
+
+    Args:
+        func: a `functools.partial` of a checkpoint function, a wrapper around one (`inner()`), or a plain callable.
+        **changes: the keywords to set; a value of `None` removes the key.
+
+    Returns:
+        A new `functools.partial` of the same function and positional arguments; for a wrapper, the wrapper rebuilt
+        around that new partial (`_rewrapped`), or, when it cannot be rebuilt, a partial of the wrapper itself with
+        the keywords (it passes them on to the function it wraps).
+    """
+    if wrapped(func):
+        rebuilt = _rewrapped(func, with_keywords(inner(func), **changes))
+        if rebuilt is not None:
+            return rebuilt
+    base = real(func)
+    if isinstance(base, functools.partial):
+        target, args, kw = base.func, base.args, dict(base.keywords)
+    else:
+        target, args, kw = base, (), {}
+    for key, value in changes.items():
+        if value is None:
+            kw.pop(key, None)
+        else:
+            kw[key] = value
+    return functools.partial(target, *args, **kw)
+
+
+# --- the two writing primitives ----------------------------------------------------------------------------------
+
+
+def set_flag(module: Any, on: bool) -> None:
+    """Switch checkpointing of one module on or off (its `gradient_checkpointing` flag); no write when it is so."""
+    if getattr(module, FLAG, None) is not on:
+        setattr(module, FLAG, on)
+
+
+def set_function(module: Any, func: Any, behind_observer: bool = False) -> None:
+    """Store `func` as the checkpoint function of one module.
+
+    Args:
+        module: the module.
+        func: the checkpoint function (or the first-forward observer, which `observe.py` installs through here).
+        behind_observer (`bool`): when the first-forward observer stands in on `module`, replace the function it
+            runs and leave it in front (the planner's writes); otherwise the observer is replaced too.
+    """
+    current = module.__dict__.get(FUNC)
+    if behind_observer and current is not None and hasattr(current, "original"):
+        current.original = func
+    else:
+        setattr(module, FUNC, func)
+
+
+def set_keyword(model: Any, key: str, value: Any) -> int:
+    """Rewrite the checkpoint function of every checkpointing module of `model` to run with `key=value` (`None`
+    removes the keyword).
+
+    The `functools.partial` transformers stores is rebuilt with the same function and other keywords, so offloading
+    and any torch kwargs survive, and no hook is added. A module whose function already runs so is left alone (the
+    first-forward observer too); a rewritten one loses the observer.
+
+    Returns:
+        How many modules changed.
+    """
+    from .probe import unwrap
+
+    changed = 0
+    for module, func in functions(unwrap(model)):
+        func = real(func)
+        inside = inner(func)
+        if isinstance(inside, functools.partial):
+            if inside.keywords.get(key, None) is value and (value is not None or key not in inside.keywords):
+                continue
+        elif value is None:
+            continue
+        set_function(module, with_keywords(func, **{key: value}))
+        changed += 1
+    return changed
+
+
+# --- a whole model -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How the blocks of a model checkpoint; `None` (or no key) leaves that part as it is.
+
+    Args:
+        pattern (`tuple[bool, ...]`, *optional*): per block (`blocks()`, in order), checkpointing on or off.
+        use_reentrant (`bool`, *optional*): the `use_reentrant` every block's function runs with.
+        keywords (`Mapping[str, Any]`): keywords to set in every block's function; a value of `None` removes the key.
+        selective (`bool` or `tuple[bool, ...]`, *optional*): run the planner's selective policy
+            (`memory.selective_context` as `context_fn`), for every block or per block; `False` removes that
+            `context_fn` (a user's own `context_fn` is kept).
+        lean (`bool` or `tuple[bool, ...]`, *optional*): the selective blocks run the lean policy
+            (`memory.lean_context`) instead, for every block or per block.
+        offload (`bool`, *optional*): run `offload_checkpoint` (saved inputs in host memory); `False` runs torch's
+            `checkpoint` where a block offloaded.
+    """
+
+    pattern: tuple[bool, ...] | None = None
+    use_reentrant: bool | None = None
+    keywords: Mapping[str, Any] = field(default_factory=dict)
+    selective: bool | tuple[bool, ...] | None = None
+    offload: bool | None = None
+    lean: bool | tuple[bool, ...] = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keywords", types.MappingProxyType(dict(self.keywords)))
+
+    @property
+    def changes_functions(self) -> bool:
+        """Whether applying the spec rewrites checkpoint functions (a pattern alone only sets flags)."""
+        return bool(
+            self.use_reentrant is not None or self.keywords or self.selective is not None or self.offload is not None
+        )
+
+
+def _function_for(current: Any, spec: Spec) -> Any:
+    """The checkpoint function a block holding `current` runs under `spec`."""
+    from ..planning.memory import lean_context, selective_context
+
+    if wrapped(current):  # the wrapper is kept, around the partial the spec makes of the one inside it
+        new = _function_for(inner(current), spec)
+        rebuilt = _rewrapped(current, new)
+        return new if rebuilt is None else rebuilt
+    base = real(current)
+    if isinstance(base, functools.partial):
+        func, args, kw = base.func, base.args, dict(base.keywords)
+    else:
+        func, args, kw = (base if callable(base) else _torch_checkpoint()), (), {}
+    if spec.offload:
+        func = offload_checkpoint
+    elif spec.offload is False and func is offload_checkpoint:
+        func = _torch_checkpoint()
+    if spec.use_reentrant is not None:
+        kw["use_reentrant"] = spec.use_reentrant
+    result = with_keywords(functools.partial(func, *args, **kw), **spec.keywords)
+    if spec.selective:
+        return with_keywords(result, context_fn=lean_context if spec.lean else selective_context)
+    if spec.selective is False and result.keywords.get("context_fn") in (selective_context, lean_context):
+        return with_keywords(result, context_fn=None)
+    return result
+
+
+def apply(model: Any, spec: Spec) -> None:
+    """Apply `spec` to every block of the live model: its flag and its checkpoint function. Idempotent.
+
+    A checkpoint function is replaced only when it changes, behind the first-forward observer when one stands in
+    (it stays in front); a block without one gets torch's `checkpoint`.
+
+    Args:
+        model: the live model (PEFT / DDP wrappers are fine), checkpointing normally already enabled.
+        spec: what to apply.
+
+    Raises:
+        `ValueError`: selective with `use_reentrant=True`, or a pattern for another number of blocks.
+    """
+    from .probe import unwrap
+
+    per_block = spec.selective if isinstance(spec.selective, tuple) else None
+    if spec.use_reentrant and (any(per_block) if per_block is not None else spec.selective):
+        raise ValueError("selective checkpointing needs use_reentrant=False (torch accepts context_fn only there)")
+    lean = spec.lean if isinstance(spec.lean, tuple) else None
+    found = blocks(unwrap(model))
+    for name, value in (("plan", spec.pattern), ("selective plan", per_block), ("lean plan", lean)):
+        if value is not None and len(found) != len(value):
+            raise ValueError(f"the {name} is for {len(value)} blocks; the model has {len(found)}")
+    for i, block in enumerate(found):
+        if spec.changes_functions:
+            current = function_of(block)
+            here = spec
+            if per_block is not None:
+                here = dataclasses.replace(here, selective=per_block[i])
+            if lean is not None:
+                here = dataclasses.replace(here, lean=lean[i])
+            new = _function_for(current, here)
+            if not same(real(current), new):
+                set_function(block, new, behind_observer=True)
+        if spec.pattern is not None:
+            set_flag(block, spec.pattern[i])
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The checkpointing of a model at one moment (`snapshot()`), to put back with `restore()`.
+
+    Args:
+        flags (`tuple[tuple[Any, bool], ...]`): (module, flag) for every module carrying a boolean flag.
+        functions (`tuple[tuple[Any, Any], ...]`): (module, checkpoint function as stored, the observer included)
+            for every module with checkpointing switched on, and every block holding a function while switched off.
+    """
+
+    flags: tuple[tuple[Any, bool], ...]
+    functions: tuple[tuple[Any, Any], ...]
+
+    def real_functions(self) -> dict[int, Any]:
+        """{id(module): checkpoint function behind the observer}."""
+        return {id(m): real(f) for m, f in self.functions}
+
+
+def snapshot(
+    model: Any, *, flags: bool = True, functions: bool = True, only: Collection[Any] | None = None
+) -> Snapshot:
+    """Record the flags and checkpoint functions of `model` (a PEFT / DDP wrapper is unwrapped).
+
+    Args:
+        model: the model.
+        flags (`bool`): record the flags (`False`: `restore()` leaves every flag alone).
+        functions (`bool`): record the checkpoint functions (`False`: `restore()` leaves every function alone, e.g. a
+            use_reentrant switch made meanwhile).
+        only (`Collection`, *optional*): record these modules only.
+
+    Returns:
+        The `Snapshot`.
+    """
+    from .probe import unwrap
+
+    base = unwrap(model)
+    keep = None if only is None else {id(m) for m in only}
+
+    def wanted(module: Any) -> bool:
+        return keep is None or id(module) in keep
+
+    recorded_flags: tuple[tuple[Any, bool], ...] = ()
+    if flags:
+        recorded_flags = tuple(
+            (m, flag) for m in base.modules() if wanted(m) and isinstance(flag := getattr(m, FLAG, None), bool)
+        )
+    recorded: dict[int, tuple[Any, Any]] = {}
+    if functions:
+        for m, f in _functions(base):
+            if wanted(m):
+                recorded[id(m)] = (m, f)
+        for block in blocks(base):  # blocks switched off keep their function too
+            func = function_of(block)
+            if func is not None and wanted(block):
+                recorded.setdefault(id(block), (block, func))
+    return Snapshot(flags=recorded_flags, functions=tuple(recorded.values()))
+
+
+def restore(snap: Snapshot, keep_use_reentrant: bool = False) -> None:
+    """Put back the recorded flags and checkpoint functions.
+
+    Args:
+        snap: from `snapshot()`.
+        keep_use_reentrant (`bool`): rebuild each recorded function (its wrapper and keywords, behind any observer)
+            with the `use_reentrant` the module runs now, only where the module holds a function now and the recorded
+            one is a partial or a wrapper around one (the enable guard after a re-enable); otherwise every recorded
+            object is put back as it was.
+    """
+    for module, on in snap.flags:
+        set_flag(module, on)
+    for module, recorded in snap.functions:
+        now = function_of(module)
+        if not keep_use_reentrant:
+            if now is not recorded:
+                set_function(module, recorded)
+            continue
+        want = real(recorded)
+        if now is None or not isinstance(inner(want), functools.partial):
+            continue
+        mode = keywords(now).get("use_reentrant")
+        restored = want if mode is None else with_keywords(want, use_reentrant=mode)
+        if not same(restored, real(now)):
+            set_function(module, restored)
+
+
+__all__ = [
+    "FLAG",
+    "FUNC",
+    "Snapshot",
+    "Spec",
+    "apply",
+    "blocks",
+    "function_of",
+    "functions",
+    "inner",
+    "keywords",
+    "model_use_reentrant",
+    "offload_checkpoint",
+    "real",
+    "restore",
+    "same",
+    "set_flag",
+    "set_function",
+    "set_keyword",
+    "snapshot",
+    "use_reentrant",
+    "with_keywords",
+    "wrapped",
+]

@@ -1,0 +1,706 @@
+"""Read `Facts` off real `TrainingArguments` and models.
+
+This is the only module that knows where transformers, TRL, PEFT and bitsandbytes keep things. It imports none
+of them at module level (torch and transformers are imported lazily, only when a model is inspected).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._base.flags import parse_flag
+from .._base.weak import WeakIdMap
+from ..core import capabilities, settings
+from ..core.context_parallel import cp_size_from_args
+from ..core.deepspeed_config import ACCELERATE_DEFAULT_STAGE, DeepSpeedFacts
+from ..core.deepspeed_config import deepspeed_facts as read_deepspeed_config
+from ..core.facts import Facts, Source
+from . import ckpt
+
+logger = logging.getLogger("trl_gc_plugin")
+
+NEW_KWARGS, OLD_KWARGS = "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"
+NEW_FLAG, OLD_FLAG = "activation_checkpointing", "gradient_checkpointing"
+
+PACKAGES = ("transformers", "trl", "peft", "torch", "accelerate", "deepspeed", "bitsandbytes")
+
+# Names of the forward hooks that make the input embeddings' output require grad: transformers'
+# `enable_input_require_grads` and PEFT/TRL's fallback `make_inputs_require_grad`.
+INPUT_GRAD_HOOK_NAMES = frozenset({"make_inputs_require_grads", "make_inputs_require_grad"})
+
+# Trainer kinds by args class; the ones that generate with the policy while training; RL / preference ones.
+GENERATING_TRAINERS = frozenset({"grpo", "rloo", "online_dpo", "ppo", "xpo", "nash_md", "gkd", "distillation"})
+RL_TRAINERS = frozenset(
+    {"dpo", "kto", "orpo", "cpo", "bco", "grpo", "rloo", "ppo", "online_dpo", "xpo", "nash_md", "reward", "prm"}
+)
+
+
+@functools.lru_cache(maxsize=1)
+def installed_versions() -> dict[str, str | None]:
+    """Installed versions of the packages the rules gate on (from package metadata: nothing is imported)."""
+    return {name: capabilities.installed_version(name) for name in PACKAGES}
+
+
+@dataclass
+class PostInitRecord:
+    """What the plugin saw and did about one `TrainingArguments` object. Kept in `RECORDS`, outside the object
+    (the Trainer pickles the arguments into every checkpoint; nothing of the plugin may travel with them).
+
+    Args:
+        user_given: the user's kwargs had a `use_reentrant` key at construction.
+        user_value: that value.
+        value / value_source: the `use_reentrant` in force after the plugin's last look, and who chose it.
+        new_id / old_id: `id()` of the two kwargs objects right after construction (to tell which one was
+            assigned later).
+        decisions: the post-init decisions.
+    """
+
+    user_given: bool = False
+    user_value: Any = None
+    value: Any = None
+    value_source: str | None = None
+    new_id: int | None = None
+    old_id: int | None = None
+    decisions: list[Any] = field(default_factory=list)
+
+
+RECORDS: WeakIdMap[PostInitRecord] = WeakIdMap()
+
+
+def start_record(args: Any, user_given: bool, user_value: Any) -> PostInitRecord:
+    """A fresh record for `args` (called when the arguments are built)."""
+    record = PostInitRecord(user_given=user_given, user_value=user_value)
+    RECORDS.set(args, record)
+    return record
+
+
+def remember(args: Any, value: Any, source: str) -> PostInitRecord:
+    """Record the `use_reentrant` now in force for `args` and who chose it, and which objects the kwargs fields
+    hold, so a later look (the callback, the next event) can tell who set a value and see later reassignments."""
+    record = get_record(args)
+    if record is None:
+        record = PostInitRecord()
+        RECORDS.set(args, record)
+    record.value, record.value_source = value, source
+    record.new_id = id(getattr(args, NEW_KWARGS, None))
+    record.old_id = id(getattr(args, OLD_KWARGS, None))
+    return record
+
+
+def get_record(args: Any) -> PostInitRecord | None:
+    return RECORDS.get(args)
+
+
+def has_activation_fields(args: Any) -> bool:
+    """transformers >= 5.23: `activation_checkpointing*` are the real fields."""
+    return NEW_KWARGS in getattr(type(args), "__dataclass_fields__", {})
+
+
+def kwargs_field(args: Any) -> str:
+    """The kwargs field the Trainer reads."""
+    return NEW_KWARGS if has_activation_fields(args) else OLD_KWARGS
+
+
+def flag_field(args: Any) -> str:
+    """The on/off field the Trainer reads."""
+    return NEW_FLAG if has_activation_fields(args) else OLD_FLAG
+
+
+def read_kwargs(args: Any) -> dict[str, Any] | None:
+    value = getattr(args, kwargs_field(args), None)
+    return value if isinstance(value, dict) else None
+
+
+def trainer_kind(args: Any) -> str:
+    """`sft`, `dpo`, `grpo`, `online_dpo`... from the args class name (`TrainingArguments` -> `trainer`)."""
+    name = type(args).__name__
+    if name.endswith("Config") and name != "TrainingArguments":
+        stem = name[: -len("Config")]
+        words: list[str] = []
+        for i, ch in enumerate(stem):
+            if ch.isupper() and i and not stem[i - 1].isupper():
+                words.append("_")
+            words.append(ch.lower())
+        return "".join(words) or "trainer"
+    return "trainer"
+
+
+def world_size(args: Any = None) -> int:
+    """Processes of the launch: the launcher's `WORLD_SIZE` (set by torchrun / accelerate / deepspeed), else the
+    args' distributed state (`args` None: 1; pass them only once the Trainer exists: reading it during
+    `__post_init__` could set up devices early)."""
+    value = os.environ.get("WORLD_SIZE", "")
+    if value.isdigit():
+        return int(value)
+    try:
+        return int(getattr(args, "world_size", 1) or 1)
+    except Exception:
+        return 1
+
+
+def _deepspeed_config(args: Any) -> dict[str, Any] | None:
+    """The DeepSpeed config as a dict: from the args (dict, JSON path, or the parsed `hf_deepspeed_config`), or from
+    accelerate's environment (`accelerate launch --use_deepspeed` / a DeepSpeed accelerate config)."""
+    hf = getattr(args, "hf_deepspeed_config", None)
+    if hf is not None and isinstance(getattr(hf, "config", None), dict):
+        return hf.config
+    value = getattr(args, "deepspeed", None)
+    if isinstance(value, dict):
+        return value
+    path = value if isinstance(value, str) and value else os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                loaded = json.load(fh)
+            return loaded if isinstance(loaded, dict) else None
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def _plugin_stage(args: Any) -> int | None:
+    """The stage in accelerate's `DeepSpeedPlugin` (TrainingArguments builds it; it fills a stage `"auto"`)."""
+    stage = getattr(getattr(args, "deepspeed_plugin", None), "zero_stage", None)
+    return stage if isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage <= 3 else None
+
+
+def _env_stage() -> int | None:
+    env_stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+    return int(env_stage) if env_stage.isdigit() and int(env_stage) <= 3 else None
+
+
+def deepspeed_facts(args: Any) -> DeepSpeedFacts | None:
+    """The DeepSpeed config's facts (`_deepspeed.deepspeed_facts`, the reading `trl-gc-check` shares), or None without
+    a config. A stage `"auto"` is the plugin's stage, else accelerate's (`ACCELERATE_DEEPSPEED_ZERO_STAGE`, else 2).
+    Problems (values DeepSpeed would refuse) are logged once each; the run fails on them in DeepSpeed, not here."""
+    config = _deepspeed_config(args)
+    if config is None:
+        return None
+    auto = _plugin_stage(args)
+    if auto is None:
+        auto = _env_stage()
+    facts = read_deepspeed_config(config, auto_stage=ACCELERATE_DEFAULT_STAGE if auto is None else auto)
+    for problem in facts.problems:
+        if problem not in _LOGGED_PROBLEMS:
+            _LOGGED_PROBLEMS.add(problem)
+            logger.warning("DeepSpeed config: %s", problem)
+    return facts
+
+
+_LOGGED_PROBLEMS: set[str] = set()
+
+
+def zero_stage(args: Any) -> int | None:
+    """The DeepSpeed ZeRO stage in use, or None without DeepSpeed (or when the config's stage is unreadable)."""
+    stage = _plugin_stage(args)
+    if stage is not None:
+        return stage
+    ds = deepspeed_facts(args)
+    if ds is not None:
+        return ds.stage
+    if parse_flag(os.environ.get("ACCELERATE_USE_DEEPSPEED", "")):
+        env_stage = _env_stage()
+        return 0 if env_stage is None else env_stage
+    return None
+
+
+def fsdp_facts(args: Any) -> tuple[bool, bool]:
+    """(FSDP asked for, FSDP's own activation checkpointing on), from the args or accelerate's environment."""
+    fsdp = getattr(args, "fsdp", None)
+    on = bool(fsdp) or bool(parse_flag(os.environ.get("ACCELERATE_USE_FSDP", "")))
+    config = getattr(args, "fsdp_config", None) or {}
+    ac = config.get("activation_checkpointing") if isinstance(config, dict) else None
+    if ac is None:
+        ac = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "")
+    return on, bool(parse_flag(str(ac)))
+
+
+def fsdp_version(args: Any) -> int | None:
+    """1 or 2: transformers 5.23 reads `fsdp_config["version"]` (default 2); 4.x the `FSDP_VERSION` variable (1)."""
+    plugin_args = getattr(args, "fsdp_plugin_args", None)
+    if isinstance(plugin_args, dict) and str(plugin_args.get("fsdp_version", "")).isdigit():
+        return int(plugin_args["fsdp_version"])
+    config = getattr(args, "fsdp_config", None)
+    if isinstance(config, dict) and str(config.get("version", "")).isdigit():
+        return int(config["version"])
+    env = os.environ.get("FSDP_VERSION", "")
+    return int(env) if env.isdigit() else 1
+
+
+def fsdp_applied(args: Any) -> bool | None:
+    """Whether accelerate really runs FSDP (its state, which the Trainer sets up in `__init__`): False when it fell
+    back to another wrapper (DDP on CPU, `MULTI_CPU`); None when unknown (the state does not exist yet)."""
+    state = args.__dict__.get("distributed_state")
+    kind = getattr(state, "distributed_type", None)
+    if kind is None:
+        return None
+    name = str(getattr(kind, "value", kind)).rsplit(".", 1)[-1].upper()
+    return name == "FSDP" or "XLA" in name
+
+
+def _flag_source(args: Any) -> Source:
+    """Who set the checkpointing flag: on, `trainer` when the config class defaults it on (TRL's configs), else
+    `user`; off, `user` when the class defaults it on (someone turned it off), else `unset` (the default)."""
+    field_ = getattr(type(args), "__dataclass_fields__", {}).get(OLD_FLAG)
+    default = getattr(field_, "default", None)
+    on = bool(getattr(args, flag_field(args), False))
+    if not on:
+        return "user" if default is True else "unset"
+    return "trainer" if default is True else "user"
+
+
+def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
+    """Facts that the arguments alone tell."""
+    new_fields = has_activation_fields(args)
+    kwargs = getattr(args, kwargs_field(args), None)
+    gc_on = bool(getattr(args, flag_field(args), False))
+    record = get_record(args)
+    use_reentrant = kwargs.get("use_reentrant") if isinstance(kwargs, dict) else None
+
+    disagree = False
+    legacy_kwargs: dict[str, Any] | None = None
+    legacy_gc: bool | None = None
+    changed: str | None = None
+    if new_fields:
+        old_kwargs = getattr(args, OLD_KWARGS, None)
+        old_flag = getattr(args, OLD_FLAG, None)
+        if old_kwargs is not kwargs and old_kwargs != kwargs:
+            disagree = True
+            legacy_kwargs = dict(old_kwargs) if isinstance(old_kwargs, dict) else None
+        if old_flag is not None and bool(old_flag) != gc_on:
+            disagree = True
+            legacy_gc = bool(old_flag)
+        if disagree and record is not None and record.new_id is not None:
+            new_moved, old_moved = id(kwargs) != record.new_id, id(old_kwargs) != record.old_id
+            if old_moved and not new_moved:
+                changed = "legacy"
+            elif new_moved and not old_moved:
+                changed = "new"
+        gc_on = gc_on or bool(old_flag)
+
+    fsdp, fsdp_ac = fsdp_facts(args)
+    applied = fsdp_applied(args) if fsdp and stage != "post_init" else None
+    kind = trainer_kind(args)
+    given = kwargs if isinstance(kwargs, dict) else {}
+    every = given.get("every_n_layers")
+    ds = deepspeed_facts(args)
+    offloading = parse_flag(getattr(args, "activation_offloading", None)) is True  # TRL's configs
+    return Facts(
+        stage=stage,  # type: ignore[arg-type]
+        versions=dict(installed_versions()),
+        capabilities=capabilities.installed(),
+        gc_enabled=gc_on,
+        use_reentrant=use_reentrant,
+        use_reentrant_source=_source(use_reentrant, kwargs, record),
+        kwargs_given=isinstance(kwargs, dict),
+        has_activation_fields=new_fields,
+        fields_disagree=disagree,
+        legacy_kwargs=legacy_kwargs,
+        legacy_gc=legacy_gc,
+        changed_field=changed,  # type: ignore[arg-type]
+        trainer_kind=kind,
+        generates=kind in GENERATING_TRAINERS,
+        rl_trainer=kind in RL_TRAINERS,
+        world_size=world_size(None if stage == "post_init" else args),
+        zero_stage=zero_stage(args),
+        fsdp=fsdp and applied is not False,
+        fsdp_activation_checkpointing=fsdp_ac and applied is not False,
+        fsdp_wrapped=applied,
+        fsdp_version=fsdp_version(args) if fsdp else None,
+        zero_overlap_comm=ds.overlap_comm if ds is not None else None,
+        ddp_find_unused_parameters=getattr(args, "ddp_find_unused_parameters", None),
+        ddp_static_graph=getattr(args, "ddp_static_graph", None),
+        cp_size=cp_size_from_args(args),
+        gc_flag_source=_flag_source(args),
+        kwargs_keys=tuple(sorted(str(k) for k in given if k != "use_reentrant")),
+        kwargs_problem=settings.checkpoint_kwargs_problem(kwargs),
+        kwargs_unknown=settings.unknown_checkpoint_keys(given),
+        every_n_layers=every if isinstance(every, int) and not isinstance(every, bool) else None,
+        offload=bool(parse_flag(given.get("offload", False))),
+        preserve_rng_state=parse_flag(given["preserve_rng_state"]) if "preserve_rng_state" in given else None,
+        selective="context_fn" in given or bool(parse_flag(given.get("selective", False))),
+        deepspeed_activation_checkpointing=ds is not None and ds.activation_checkpointing,
+        trl_activation_offloading=offloading,
+        accelerator=accelerator_available() if offloading else None,
+    )
+
+
+def _source(value: Any, kwargs: Any, record: PostInitRecord | None) -> Source:
+    if value is None:
+        return "unset"
+    if record is None:
+        return "unknown"
+    if record.value_source is not None and value == record.value:
+        return record.value_source  # type: ignore[return-value]
+    if record.user_given and value == record.user_value:
+        return "user"
+    return "trainer"
+
+
+def _source_without_record(facts: Facts, peft: bool) -> Source:
+    """Who wrote a `use_reentrant` found in the arguments when the plugin did not see them being built (only the
+    callback is used): transformers' own `Trainer` never writes it, so it is the user's; TRL's trainers write it in
+    their `__init__` in two known cases (transformers < 5: `setdefault("use_reentrant", False)`; PEFT + DeepSpeed
+    ZeRO-3: `True`), so a value equal to what TRL would write there is the trainer's, anything else the user's."""
+    if facts.trainer_kind == "trainer":
+        return "user"
+    if facts.use_reentrant is False and facts.caps.none_kwargs_reentrant:
+        return "trainer"
+    if facts.use_reentrant is True and peft and facts.zero_stage == 3:
+        return "trainer"
+    return "user"
+
+
+# --- model facts -----------------------------------------------------------------------------------------------
+
+
+def compiled(args: Any, model: Any) -> str | None:
+    """Why the model's forward runs under `torch.compile`, or None: the arguments' `torch_compile` (the Trainer
+    compiles it through accelerate), accelerate's `ACCELERATE_DYNAMO_BACKEND`, a model compiled in place
+    (`nn.Module.compile`) or wrapped by `torch.compile` before the Trainer saw it."""
+    if getattr(args, "torch_compile", False):
+        return "torch_compile=True"
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "")
+    if backend and backend.lower() != "no":
+        return f"ACCELERATE_DYNAMO_BACKEND={backend}"
+    for candidate in (model, unwrap(model)):
+        if hasattr(candidate, "_orig_mod"):
+            return "the model is wrapped by torch.compile"
+        if getattr(candidate, "_compiled_call_impl", None) is not None:
+            return "the model was compiled in place (Module.compile)"
+    return None
+
+
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+"""Wrappers whose `.module` is the model they wrap (FSDP1's root wrapper is what a Trainer's callbacks get)."""
+
+
+def unwrap(model: Any) -> Any:
+    """The underlying transformers model of a PEFT / DDP / FSDP1 / accelerate wrapper."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            inner = model.get_base_model()
+        elif hasattr(model, "module") and type(model).__name__ in _WRAPPERS:
+            inner = model.module
+        else:
+            return model
+        if inner is model:
+            return model
+        model = inner
+    return model
+
+
+def is_peft_model(model: Any) -> bool:
+    return type(model).__module__.split(".")[0] == "peft" or hasattr(model, "peft_config")
+
+
+def block_pattern(model: Any) -> tuple[bool, ...]:
+    """The live per-block checkpointing flags (one per `GradientCheckpointingLayer`, in module order)."""
+    return tuple(getattr(b, "gradient_checkpointing", False) is True for b in ckpt.blocks(unwrap(model)))
+
+
+def checkpointing_on(model: Any) -> bool:
+    """Some module of the model has checkpointing switched on (any format, the pre-4.35 one included)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in unwrap(model).modules())
+
+
+def input_grad_hooks(model: Any) -> int:
+    """How many input-require-grad forward hooks the model's input embeddings carry."""
+    return input_grad_hooks_of(embeddings(model))
+
+
+def input_grad_hooks_of(embeddings: Any) -> int:
+    if embeddings is None:
+        return 0
+    return sum(getattr(h, "__name__", "") in INPUT_GRAD_HOOK_NAMES for h in embeddings._forward_hooks.values())
+
+
+def embeddings(model: Any, side: str = "input") -> Any:
+    """The model's input (or `side="output"`: output) embeddings under any wrapper, None when it has none."""
+    try:
+        return getattr(unwrap(model), f"get_{side}_embeddings")()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def model_configs(model: Any) -> list[Any]:
+    """Every config object the model's modules read (the top-level one, and those of sub-models: a VLM's text and
+    vision models, an encoder-decoder's stacks), each once."""
+    seen: dict[int, Any] = {}
+    for module in unwrap(model).modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "use_cache") and id(config) not in seen:
+            seen[id(config)] = config
+    return list(seen.values())
+
+
+def training_use_cache(args: Any, model: Any) -> bool:
+    """Whether some config the model reads will have `use_cache=True` while training: transformers >= 5 has a
+    `TrainingArguments.use_cache` (default False) that the Trainer writes into the top-level config after
+    `on_init_end`; sub-model configs (a VLM's `text_config`, ...) keep their own value."""
+    base = unwrap(model)
+    top = getattr(base, "config", None)
+    has_field = "use_cache" in getattr(type(args), "__dataclass_fields__", {})
+    return any(
+        bool(args.use_cache) if (config is top and has_field) else getattr(config, "use_cache", False) is True
+        for config in model_configs(base)
+    )
+
+
+def quantization_of(model: Any) -> str | None:
+    base = unwrap(model)
+    if getattr(base, "is_loaded_in_4bit", False):
+        return "bitsandbytes_4bit"
+    if getattr(base, "is_loaded_in_8bit", False):
+        return "bitsandbytes_8bit"
+    qconfig = getattr(getattr(base, "config", None), "quantization_config", None)
+    if qconfig is None:
+        return None
+    method = qconfig.get("quant_method") if isinstance(qconfig, dict) else getattr(qconfig, "quant_method", None)
+    return str(getattr(method, "value", method) or "unknown")
+
+
+def _will_add_input_hook(base: Any, facts: Facts) -> bool:
+    """transformers >= 5.0 calls `enable_input_require_grads()` itself when it enables checkpointing on a model
+    whose `main_input_name` is `input_ids` (and 4.x only for adapters it loaded itself)."""
+    if getattr(base, "_hf_peft_config_loaded", False):
+        return True
+    return bool(facts.caps.enable_adds_input_hook) and getattr(base, "main_input_name", None) == "input_ids"
+
+
+def _nothing_upstream(model: Any, base: Any, blocks: list[Any]) -> bool:
+    """Whether the inputs of the checkpointed blocks certainly do not require grad: no trainable parameter outside
+    the blocks except the output embeddings (an untied `lm_head` only reads the last block's output), and no forward
+    hook on any module outside the blocks (a hook may make a tensor require grad). Anything else - a learned
+    position embedding, an embedding norm, a trainable vision tower or head - may or may not feed the blocks; that
+    is settled by observing the first forward (`observe.py`), not guessed here."""
+    inside = {id(m) for b in blocks for m in b.modules()}
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    head = embeddings(base, "output")
+    emb = embeddings(model)
+    emb_params = {id(p) for p in emb.parameters()} if emb is not None else set()
+    head_params = {id(p) for p in head.parameters()} - emb_params if head is not None else set()
+    if any(p.requires_grad and id(p) not in in_blocks and id(p) not in head_params for p in model.parameters()):
+        return False
+    head_modules = {id(m) for m in head.modules()} if head is not None else set()
+    outside = (m for m in model.modules() if id(m) not in inside and id(m) not in head_modules)
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in outside)
+
+
+def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
+    """Facts from the arguments and the (unwrapped) model, as `on_init_end` sees them."""
+    facts = facts_from_args(args, stage=stage)
+    base = unwrap(model)
+    blocks = ckpt.blocks(base)
+    trainable_in_blocks = any(p.requires_grad for b in blocks for p in b.parameters())
+    params = list(model.parameters())
+    frozen = any(not p.requires_grad for p in params)
+    emb = embeddings(model)
+    emb_trainable = bool(emb is not None and any(p.requires_grad for p in emb.parameters()))
+    hooked = input_grad_hooks(model) > 0
+    funcs = ckpt.functions(base)
+    gc_on_model = bool(funcs)
+    gc_enabled = facts.gc_enabled or gc_on_model
+    # a launcher's own checkpoint function (a wrapper around transformers' partial: LLaMA-Factory's) was put there on
+    # purpose, with its use_reentrant, and may change the inputs inside the call (LLaMA-Factory's makes them require
+    # grad): see ckpt.wrapped
+    launcher_function = any(ckpt.wrapped(f) for _, f in funcs)
+    # True: the embeddings require grad or carry the input hook (the Trainer's own, added in train(), counts too);
+    # False: certainly not (nothing trainable or hooked upstream of the blocks, no wrapper around the checkpoint
+    # call); None: settled at the first forward.
+    inputs_grad: bool | None = True
+    if not (emb_trainable or hooked or (facts.gc_enabled and _will_add_input_hook(base, facts))):
+        inputs_grad = False if _nothing_upstream(model, base, blocks) and not launcher_function else None
+    peft = is_peft_model(model)
+    source = facts.use_reentrant_source
+    if source == "unknown" and get_record(args) is None:
+        source = _source_without_record(facts, peft)
+    use_reentrant = facts.use_reentrant
+    if launcher_function and source == "unset":
+        # the arguments say nothing and the Trainer will not re-enable: the launcher's value is the one set
+        use_reentrant, source = ckpt.model_use_reentrant(base), "unknown"
+    return facts.replace(
+        use_reentrant=use_reentrant,
+        use_reentrant_source=source,
+        launcher_checkpointing=launcher_function,
+        gc_enabled=gc_enabled,
+        model_gc_enabled=gc_on_model,
+        model_use_reentrant=ckpt.model_use_reentrant(base) if gc_on_model else None,
+        enable_refused=bool(facts.gc_enabled) and getattr(base, "supports_gradient_checkpointing", None) is False,
+        is_peft=peft,
+        alora=uses_alora(model) if peft else False,
+        quantization=quantization_of(model),
+        trainable_in_blocks=trainable_in_blocks,
+        frozen_params=frozen,
+        inputs_require_grad=inputs_grad,
+        use_cache=training_use_cache(args, base),
+        model_is_pretrained=_is_pretrained(model),
+        unsloth=_unsloth_patched(),
+        legacy_checkpointing=uses_legacy_format(base),
+        accelerator=accelerator_available(),
+        dropout=has_dropout(base),
+        shared_state_layers=shares_layer_state(base),
+        router_logits_recorded=records_router_logits_in_blocks(base, blocks),
+        shared_block_params=shares_block_params(blocks + layer_list_entries(base)),
+        compiled=compiled(args, model),
+        checkpoint_wrapped=checkpoint_wrapped(model),
+    )
+
+
+SELECTIVE_EXACT_VARIANTS = frozenset({"DoraLinearVariant", "DoraEmbeddingVariant"})
+"""PEFT LoRA variants whose gradients under the planner's selective policy (`memory.selective_policy`) were measured
+equal to those without checkpointing (peft 0.21.2, transformers 4.57.6 and 5.23.0: `tests/test_selective_peft.py`).
+Plain LoRA (no variant) too; plain LoRA and DoRA under the lean policy (`memory.lean_policy`) as well. BD-LoRA
+(`BdLoraLinearVariant`) was measured 0.59 off and aLoRA (`ALoraLinearVariant`, its adapter active from the invocation
+token on) 1.61 off; the others were not measured."""
+
+
+def checkpoint_wrapped(model: Any) -> bool:
+    """Some module of `model` is torch's `CheckpointWrapper` (`apply_activation_checkpointing`)."""
+    return any(type(m).__name__ == "CheckpointWrapper" for m in unwrap(model).modules())
+
+
+def uses_alora(model: Any) -> bool:
+    """Some LoRA layer of `model` runs an aLoRA adapter (PEFT's `ALoraLinearVariant`)."""
+    for module in unwrap(model).modules():
+        variants = getattr(module, "lora_variant", None)
+        if isinstance(variants, dict) and any(type(v).__name__ == "ALoraLinearVariant" for v in variants.values()):
+            return True
+    return False
+
+
+def selective_unsafe_adapters(model: Any) -> list[str]:
+    """The PEFT adapter kinds of `model` the selective policy is not known to be exact for: LoRA variants outside
+    `SELECTIVE_EXACT_VARIANTS`, and tuner layers other than LoRA's (IA3, LoHa, ...). Empty without PEFT."""
+    found: set[str] = set()
+    for module in unwrap(model).modules():
+        variants = getattr(module, "lora_variant", None)
+        if isinstance(variants, dict):
+            found.update(
+                type(v).__name__ for v in variants.values() if type(v).__name__ not in SELECTIVE_EXACT_VARIANTS
+            )
+            continue
+        kind = type(module)
+        tuner = kind.__module__.startswith("peft.tuners.") and hasattr(module, "active_adapters")
+        if tuner and not kind.__module__.startswith("peft.tuners.lora"):
+            found.add(f"{kind.__module__.split('.')[2]}.{kind.__name__}")
+    return sorted(found)
+
+
+def layer_list_entries(model: Any) -> list[Any]:
+    """The entries of the layer lists of modules that checkpoint (a stack with a `gradient_checkpointing` flag that
+    calls `self._gradient_checkpointing_func(layer.__call__, ...)` itself, as Zamba2 does on transformers 4.57)."""
+    import torch
+
+    out: list[Any] = []
+    for module in unwrap(model).modules():
+        if hasattr(module, "gradient_checkpointing") and not isinstance(module, torch.nn.ModuleList):
+            for child in module.children():
+                if isinstance(child, torch.nn.ModuleList):
+                    out.extend(child)
+    return out
+
+
+def shares_block_params(blocks: list[Any]) -> bool:
+    """A trainable parameter belongs to two or more checkpointed blocks (blocks nested in another block count as
+    part of it): a block reused across depth (Zamba2's shared transformer)."""
+    blocks = list({id(b): b for b in blocks}.values())
+    members = [{id(m) for m in b.modules()} for b in blocks]
+    top = [
+        b
+        for b, mine in zip(blocks, members, strict=True)
+        if not any(id(b) in other and other is not mine for other in members)
+    ]
+    seen: set[int] = set()
+    for block in top:
+        for p in {id(p): p for p in block.parameters() if p.requires_grad}:
+            if p in seen:
+                return True
+            seen.add(p)
+    return False
+
+
+def accelerator_available() -> bool:
+    """An accelerator (CUDA, XPU, MPS, ...) that activation offloading could copy from."""
+    import torch
+
+    current = getattr(getattr(torch, "accelerator", None), "current_accelerator", None)
+    if current is not None:
+        try:
+            return current() is not None
+        except Exception:
+            pass
+    return bool(torch.cuda.is_available())
+
+
+def has_dropout(model: Any) -> bool:
+    """Some random op is active in training: an `nn.Dropout` with p > 0, a config's `*dropout*` probability > 0
+    (attention dropout is applied functionally, from the config), or a module's router jitter (`jitter_noise` > 0:
+    Mixtral's sparse MoE block multiplies its router input by uniform noise in training; read on the module, not the
+    config, which accepts the key for models that never use it)."""
+    import torch
+
+    base = unwrap(model)
+    for m in base.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if any("jitter" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items()):
+            return True
+    for config in model_configs(base):
+        for key, value in vars(config).items():
+            if "dropout" in key and isinstance(value, float) and value > 0:
+                return True
+    return False
+
+
+def records_router_logits_in_blocks(base: Any, blocks: list[Any]) -> bool:
+    """The model's load-balancing loss reads router logits that a hook records inside its checkpointed blocks:
+    `output_router_logits` on with a nonzero `router_aux_loss_coef`, and the class declares
+    `_can_record_outputs["router_logits"]` (transformers' `OutputRecorder`) for a module class found in a block."""
+    config = getattr(base, "config", None)
+    if not getattr(config, "output_router_logits", False) or not getattr(config, "router_aux_loss_coef", 1.0):
+        return False
+    recorder = (getattr(type(base), "_can_record_outputs", None) or {}).get("router_logits")
+    if recorder is None:
+        return False
+    target = getattr(recorder, "target_class", recorder)
+    if not isinstance(target, type):
+        return False
+    return any(isinstance(m, target) for block in blocks for m in block.modules())
+
+
+def shares_layer_state(model: Any) -> bool:
+    """Some layers read tensors another layer computed, outside their own inputs: cross-layer KV sharing
+    (`num_kv_shared_layers`, Gemma 3n / Gemma 4)."""
+    return any((getattr(c, "num_kv_shared_layers", 0) or 0) > 0 for c in model_configs(unwrap(model)))
+
+
+def uses_legacy_format(model: Any) -> bool:
+    """The model overrides `_set_gradient_checkpointing` with the pre-4.35 `(module, value)` signature: transformers
+    then calls it on every module and ignores the checkpointing kwargs (it says so in a warning)."""
+    import inspect
+
+    method = getattr(model, "_set_gradient_checkpointing", None)
+    try:
+        return method is not None and "value" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _is_pretrained(model: Any) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def _unsloth_patched() -> bool:
+    import sys
+
+    return "unsloth" in sys.modules

@@ -1,0 +1,133 @@
+"""Carry out decisions: write them into the arguments (both field names, one dict object) and the live model.
+
+Only decisions with `applied=True` are carried out; the engine never marks `error` or `warn` decisions so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ..core.decisions import Decision
+from ..core.settings import unknown_checkpoint_names
+from . import ckpt, probe
+
+
+def write_kwargs(args: Any, kwargs: dict[str, Any] | None) -> None:
+    """Store `kwargs` in every kwargs field the args have, as one object (so later in-place edits reach both)."""
+    value = dict(kwargs) if kwargs is not None else None
+    for name in (probe.NEW_KWARGS, probe.OLD_KWARGS):
+        if name in getattr(type(args), "__dataclass_fields__", {}):
+            setattr(args, name, value)
+
+
+def write_flag(args: Any, value: bool) -> None:
+    for name in (probe.NEW_FLAG, probe.OLD_FLAG):
+        if name in getattr(type(args), "__dataclass_fields__", {}):
+            setattr(args, name, value)
+
+
+def set_args_kwarg(args: Any, key: str, value: Any) -> None:
+    """Set `key` in the kwargs the Trainer reads (`None` removes it), keeping every other key."""
+    kwargs = dict(probe.read_kwargs(args) or {})
+    if value is None:
+        kwargs.pop(key, None)
+    else:
+        kwargs[key] = value
+    write_kwargs(args, kwargs)
+
+
+def switch_fsdp_checkpointing_off(args: Any) -> None:
+    """Replace FSDP's own activation checkpointing with the Trainer's, non-reentrant: in the arguments, and in
+    accelerate's FSDP plugin when the Trainer already built it (it is read when the model is prepared, in train())."""
+    config = getattr(args, "fsdp_config", None)
+    if isinstance(config, dict):
+        config["activation_checkpointing"] = False
+    try:
+        from accelerate.state import AcceleratorState
+
+        plugin = AcceleratorState._shared_state.get("fsdp_plugin")
+        if plugin is not None:
+            plugin.activation_checkpointing = False
+    except ImportError:
+        pass
+    write_flag(args, True)
+    set_args_kwarg(args, "use_reentrant", False)
+
+
+class CacheSwitch:
+    """`use_cache=False` in every config of the model while training steps run, and the user's values whenever
+    the Trainer saves or evaluates and after training, so no checkpoint's `config.json` carries the change.
+
+    The original values are kept here, never on the configs (a config's attributes end up in `config.json`).
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.configs = [c for c in probe.model_configs(model) if c.use_cache is True]
+
+    def off(self) -> None:
+        for config in self.configs:
+            config.use_cache = False
+
+    def restore(self) -> None:
+        for config in self.configs:
+            config.use_cache = True
+
+
+def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[Decision]:
+    """Carry out the applicable decisions on `args` (and `model` when given). Returns those carried out."""
+    done = []
+    for d in decisions:
+        if not d.applied:
+            continue
+        if d.setting == "use_reentrant":
+            set_args_kwarg(args, "use_reentrant", d.after)
+        elif d.setting == probe.NEW_KWARGS:  # the deprecated name was written last: it wins
+            old = getattr(args, probe.OLD_KWARGS, None)
+            write_kwargs(args, old if isinstance(old, dict) else None)
+        elif d.setting == probe.OLD_KWARGS:  # the new name was written last: the old names mirror it
+            write_kwargs(args, probe.read_kwargs(args))
+            write_flag(args, bool(getattr(args, probe.NEW_FLAG, False)))
+        elif d.setting == probe.NEW_FLAG:
+            write_flag(args, bool(d.after))
+        elif d.setting == "model.use_reentrant":
+            if model is None:
+                continue
+            ckpt.set_keyword(model, "use_reentrant", bool(d.after))
+        elif d.setting == "model.config.use_cache":
+            continue  # carried out step by step by the callback's CacheSwitch
+        elif d.setting in ("preserve_rng_state", "offload"):
+            value = None if d.setting == "offload" else d.after  # offload=False: the key goes
+            set_args_kwarg(args, d.setting, value)
+            if model is not None:
+                ckpt.set_keyword(model, d.setting, value)
+        elif d.setting == "activation_offloading":  # TRL's: on a machine without an accelerator
+            args.activation_offloading = False
+        elif d.setting == "fsdp_activation_checkpointing":  # FSDP's own off, the Trainer's (non-reentrant) on
+            switch_fsdp_checkpointing_off(args)
+        elif d.setting == "checkpointing_kwargs.container":  # not a dict: a dict (with use_reentrant once decided)
+            write_kwargs(args, probe.read_kwargs(args) or {})
+        elif d.setting == "checkpointing_kwargs":  # layer kwargs this transformers cannot read: torch must not get them
+            for key in d.before or ():
+                set_args_kwarg(args, key, None)
+        elif d.setting == "checkpointing_kwargs.unknown":  # keys nothing reads (reentrant torch raises on them)
+            for key in unknown_checkpoint_names(probe.read_kwargs(args) or {}):
+                set_args_kwarg(args, key, None)
+                if model is not None:
+                    ckpt.set_keyword(model, key, None)
+        elif d.setting == "inputs_require_grad":  # transformers' own hook on the input embeddings
+            if model is None:
+                continue
+            probe.unwrap(model).enable_input_require_grads()
+        else:
+            raise KeyError(f"no way to apply a decision on {d.setting!r}")
+        done.append(d)
+    return done
+
+
+def remove_input_hook(model: Any) -> None:
+    """Take off the input hook a repair added (`enable_input_require_grads`), leaving the model as it was:
+    transformers 4.x's `disable_input_require_grads` removes the hook but keeps the removed handle as an attribute."""
+    base = probe.unwrap(model)
+    base.disable_input_require_grads()
+    base.__dict__.pop("_require_grads_hook", None)

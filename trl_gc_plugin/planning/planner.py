@@ -1,0 +1,784 @@
+"""Plan the cheapest checkpointing that fits an activation-memory budget, and apply it to a live model.
+
+From an `ActivationEstimate` (`memory.estimate`): every candidate (no checkpointing; `k` of the `L` blocks, evenly
+spread, which is every n-th block when `k` divides `L`; every block; every block with selective per-op saving; every
+block with its inputs offloaded to host memory) gets a predicted peak and a predicted recompute cost, and `plan`
+takes the cheapest allowed one whose peak fits. `plan_decisions` turns the plan into `Decision` records of the rule
+`memory-plan`; `apply_plan` sets the per-block flags and checkpoint functions on the live model (transformers 4.x and
+5.x alike, never through the training arguments: a callable there breaks `to_json_string()` and `training_args.bin`).
+
+Prediction (bytes above the weights and optimizer state, for one forward and backward with gradients allocated in
+the backward, as `zero_grad(set_to_none=True)` leaves them):
+
+- the loss head: everything saved, plus two float32 `batch x seq x vocab` buffers (the `log_softmax` gradient and the
+  logits gradient);
+- the backward of block `i`: what blocks `0..i` keep, plus what block `i` rebuilds when it is checkpointed (all of it
+  but its input; with selective, what selective did not keep), the blocks' keyword tensors, the gradients of blocks
+  `i..L-1` and of the head, and the gradient buffers inside one block (`batch x seq x (intermediate + hidden)`);
+- the end: every gradient (the input embeddings' last).
+
+The peak is the largest of them. Recompute cost: each block's forward costs its matmul and attention FLOPs plus
+`balance` FLOP-equivalents per byte its other ops write (norms, rotary, activations are memory-bound); a checkpointed
+block recomputes all of it, a selective one only the second part plus `op_overhead` per aten op (its policy runs in
+Python for every op: on a GPU that dominates small models, where selective is slower than full checkpointing). Both
+constants were fitted to step times measured with `benchmarks/planner.py`: they rank candidates, they do not promise
+a step time.
+
+torch and transformers are imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ..core.decisions import Decision
+from ..model import ckpt, probe
+from ..model.ckpt import offload_checkpoint
+from .memory import ActivationEstimate, is_lean, is_selective, selective_context
+
+RULE_ID = "memory-plan"
+
+# FLOP-equivalents per byte written by a memory-bound op, and per aten op run under the selective policy (a Python
+# call and a dispatch-mode round trip), by device type. CPU balance: refitted by `benchmarks/fit_balance.py` (the
+# measured selective/full recompute ratio of the CPU benchmark model at 256, 512 and 1024 tokens: 18.5, 58.7 and
+# 21.9, median 21.9; the earlier 170 came from runs at a load average of 5-7, where memory-bound ops slow down most).
+# CUDA: fitted to the H100 step times of `benchmarks/planner.py` (hidden 512 and a 4-layer 7B-shaped Llama).
+BALANCE = {"cpu": 22.0, "cuda": 500.0}
+OP_OVERHEAD = {"cpu": 1e6, "cuda": 3e9}
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+BUDGET_FORMS = "a number of bytes or a size such as 40GiB, 512MiB, 1.5GB, 800M (KiB/MiB/GiB/TiB, KB/MB/GB/TB; K/M/G/T = KiB/MiB/GiB/TiB)"
+
+
+def parse_budget(text: str | int | float) -> int:
+    """Bytes from a budget: `40GiB`, `512MiB`, `1.5GB`, `800M`, `1073741824`, an int or a float (bytes).
+
+    Binary units (`KiB`..`TiB`, and the bare `K`/`M`/`G`/`T`) are powers of 1024, decimal ones (`KB`..`TB`) powers of
+    1000; case and blanks are ignored. `"auto"` is the caller's to resolve (it needs the device).
+
+    Raises:
+        `ValueError`: one line naming the accepted forms, for anything else (zero, negative, not finite, a bool).
+    """
+    if isinstance(text, bool) or not isinstance(text, int | float | str):
+        raise ValueError(f"memory budget: expected {BUDGET_FORMS}; got {text!r}")
+    if isinstance(text, int | float):
+        value, unit = float(text), ""
+    else:
+        match = _BUDGET.match(text)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"memory budget: expected {BUDGET_FORMS}; got {text!r}")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"memory budget: must be a positive size ({BUDGET_FORMS}); got {text!r}")
+    result = round(value * _UNITS[unit])
+    if result < 1:
+        raise ValueError(f"memory budget: must be at least one byte; got {text!r}")
+    return result
+
+
+def format_bytes(n: float) -> str:
+    """`12.3 GiB`, `512.0 MiB`, ... (binary units)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+# --- candidates --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to checkpoint, with what it is predicted to cost.
+
+    Args:
+        name (`str`): `none`, `every-2`, `3-of-8`, `full`, `selective`, `selective-lean`, `offload`, `mixed`.
+        pattern (`tuple[bool, ...]`): per block, whether it is checkpointed.
+        every_n (`int`, *optional*): n when the pattern is transformers' `every_n_layers=n` (block `i` checkpointed
+            when `i % n == 0`).
+        selective (`bool`): checkpointed blocks keep matmul and attention outputs (`memory.selective_policy`); in a
+            mixed plan, some of them do (`selective_blocks`).
+        offload (`bool`): checkpointed blocks keep their inputs in (pinned) host memory.
+        saved_bytes (`int`): bytes kept for the backward at the end of the forward, on the device.
+        peak_bytes (`int`): predicted peak above the weights and optimizer state.
+        peak_at (`str`): where the peak is (`loss head`, `block 3`, `end`).
+        recompute (`float`): predicted recomputed share of the model's forward cost.
+        recompute_blocks (`float`): share of the block forwards run again (checkpointed blocks / blocks).
+        allowed (`bool`): whether the rules allow it here.
+        why_not (`str`): why not, when not allowed.
+        selective_blocks (`tuple[bool, ...]`): per block, selective or not, for a mixed plan (`mixed_candidate`);
+            empty when `selective` says it for every checkpointed block.
+        lean_blocks (`tuple[bool, ...]`): per block, whether its selective checkpoint runs the lean policy
+            (`memory.lean_policy`: the outputs of widening matmuls recomputed too); empty when none does.
+    """
+
+    name: str
+    pattern: tuple[bool, ...]
+    every_n: int | None
+    selective: bool
+    offload: bool
+    saved_bytes: int
+    peak_bytes: int
+    peak_at: str
+    recompute: float
+    recompute_blocks: float
+    allowed: bool = True
+    why_not: str = ""
+    selective_blocks: tuple[bool, ...] = ()
+    lean_blocks: tuple[bool, ...] = ()
+
+    @property
+    def checkpointed(self) -> int:
+        return sum(self.pattern)
+
+    @property
+    def layout(self) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...], bool]:
+        """What the candidate runs, block by block: (pattern, selective, lean, offload); equal for equal plans."""
+        return self.pattern, self.per_block_selective, self.per_block_lean, self.offload
+
+    @property
+    def per_block_lean(self) -> tuple[bool, ...]:
+        """Per block, whether it runs the lean selective policy."""
+        return self.lean_blocks or (False,) * len(self.pattern)
+
+    @property
+    def per_block_selective(self) -> tuple[bool, ...]:
+        """Per block, whether it runs the selective policy."""
+        return self.selective_blocks or tuple(on and self.selective for on in self.pattern)
+
+    def summary(self) -> str:
+        """`every-2 (4 of 8 blocks)`, `selective (every block, matmul and attention outputs kept)`, ..."""
+        if self.name == "none":
+            return "none (no block checkpointed)"
+        if self.selective_blocks:
+            sel, lean = sum(self.selective_blocks), sum(self.lean_blocks)
+            leaner = f", {lean} lean selective" if lean else ""
+            return (
+                f"{self.name} ({len(self.pattern) - self.checkpointed} blocks not checkpointed, {sel - lean} selective"
+                f"{leaner}, {self.checkpointed - sel} full)"
+            )
+        if self.lean_blocks:
+            return f"{self.name} (every block, attention outputs and those of matmuls that do not widen kept)"
+        if self.selective:
+            return f"{self.name} (every block, matmul and attention outputs kept)"
+        if self.offload:
+            return f"{self.name} (every block, inputs offloaded to host memory)"
+        return f"{self.name} ({self.checkpointed} of {len(self.pattern)} blocks)"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["pattern"] = [int(x) for x in self.pattern]
+        data["selective_blocks"] = [int(x) for x in self.selective_blocks]
+        data["lean_blocks"] = [int(x) for x in self.lean_blocks]
+        data["recompute"] = round(self.recompute, 4)
+        data["recompute_blocks"] = round(self.recompute_blocks, 4)
+        return data
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer.
+
+    Args:
+        chosen (`Candidate`, *optional*): the cheapest allowed candidate that fits; None when none fits.
+        candidates (`tuple[Candidate, ...]`): every candidate, cheapest first (recompute cost, then memory).
+        budget (`int`): the budget in bytes.
+        fits (`bool`): whether `chosen` exists.
+        lowest (`Candidate`): the allowed candidate with the lowest predicted peak (what fix mode falls back to).
+        estimate (`dict`): what was estimated (batch size, sequence length, dtype, attention, method, blocks, the
+            parameters held gathered under ZeRO-3 / FSDP2).
+    """
+
+    chosen: Candidate | None
+    candidates: tuple[Candidate, ...]
+    budget: int
+    fits: bool
+    lowest: Candidate
+    estimate: dict[str, Any]
+
+    def get(self, name: str) -> Candidate:
+        """The candidate called `name`."""
+        for c in self.candidates:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chosen": self.chosen.name if self.chosen else None,
+            "fits": self.fits,
+            "budget_bytes": self.budget,
+            "lowest": self.lowest.name,
+            "estimate": dict(self.estimate),
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+
+def spread(k: int, n: int) -> tuple[bool, ...]:
+    """`k` of `n` blocks checkpointed, evenly spread, block 0 first: transformers' `every_n_layers=m` pattern
+    (`i % m == 0`) whenever `k = ceil(n / m)` divides evenly."""
+    return tuple((i * k) % n < k for i in range(n))
+
+
+def _every_n(pattern: tuple[bool, ...]) -> int | None:
+    n = len(pattern)
+    for m in range(1, n + 1):
+        if pattern == tuple(i % m == 0 for i in range(n)):
+            return m
+    return None
+
+
+def gathered_bytes(blocks: list[int], head: int, held: int = 0) -> int:
+    """The parameters ZeRO-3 or FSDP holds whole at once besides `held` (what it keeps whole through the blocks),
+    from each block's and the head's whole parameter bytes: a block's and the next one's (prefetched), or the head's
+    and the last block's. Measured on CPU (`tests/test_fsdp.py`, `tests/test_zero12.py`), where nothing is prefetched:
+    what was held plus one block."""
+    return held + (max(2 * max(blocks), head + blocks[-1]) if blocks else 0)
+
+
+def zero3_gathered(gathered: int, blocks: list[int], total: int, window: int, persistent: int = 0) -> int:
+    """Under ZeRO-3, `gathered` (`gathered_bytes`) widened to what DeepSpeed keeps for reuse: besides the block
+    computing, up to `window` bytes (its reuse distance and prefetch bucket, `_deepspeed.DeepSpeedFacts.gather_window`
+    elements), and its persistent parameters; at most the whole model, `total`."""
+    return min(total, max(gathered, max(blocks, default=0) + window) + persistent)
+
+
+SHARDED_LAYOUTS = ("zero3", "fsdp1", "fsdp2", "fsdp1-shard-grad-op", "fsdp2-no-reshard")
+"""Parameter sharding `layout_gathered` models for a full fine-tune planned from a config (`trl-gc-plan`): ZeRO-3,
+FSDP1 and FSDP2 fully sharded, and FSDP1's `SHARD_GRAD_OP` / FSDP2's `reshard_after_forward=False` (transformers'
+`fsdp="shard_grad_op"`), which keep every unit whole from its forward to its backward."""
+
+
+def layout_gathered(est: ActivationEstimate, layout: str, zero3_window: int) -> int:
+    """The parameters held whole under `layout` for a full fine-tune planned from a config, from the estimate's
+    parameter bytes (every parameter trains, so its gradient bytes are its bytes), as the run reads them off the live
+    model (`sharding.gathered_parameter_bytes`) with accelerate's wrapping: ZeRO-3 keeps what it reuses within
+    `zero3_window` elements; FSDP1 keeps its root unit (everything outside the blocks) whole; FSDP2 keeps accelerate's
+    group of the final norm and head whole from its forward, from the start of the forward when it holds the tied
+    input embeddings; without resharding after forward every unit stays whole until its backward: at the loss head,
+    the whole model."""
+    blocks, head, embeddings = list(est.grad_bytes), est.head_grad_bytes, est.embedding_grad_bytes
+    total = sum(blocks) + head + embeddings
+    if layout == "zero3":
+        return zero3_gathered(gathered_bytes(blocks, head), blocks, total, zero3_window * _itemsize(est.dtype))
+    if layout == "fsdp1":
+        return gathered_bytes(blocks, 0, held=head + embeddings)
+    if layout == "fsdp2":
+        tied = embeddings == 0
+        return gathered_bytes(blocks, 0, held=head) if tied else gathered_bytes(blocks, head)
+    if layout in ("fsdp1-shard-grad-op", "fsdp2-no-reshard"):
+        return total
+    raise ValueError(f"unknown sharded layout {layout!r}: one of {', '.join(SHARDED_LAYOUTS)}")
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return int(getattr(torch, dtype.removeprefix("torch.")).itemsize)
+
+
+def predict_peak(
+    est: ActivationEstimate,
+    pattern: tuple[bool, ...],
+    selective: bool | Sequence[bool] = False,
+    offload: bool = False,
+    grads_preallocated: bool = False,
+    grad_fraction: float = 1.0,
+    lean: Sequence[bool] = (),
+) -> tuple[int, str, dict[str, int]]:
+    """Predicted peak above the weights and optimizer state for one forward and backward (see the module docstring);
+    `lean`: per block, whether a selective block runs the lean policy.
+
+    Returns:
+        (peak bytes, where, the bytes of every phase).
+    """
+    est._check(pattern)
+    n = est.num_blocks
+    sel = est.per_block(selective)
+    lean = list(lean) or [False] * n
+    kept = est.kept(pattern, sel, lean, offload)
+    shared = est.shared if not all(pattern) else 0
+    saved = est.outside + shared + sum(kept)
+    alive = est.kwargs_bytes - shared  # keyword tensors of the blocks not counted as saved are alive all the same
+    scale = 0.0 if grads_preallocated else grad_fraction
+    grads = [round(g * scale) for g in est.grad_bytes]
+    head = round(est.head_grad_bytes * scale)
+    phases = {"loss head": saved + alive + 2 * est.loss_buffer_bytes + est.gathered_bytes}
+    below = sum(kept)
+    grads_after = head
+    for i in reversed(range(n)):
+        grads_after += grads[i]
+        if pattern[i]:
+            rebuilt = est.saved[i] - est.input_saved[i] - est.policy_bytes(i, sel[i], lean[i])
+            if offload:
+                rebuilt += est.inputs[i]
+        else:
+            rebuilt = 0
+        phases[f"block {i}"] = (
+            below + rebuilt + est.kwargs_bytes + grads_after + est.transient_bytes + est.gathered_bytes
+        )
+        below -= kept[i]
+    phases["end"] = grads_after + round(est.embedding_grad_bytes * (0.0 if grads_preallocated else grad_fraction))
+    where = max(phases, key=lambda k: phases[k])
+    return phases[where], where, phases
+
+
+def recompute_cost(
+    est: ActivationEstimate,
+    pattern: tuple[bool, ...],
+    selective: bool | Sequence[bool],
+    balance: float,
+    op_overhead: float = 0.0,
+    lean: Sequence[bool] = (),
+) -> float:
+    """Recomputed share of the forward cost (matmul FLOPs plus `balance` per byte written by the other ops; selective
+    adds `op_overhead` per op), `selective` for every block or per block, `lean` per block."""
+    total = forward_cost(est, balance)
+    lean = list(lean) or [False] * est.num_blocks
+    again = sum(
+        _block_cost(est, i, sel, balance, op_overhead, lean[i])
+        for i, (on, sel) in enumerate(zip(pattern, est.per_block(selective), strict=True))
+        if on
+    )
+    return again / total if total > 0 else 0.0
+
+
+def forward_cost(est: ActivationEstimate, balance: float) -> float:
+    """One forward at the estimate's batch, in the cost model's FLOP-equivalents (what the recompute share divides)."""
+    return est.outside_flops + sum(f + balance * b for f, b in zip(est.block_flops, est.other_bytes, strict=True))
+
+
+def _block_cost(
+    est: ActivationEstimate, i: int, selective: bool, balance: float, op_overhead: float, lean: bool = False
+) -> float:
+    """What recomputing block `i` costs (full, or selective: the ops its policy did not keep, and the policy)."""
+    kept = (est.lean_matmul_flops[i] if lean and est.lean_matmul_flops else est.matmul_flops[i]) if selective else 0
+    flops = est.block_flops[i] - kept
+    return flops + balance * est.other_bytes[i] + (op_overhead * est.ops[i] if selective else 0.0)
+
+
+def candidates(
+    est: ActivationEstimate,
+    *,
+    allow_selective: bool,
+    allow_offload: bool,
+    balance: float | None = None,
+    op_overhead: float | None = None,
+    grads_preallocated: bool = False,
+    grad_fraction: float = 1.0,
+    selective_why_not: str = "needs use_reentrant=False (torch accepts context_fn only for non-reentrant checkpointing)",
+    offload_why_not: str = "needs an accelerator (save_on_cpu pins host memory; it fails on a CPU-only machine)",
+) -> list[Candidate]:
+    """Every candidate for `est`, cheapest first (predicted recompute cost, then predicted peak)."""
+    n = est.num_blocks
+    balance = BALANCE["cpu"] if balance is None else balance
+    op_overhead = OP_OVERHEAD["cpu"] if op_overhead is None else op_overhead
+    shapes: list[tuple[str, tuple[bool, ...], bool, bool, bool, str]] = [("none", (False,) * n, False, False, True, "")]
+    for k in range(1, n):
+        pattern = spread(k, n)
+        m = _every_n(pattern)
+        shapes.append((f"every-{m}" if m else f"{k}-of-{n}", pattern, False, False, True, ""))
+    full = (True,) * n
+    shapes.append(("full", full, False, False, True, ""))
+    shapes.append(("selective", full, True, False, allow_selective, "" if allow_selective else selective_why_not))
+    if est.has_lean:
+        why = "" if allow_selective else selective_why_not
+        shapes.append(("selective-lean", full, True, False, allow_selective, why))
+    shapes.append(("offload", full, False, True, allow_offload, "" if allow_offload else offload_why_not))
+    out = []
+    for name, pattern, sel, off, allowed, why in shapes:
+        lean = full if name == "selective-lean" else ()
+        peak, where, _ = predict_peak(est, pattern, sel, off, grads_preallocated, grad_fraction, lean)
+        saved = est.saved_bytes(pattern, sel, lean, off)
+        cost = recompute_cost(est, pattern, sel, balance, op_overhead, lean)
+        out.append(
+            Candidate(
+                name=name,
+                pattern=pattern,
+                every_n=_every_n(pattern) if any(pattern) else None,
+                selective=sel,
+                offload=off,
+                saved_bytes=saved,
+                peak_bytes=peak,
+                peak_at=where,
+                recompute=cost,
+                recompute_blocks=sum(pattern) / n if n else 0.0,
+                allowed=allowed,
+                why_not=why,
+                lean_blocks=lean,
+            )
+        )
+    out.sort(key=_cheapest_first)
+    return out
+
+
+def _cheapest_first(c: Candidate) -> tuple[float, int]:
+    """Predicted recompute, then peak; offload recomputes what full does and copies the inputs too: after full."""
+    return (c.recompute + (1e-9 if c.offload else 0.0), c.peak_bytes)
+
+
+KNAPSACK_UNITS = 4096
+"""The budget's resolution in the per-block knapsack: block sizes are rounded up to 1/4096 of the room, so a mixed
+plan never counts on more memory than there is (at most `blocks / 4096` of the room is left unused)."""
+
+
+def mixed_candidate(
+    est: ActivationEstimate,
+    budget_bytes: int,
+    *,
+    allow_selective: bool,
+    balance: float,
+    op_overhead: float,
+    grads_preallocated: bool = False,
+    grad_fraction: float = 1.0,
+) -> Candidate | None:
+    """A per-block plan for `budget_bytes`: each block none, selective, lean selective or full, chosen to minimise the
+    predicted recompute (a multiple-choice knapsack over the blocks' kept bytes, so non-uniform blocks - mixed
+    `layer_types`, MoE, vision towers - each get their own choice), then checked against the whole predicted peak. None
+    when it does not fit. Plans a 70B layout (80 blocks) in milliseconds and allocates no tensor memory.
+
+    The knapsack's room is the budget less what the loss head holds besides the blocks (the peak phase that holds
+    every block's saved bytes at once); when a block's own backward is the peak instead, the room shrinks by the
+    excess and the knapsack runs again (at most 8 times)."""
+    import numpy as np
+
+    n = est.num_blocks
+    if n == 0:
+        return None
+    kinds = ("none", "full", "selective", "lean")[: (4 if est.has_lean else 3) if allow_selective else 2]
+    kept = np.array(
+        [
+            [
+                est.saved[i],
+                est.inputs[i],
+                est.inputs[i] + est.selective[i],
+                est.inputs[i] + est.policy_bytes(i, True, True),
+            ][: len(kinds)]
+            for i in range(n)
+        ],
+        dtype=np.float64,
+    )
+    cost = np.array(
+        [
+            [
+                0.0,
+                *(
+                    _block_cost(est, i, k != "full", balance, op_overhead, k == "lean")
+                    for k in ("full", "selective", "lean")
+                ),
+            ][: len(kinds)]
+            for i in range(n)
+        ]
+    )
+    # the loss head besides the blocks (and the parameters ZeRO-3 / FSDP2 hold gathered there)
+    fixed = est.outside + est.kwargs_bytes + 2 * est.loss_buffer_bytes + est.gathered_bytes
+    room = budget_bytes - fixed
+    for _ in range(8):
+        if room <= 0:
+            return None
+        choice = _knapsack(kept, cost, room)
+        if choice is None:
+            return None
+        pattern = tuple(kinds[k] != "none" for k in choice)
+        selective = tuple(kinds[k] in ("selective", "lean") for k in choice)
+        lean = tuple(kinds[k] == "lean" for k in choice)
+        peak, where, _ = predict_peak(est, pattern, selective, False, grads_preallocated, grad_fraction, lean)
+        if peak <= budget_bytes:
+            saved = est.saved_bytes(pattern, selective, lean)
+            return Candidate(
+                name="mixed",
+                pattern=pattern,
+                every_n=None,
+                selective=any(selective),
+                offload=False,
+                saved_bytes=saved,
+                peak_bytes=peak,
+                peak_at=where,
+                recompute=recompute_cost(est, pattern, selective, balance, op_overhead, lean),
+                recompute_blocks=sum(pattern) / n,
+                selective_blocks=selective if any(selective) else (),
+                lean_blocks=lean if any(lean) else (),
+            )
+        room -= peak - budget_bytes
+    return None
+
+
+def _knapsack(kept: Any, cost: Any, room: float) -> list[int] | None:
+    """One option per block (a row of `kept` / `cost`) with the least total cost whose total kept bytes fit `room`;
+    None when even the smallest options do not fit."""
+    import numpy as np
+
+    units = KNAPSACK_UNITS
+    weight = np.ceil(kept / (room / units)).astype(np.int64)
+    inf = float("inf")
+    best = np.zeros(units + 1)  # least cost of the blocks so far within each capacity
+    picks = []
+    for w_row, c_row in zip(weight, cost, strict=True):
+        new = np.full(units + 1, inf)
+        pick = np.zeros(units + 1, dtype=np.int8)
+        for option, (w, c) in enumerate(zip(w_row, c_row, strict=True)):
+            if w > units:
+                continue
+            shifted = np.full(units + 1, inf)
+            shifted[w:] = best[: units + 1 - w] + c
+            better = shifted < new
+            new[better], pick[better] = shifted[better], option
+        best = new
+        picks.append(pick)
+    if not np.isfinite(best[units]):
+        return None
+    choice, capacity = [], units
+    for w_row, pick in zip(weight[::-1], picks[::-1], strict=True):
+        option = int(pick[capacity])
+        choice.append(option)
+        capacity -= int(w_row[option])
+    return choice[::-1]
+
+
+def plan(
+    estimate: ActivationEstimate,
+    budget_bytes: int,
+    *,
+    allow_selective: bool,
+    allow_offload: bool,
+    device: str | None = None,
+    balance: float | None = None,
+    op_overhead: float | None = None,
+    grads_preallocated: bool = False,
+    grad_fraction: float = 1.0,
+) -> Plan:
+    """The cheapest allowed candidate whose predicted peak fits `budget_bytes`.
+
+    Args:
+        estimate: from `memory.estimate` at the run's batch size and sequence length.
+        budget_bytes (`int`): activation memory per device (above the weights and optimizer state).
+        allow_selective (`bool`): selective checkpointing is allowed (non-reentrant checkpointing).
+        allow_offload (`bool`): offloading is allowed (an accelerator is there).
+        device (`str`, *optional*): `cpu` or `cuda` (any accelerator), for the cost model's constants (default:
+            `cuda` when offloading is allowed, i.e. an accelerator is there, else `cpu`).
+        balance, op_overhead (`float`, *optional*): the cost model's constants (default: `BALANCE[device]`,
+            `OP_OVERHEAD[device]`).
+        grads_preallocated (`bool`): the parameter gradients already sit in memory (gradient accumulation after the
+            first micro-step, `zero_grad(set_to_none=False)`): they are not counted.
+        grad_fraction (`float`): the share of the gradients held on this device (`1/N` when ZeRO-2/3 or FSDP shards
+            them over N devices).
+
+    Returns:
+        `Plan` (`fits` False and `chosen` None when nothing fits; `lowest` is then the fallback).
+    """
+    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 1:
+        raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+    kind = device or ("cuda" if allow_offload else "cpu")
+    kind = kind if kind in BALANCE else "cuda"
+    balance = BALANCE[kind] if balance is None else balance
+    op_overhead = OP_OVERHEAD[kind] if op_overhead is None else op_overhead
+    common = {
+        "allow_selective": allow_selective,
+        "balance": balance,
+        "op_overhead": op_overhead,
+        "grads_preallocated": grads_preallocated,
+        "grad_fraction": grad_fraction,
+    }
+    table = candidates(estimate, allow_offload=allow_offload, **common)
+    mixed = mixed_candidate(estimate, budget_bytes, **common)
+    if mixed is not None and mixed.layout not in {c.layout for c in table}:
+        table = sorted([*table, mixed], key=_cheapest_first)
+    allowed = [c for c in table if c.allowed]
+    chosen = next((c for c in allowed if c.peak_bytes <= budget_bytes), None)
+    lowest = min(allowed, key=lambda c: (c.peak_bytes, c.recompute))
+    summary = {
+        "batch_size": estimate.batch_size,
+        "seq_len": estimate.seq_len,
+        "dtype": estimate.dtype,
+        "attn_implementation": estimate.attn_implementation,
+        "method": estimate.method,
+        "blocks": estimate.num_blocks,
+        "device": kind,
+        "balance": balance,
+        "op_overhead": op_overhead,
+        "grads_preallocated": grads_preallocated,
+        "grad_fraction": grad_fraction,
+        "gathered_bytes": estimate.gathered_bytes,
+    }
+    return Plan(chosen, tuple(table), budget_bytes, chosen is not None, lowest, summary)
+
+
+# --- decisions ---------------------------------------------------------------------------------------------------
+
+
+def _cost(c: Candidate) -> str:
+    if c.name == "none":
+        return "recomputes nothing"
+    blocks = f"{c.checkpointed} of {len(c.pattern)} blocks"
+    kind = "their elementwise ops" if c.selective else "them"
+    if c.lean_blocks:
+        kind = "their elementwise ops and widening matmuls"
+    if c.selective_blocks:
+        kind = "them (the selective ones only their elementwise ops"
+        kind += ", the lean ones their widening matmuls too)" if c.lean_blocks else ")"
+    return f"recomputes {kind} ({blocks}, about {c.recompute:.0%} of the forward cost)"
+
+
+def plan_decisions(
+    plan: Plan, mode: str, *, before: Any = "full", source: str = "runtime", stage: str = "train"
+) -> list[Decision]:
+    """The plan as `Decision` records of the rule `memory-plan`.
+
+    Args:
+        plan: from `plan()`.
+        mode (`str`): `strict`, `fix` or `warn`.
+        before: what ran before the plan (default `full`: every block checkpointed).
+        source (`str`): who set `before` (default `runtime`: the one-line log then shows the reason).
+        stage (`str`): the stage (default `train`).
+
+    Returns:
+        One decision: `default` (a plan fits; applied), `error` (nothing fits, strict: refuse before step 1), or `warn`
+        (nothing fits, fix/warn: the lowest-memory plan is applied). `after` holds the pick and the whole candidate
+        table as plain data.
+    """
+    from ..core.rules import get_rule
+
+    rule = get_rule(RULE_ID)
+    budget = format_bytes(plan.budget)
+    after = {"plan": None, **plan.to_dict()}
+    fitting = [c for c in plan.candidates if c.allowed and c.peak_bytes <= plan.budget]
+    if plan.chosen is not None:
+        c = plan.chosen
+        after["plan"] = c.name
+        faster = [x for x in plan.candidates if x.allowed and x.recompute < c.recompute]
+        why = (
+            f"the cheapest of {len(fitting)} allowed candidates that fit"
+            if not faster
+            else f"the cheapest that fits: {faster[-1].name} would need {format_bytes(faster[-1].peak_bytes)}"
+        )
+        reason = (
+            f"memory plan {c.summary()}: predicted peak {format_bytes(c.peak_bytes)} of the {budget} budget, "
+            f"{_cost(c)}; {why}. Predicted from the bytes autograd saves in one forward of the model's layout "
+            f"({plan.estimate.get('method')}, batch {plan.estimate.get('batch_size')} x "
+            f"{plan.estimate.get('seq_len')} tokens); the gradients equal full checkpointing's."
+        )
+        return [Decision.from_rule(rule, "default", before, after, source, reason, stage)]
+    low = plan.lowest
+    after["plan"] = low.name
+    need = (
+        f"no checkpointing plan fits the {budget} memory budget: the lowest-memory one, {low.summary()}, needs "
+        f"{format_bytes(low.peak_bytes)} (predicted, at {low.peak_at}) at batch {plan.estimate.get('batch_size')} x "
+        f"{plan.estimate.get('seq_len')} tokens"
+    )
+    if mode == "strict":
+        reason = (
+            f"{need}. Raise memory_budget to at least {format_bytes(low.peak_bytes)}, or lower the per-device batch "
+            "size or the sequence length, or use fix mode to train with the lowest-memory plan anyway."
+        )
+        return [Decision.from_rule(rule, "error", before, after, source, reason, stage)]
+    reason = f"{need}. Training with it anyway ({mode} mode); it may run out of memory."
+    return [replace(Decision.from_rule(rule, "warn", before, after, source, reason, stage), applied=True)]
+
+
+# --- applying a plan to the live model ---------------------------------------------------------------------------
+
+
+def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
+    """Apply `candidate` to the live model through `ckpt.apply` (its arguments, idempotence and errors): each block's
+    `gradient_checkpointing` flag, and its checkpoint function (`use_reentrant`, selective's `context_fn`,
+    offloading), on transformers 4.x and 5.x. Other keywords (a user's `preserve_rng_state`, ...) are kept; a
+    `context_fn` that is not the planner's is kept unless the candidate is selective.
+
+    Args:
+        candidate: from `plan()`.
+        use_reentrant (`bool`): the `use_reentrant` the blocks run with.
+    """
+    ckpt.apply(
+        model,
+        ckpt.Spec(
+            pattern=candidate.pattern,
+            use_reentrant=use_reentrant,
+            keywords={"every_n_layers": None, "offload": None},  # transformers' own keys never reach torch's checkpoint
+            selective=candidate.per_block_selective if candidate.selective_blocks else candidate.selective,
+            offload=candidate.offload,
+            lean=candidate.per_block_lean,
+        ),
+    )
+
+
+def pattern_of(model: Any) -> tuple[bool, ...]:
+    """The live per-block `gradient_checkpointing` flags (`probe.block_pattern`), beside `selective_of` / `offload_of`."""
+    return probe.block_pattern(model)
+
+
+def selective_of(model: Any) -> tuple[bool, ...]:
+    """Per block, whether its checkpoint function runs the planner's selective policy."""
+    return tuple(is_selective(ckpt.function_of(b)) for b in ckpt.blocks(probe.unwrap(model)))
+
+
+def lean_of(model: Any) -> tuple[bool, ...]:
+    """Per block, whether its checkpoint function runs the planner's lean selective policy."""
+    return tuple(is_lean(ckpt.function_of(b)) for b in ckpt.blocks(probe.unwrap(model)))
+
+
+def offload_of(model: Any) -> tuple[bool, ...]:
+    """Per block, whether its checkpoint function offloads (the planner's `offload_checkpoint`)."""
+    functions = (ckpt.real(ckpt.function_of(b)) for b in ckpt.blocks(probe.unwrap(model)))
+    return tuple(getattr(f, "func", None) is offload_checkpoint for f in functions)
+
+
+def drift(model: Any, candidate: Candidate) -> list[str]:
+    """How the live model differs from `candidate` (empty: it runs the plan). For the per-step drift check: TRL's
+    per-step re-enable sets every block's flag and function again."""
+    found = []
+    if pattern_of(model) != candidate.pattern:
+        found.append("pattern")
+    on = [i for i, x in enumerate(candidate.pattern) if x]
+    sel, off, want = selective_of(model), offload_of(model), candidate.per_block_selective
+    lean, want_lean = lean_of(model), candidate.per_block_lean
+    if any(sel[i] != want[i] or lean[i] != want_lean[i] for i in on):
+        found.append("selective")
+    if any(off[i] != candidate.offload for i in on):
+        found.append("offload")
+    return found
+
+
+__all__ = [
+    "BALANCE",
+    "OP_OVERHEAD",
+    "Candidate",
+    "Plan",
+    "apply_plan",
+    "candidates",
+    "drift",
+    "format_bytes",
+    "forward_cost",
+    "is_selective",
+    "lean_of",
+    "offload_checkpoint",
+    "offload_of",
+    "parse_budget",
+    "pattern_of",
+    "plan",
+    "plan_decisions",
+    "predict_peak",
+    "recompute_cost",
+    "selective_context",
+    "selective_of",
+    "spread",
+]

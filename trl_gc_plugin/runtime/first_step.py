@@ -1,0 +1,185 @@
+"""The runtime checks of the first optimizer step, before any parameter update: the gradient audit (every
+checkpointed block with trainable parameters got a gradient, and why not) and the parity probe (gradients with and
+without checkpointing on the first step's own inputs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.decisions import Action, Decision
+from ..core.policy import action_for, refused
+from ..core.rules import get_rule
+from ..model import ckpt, probe, verify
+from . import parity
+from .session import Session, runtime_decision
+
+
+def gradients(session: Session, model: Any, observation: Any) -> verify.AuditResult | None:
+    """Read the first step's gradients per checkpointed block (`verify.audit_gradients`); None, recorded as
+    skipped, where they cannot be read per rank (sharded)."""
+    sharded = verify.gradients_are_sharded(session.args, model)
+    if sharded:
+        session.record([runtime_decision(get_rule("gradient-audit"), "none", None, None, f"Skipped: {sharded}.")])
+        return None
+    return verify.audit_gradients(model, observation)
+
+
+def audit(session: Session, result: verify.AuditResult, probe_follows: bool) -> None:
+    """Judge the first step's gradients per checkpointed block: a block the first forward saw run reentrant with
+    inputs that do not require grad is refused / switched / reported; one without a gradient that ran with inputs
+    requiring grad, or with only zeros, is said, and compared with no checkpointing by the parity probe when
+    `probe_follows`; one not observed is a warning."""
+    rule = get_rule("gradient-audit")
+    value = session.watch.value if session.watch is not None else None
+    verdicts: list[Decision] = []
+    if result.ok and result.checked == 0:
+        reason = (
+            "No checkpointed block with trainable parameters was found to audit: the model checkpoints outside "
+            "transformers' convention (`GradientCheckpointingLayer`, `_gradient_checkpointing_func`), e.g. by "
+            "calling torch.utils.checkpoint itself; not covered by the audit."
+        )
+        verdicts.append(runtime_decision(rule, "none", 0, 0, reason, level="info"))
+    elif result.ok:
+        reason = f"{result.checked} checkpointed block(s) with trainable parameters all received gradients."
+        verdicts.append(runtime_decision(rule, "none", result.checked, result.checked, reason))
+    if result.broken:
+        reason = (
+            f"{len(result.broken)} of {result.checked} checkpointed block(s) with trainable parameters got no "
+            f"gradient at the first optimizer step ({names_of(result.broken)}): the first forward saw them run reentrant "
+            f"(use_reentrant={value!r}) with inputs that do not require grad. "
+            + rule.message
+            + " Switch the audit off with SafeGCCallback(audit=False) or TRL_GC_PLUGIN_AUDIT=0."
+        )
+        refusal: Action = refused(session.mode)
+        if refusal == "override" and value is not True:
+            refusal = "warn"  # nothing the plugin can switch: report it
+        verdicts.append(runtime_decision(rule, refusal, value, False if refusal == "override" else value, reason))
+    compare = (
+        " The parity probe below compares them with no checkpointing."
+        if probe_follows
+        else " Run once with SafeGCCallback(parity_check=True) to compare with no checkpointing."
+    )
+    if result.unused:
+        reason = (
+            f"{len(result.unused)} trainable checkpointed block(s) got no gradient ({names_of(result.unused)}) although "
+            "they ran with inputs that require grad, or non-reentrant, or not at all: not the frozen-inputs failure; "
+            "the loss does not use them, or their recompute differs from their forward." + compare
+        )
+        verdicts.append(runtime_decision(rule, "none", len(result.unused), len(result.unused), reason, level="info"))
+    if result.zero:
+        reason = (
+            f"{len(result.zero)} trainable checkpointed block(s) got a gradient of zeros only ({names_of(result.zero)}): "
+            "the loss does not depend on them in this batch, or their recompute differs from their forward (a side "
+            "input that a hook set for the forward and cleared before the backward)." + compare
+        )
+        action: Action = "none" if probe_follows else "warn"
+        verdicts.append(runtime_decision(rule, action, None, None, reason, level="info" if probe_follows else None))
+    if result.unverified:
+        reason = (
+            f"{len(result.unverified)} checkpointed block(s) with trainable parameters got no gradient and the first "
+            f"forward was not observed for them ({names_of(result.unverified)}), so the cause is unknown; not refused."
+            + compare
+        )
+        verdicts.append(runtime_decision(rule, "warn", None, None, reason))
+    if result.nonfinite_params:
+        reason = (
+            f"Non-finite gradients in {len(result.nonfinite_params)} parameter(s), e.g. {result.nonfinite_params[0]}."
+        )
+        verdicts.append(runtime_decision(rule, "warn", None, None, reason))
+    session.record(verdicts)
+    if any(v.action == "override" for v in verdicts):
+        session.switch(False)
+    session.raise_for_errors(verdicts, session.mode)
+
+
+def ddp_unused(session: Session, model: Any) -> None:
+    """Under DDP without `find_unused_parameters` or a static graph: trainable parameters that got no gradient at the
+    first optimizer step leave their buckets unreduced (this step's update differs across ranks) and DDP stops the
+    next forward. Refused (strict and fix: DDP's arguments are fixed once the model is wrapped), said in warn mode."""
+    names = [n for n, p in probe.unwrap(model).named_parameters() if p.requires_grad and p.grad is None]
+    if not names:
+        return
+    rule = get_rule("ddp-unused-parameters")
+    action = action_for(session.mode, explicit=True, stands_back=False, can_fix=False)
+    reason = (
+        f"{len(names)} trainable parameter(s) got no gradient at the first optimizer step ({names_of(names)}) under "
+        "DDP without find_unused_parameters: " + rule.message
+    )
+    decision = runtime_decision(rule, action, False, True, reason)
+    session.record([decision])
+    session.raise_for_errors([decision], "strict")
+
+
+class Parity:
+    """The parity probe: keeps the first training forward's inputs (`parity.FirstInputs`) until the first optimizer
+    step, then compares gradients with and without checkpointing on them (`parity.parity_probe`, bounded memory)."""
+
+    def __init__(self, session: Session, forced: bool = True) -> None:
+        self.session = session
+        self.forced = forced
+        self.first: parity.FirstInputs | None = None
+
+    @staticmethod
+    def forced(setting: bool | None, args: Any, model: Any) -> bool:
+        """Run whatever the audit finds: `parity_check=True`, or `None` for a reentrant run in one process without
+        sharding, for any model."""
+        if setting is not None:
+            return setting
+        running = ckpt.model_use_reentrant(model)
+        return bool(running and Parity.possible(setting, args, model))
+
+    @staticmethod
+    def possible(setting: bool | None, args: Any, model: Any) -> bool:
+        """Worth keeping the first inputs for: `parity_check=True`, or `None` in one process without sharding (the
+        audit may start it)."""
+        if setting is not None:
+            return setting
+        return probe.world_size(args) == 1 and not verify.gradients_are_sharded(args, model)
+
+    def install(self, model: Any) -> None:
+        self.first = parity.FirstInputs(model)
+        self.first.install()
+
+    def remove(self) -> None:
+        if self.first is not None:  # the probe ran at the step's optimizer step, or never will
+            self.first.remove()
+            self.first = None
+
+    def run(self, model: Any) -> None:
+        session, args = self.session, self.session.args
+        rule = get_rule("parity-check")
+        first = self.first
+        self.remove()
+        if verify.gradients_are_sharded(args, model):
+            session.record([runtime_decision(rule, "none", None, None, "Skipped: sharded parameters.")])
+            return
+        inputs, batch = (first.inputs, first.batch) if first is not None else (None, None)
+        target = probe.unwrap(model) if first is not None and first.for_base else model
+        result = parity.parity_probe(target, inputs, batch)
+        if result.skipped:
+            session.record([runtime_decision(rule, "none", None, None, f"Skipped: {result.skipped}.", level="info")])
+            return
+        summary = (
+            f"{result.compared} trainable parameters compared on the {result.batch}: max difference "
+            f"{result.max_abs:.3g}, max relative {result.max_rel:.3g} (tolerance {result.rtol:g} of each gradient)"
+        )
+        if result.missing_with_checkpointing:
+            summary += (
+                f"; {len(result.missing_with_checkpointing)} get a gradient only without checkpointing, e.g. "
+                f"{result.missing_with_checkpointing[0]}"
+            )
+        if result.outside:
+            summary += f"; {len(result.outside)} differ beyond it, most {result.outside[0]}"
+        action: Action = (
+            "none"
+            if result.ok
+            else ("error" if result.missing_with_checkpointing and session.mode == "strict" else "warn")
+        )
+        after = {"max_abs": result.max_abs, "max_rel": result.max_rel, "compared": result.compared}
+        verdict = runtime_decision(rule, action, None, after, summary + ".")
+        session.record([verdict])
+        session.raise_for_errors([verdict], session.mode)
+
+
+def names_of(found: list[str], limit: int = 6) -> str:
+    return ", ".join(found[:limit]) + (" ..." if len(found) > limit else "")

@@ -1,0 +1,405 @@
+"""The memory plan at run time: planned at the first training forward from the batch it really runs, applied to the
+live model (`planner.apply_plan`), and checked against what that forward saved (`plan_check.compare`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from .._base import report
+from ..core.decisions import Decision, first_sentence
+from ..core.errors import GCConfigError
+from ..core.rules import get_rule
+from ..model import ckpt, probe, verify
+from ..model import hooks as _hooks
+from ..planning import sharding
+from .session import Session, runtime_decision
+
+
+def no_plan(why: str) -> Decision:
+    """The warning that no memory plan runs, and `why`: checkpointing runs as the arguments ask."""
+    why = f"No memory plan: {why}; checkpointing runs as asked."
+    return runtime_decision(get_rule("memory-plan"), "warn", None, None, why, level="warning")
+
+
+class MemoryPlan:
+    """Plans how much to checkpoint under an activation-memory budget, once the first training forward shows the
+    batch shape.
+
+    Args:
+        session (`Session`): the run.
+        budget (`str` or `int`): bytes, or `"auto"` (`budget_bytes`).
+
+    Attributes:
+        comparison (`plan_check.Comparison`, *optional*): the plan's predicted saved bytes against those the first
+            training forward saved (None until then, or when not compared).
+    """
+
+    def __init__(self, session: Session, budget: str | int) -> None:
+        self.session = session
+        self.budget = budget
+        self.comparison: Any = None
+        self._hook: Any = None
+        self._grad_share = 1.0
+
+    def install(self, model: Any) -> None:
+        """Plan at the first training forward (a one-shot pre-hook, gone after it ran), from the batch it really runs
+        (DPO's chosen and rejected rows, GRPO's completions, packed rows) and the non-tensor keywords it is called
+        with (TRL's fused LM head); the sequence length is the longest the arguments allow (`max_length`), so a later,
+        longer batch fits too. That forward is then measured and checked against the prediction (`_check`).
+        Without a readable input shape, the arguments' `per_device_train_batch_size` x `max_length` is planned."""
+        base, args = probe.unwrap(model), self.session.args
+
+        def first_forward(module: Any, f_args: tuple[Any, ...], f_kwargs: dict[str, Any]) -> None:
+            import torch
+
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            self.remove()
+            shape = _input_shape(f_args, f_kwargs)
+            try:
+                if shape is None:
+                    seq = planned_sequence_length(args)
+                    batch = int(getattr(args, "per_device_train_batch_size", 0) or 0)
+                    if not (seq and batch):
+                        self.session.record([no_plan("the first forward's input shape could not be read")])
+                        return
+                    planned = self._plan(model, batch, seq)
+                    if planned is not None:
+                        self._advise_safely(model, *planned)
+                    return
+                keywords = _call_keywords(f_kwargs)
+                planned = self._plan(model, *planned_shape(args, shape), forward_kwargs=keywords)
+                if planned is not None:
+                    self._advise_safely(model, *planned)
+                    self._start_check(model, base, planned, shape, keywords)
+            except GCConfigError:
+                raise
+            except Exception as exc:  # a plugin bug never stops training
+                self.session.record([no_plan(f"{type(exc).__name__}: {exc}")])
+
+        # outside the module where torch allows it (a copy of the model made before the first forward carries
+        # nothing of the plugin); else a module hook, gone after the first training forward
+        handle = _hooks.on_forward_pre_with_kwargs(base, first_forward)
+        if handle is None:
+            handle = base.register_forward_pre_hook(first_forward, with_kwargs=True, prepend=True)
+        self._hook = handle
+
+    def remove(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _plan(self, model: Any, batch: int, seq: int, forward_kwargs: dict[str, Any] | None = None) -> Any:
+        """Estimate, plan and apply; returns the `(estimate, plan)` the plan was made from, None when skipped."""
+        from ..planning import memory, planner
+
+        grad_fraction = self._grad_fraction(model)
+        if grad_fraction is None:
+            return None
+        self._grad_share = grad_fraction
+        use_reentrant = ckpt.model_use_reentrant(model)
+        try:
+            budget = budget_bytes(self.budget, model)
+            estimate = memory.estimate(model, batch, seq, forward_kwargs=forward_kwargs)
+            gathered = sharding.gathered_parameter_bytes(model, sharding.zero3_window(self.session.args))
+            if gathered:
+                estimate = dataclasses.replace(estimate, gathered_bytes=gathered)
+            plan = planner.plan(
+                estimate,
+                budget,
+                allow_selective=self._selective_allowed(model),
+                allow_offload=probe.accelerator_available(),
+                grad_fraction=grad_fraction,
+            )
+            decisions = planner.plan_decisions(plan, self.session.mode)
+        except GCConfigError:
+            raise
+        except Exception as exc:  # a model the estimate cannot run: checkpointing stays as asked
+            self.session.record([no_plan(f"the estimate failed ({type(exc).__name__}: {exc})")])
+            return None
+        if not self._apply_plan(model, plan, decisions, use_reentrant):
+            return None
+        return estimate, plan
+
+    def _advise_safely(self, model: Any, estimate: Any, plan: Any) -> None:
+        """Record the batch advice for this plan (`throughput.advice_decision`); skipped where the arguments give no
+        batch size and accumulation, or the planned rows are not a multiple of the batch size (packed rows)."""
+        from ..planning import throughput
+
+        args = self.session.args
+        try:
+            decision = throughput.advice_decision(
+                estimate,
+                plan.budget,
+                getattr(args, "per_device_train_batch_size", None),
+                getattr(args, "gradient_accumulation_steps", None),
+                allow_selective=self._selective_allowed(model),
+                allow_offload=probe.accelerator_available(),
+                device=_device_kind(model),
+                grad_fraction=self._grad_share,
+            )
+            if decision is not None:
+                self.session.record([decision])
+        except Exception as exc:  # a plugin bug never stops training; the plan stands
+            why = f"No batch advice ({type(exc).__name__}: {exc}); the memory plan stands."
+            self.session.record([runtime_decision(get_rule("batch-advice"), "none", None, None, why, level="warning")])
+
+    def _grad_fraction(self, model: Any) -> float | None:
+        """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 and ZeRO-3, and
+        under FSDP2 and FSDP1 the rank's share of the sharded parameters (their gradients are sharded alike; the peak
+        adds the parameters gathered while a block computes, `gathered_parameter_bytes`). None, with a skipped
+        decision, under tensor parallelism (DTensor parameters without FSDP2: activations are sharded too, which the
+        estimate does not model) and any other sharding it cannot read."""
+        args = self.session.args
+        try:
+            fsdp2 = sharding.fsdp2_layout(model)
+        except AttributeError as exc:  # another torch's FSDP2 internals
+            self.session.record([no_plan(f"FSDP2's state could not be read ({exc})")])
+            return None
+        if fsdp2 is not None:
+            return fsdp2.grad_fraction
+        if any(sharding.is_dtensor(p) for p in probe.unwrap(model).parameters()):
+            self.session.record([no_plan("not planned under tensor parallelism (DTensor parameters, no FSDP2)")])
+            return None
+        fsdp1 = sharding.fsdp1_layout(model)
+        if fsdp1 is not None:
+            return fsdp1.grad_fraction
+        sharded = verify.gradients_are_sharded(args, model)
+        if not sharded:
+            return 1.0
+        stage = probe.zero_stage(args)
+        if stage in (1, 2, 3) and probe.deepspeed_facts(args) is not None:
+            return 1.0 / probe.world_size(args) if stage in (2, 3) else 1.0
+        self.session.record([no_plan(f"not planned under sharding ({sharded})")])
+        return None
+
+    def _apply_plan(self, model: Any, plan: Any, decisions: list[Decision], use_reentrant: Any) -> bool:
+        """Record the plan's decisions and apply the chosen candidate (not in warn mode); False when it could not
+        be applied."""
+        from ..planning import planner
+
+        if self.session.mode == "warn":  # warn mode changes nothing: say what would run
+            decisions = [dataclasses.replace(d, action="warn", applied=False) for d in decisions]
+        self.session.record(decisions)
+        self.session.raise_for_errors(decisions, self.session.mode)
+        chosen = plan.chosen or plan.lowest
+        if self.session.mode != "warn" and chosen is not None:
+            try:
+                planner.apply_plan(model, chosen, bool(use_reentrant))
+            except ValueError as exc:  # e.g. blocks the estimate did not count: checkpointing stays as asked
+                self.session.record([no_plan(f"it could not be applied ({exc})")])
+                return False
+            self.session.ensure_guard(probe.capabilities.installed().layer_kwargs()).record()
+        report.note(
+            f"memory plan: {first_sentence(decisions[0].reason)}",
+            decisions[0].level,
+            report.is_main_process(self.session.args),
+        )
+        return True
+
+    def _start_check(
+        self,
+        model: Any,
+        base: Any,
+        planned: tuple[Any, Any],
+        shape: tuple[int, int],
+        keywords: dict[str, Any],
+    ) -> None:
+        """Measure the forward that is starting (`memory.meter`: bytes autograd saves, per block; under ZeRO-3 / FSDP
+        also the parameters held whole, `sharding.watch_held`) and, when it ends, compare them with the prediction for
+        its own batch shape (a one-shot post-hook, gone after it ran)."""
+        from ..planning import memory, plan_check
+
+        metering = memory.meter(model)
+        measured = metering.__enter__()
+        sample = sharding.held_sampler(model) if planned[0].gathered_bytes else None
+        held, stop_held = sharding.watch_held(model, sample) if sample is not None else (None, lambda: None)
+
+        def finish() -> None:
+            hook.remove()
+            self._hook = None
+            stop_held()
+            metering.__exit__(None, None, None)
+
+        def after(module: Any, f_args: Any, output: Any) -> None:
+            finish()
+            if output is None:  # the forward raised: nothing to compare
+                return
+            try:
+                self._check(model, planned, measured, shape, keywords)
+                miss = plan_check.held_miss(planned[0].gathered_bytes, held) if held is not None else None
+                if miss is not None:
+                    rule = get_rule("memory-plan")
+                    self.session.record([runtime_decision(rule, "warn", None, None, miss, setting="memory_plan_check")])
+            except GCConfigError:
+                raise
+            except Exception as exc:  # a plugin bug never stops training
+                self.session.record([no_plan(f"the check failed ({type(exc).__name__}: {exc})")])
+
+        hook = _hooks.on_forward(base, after)
+        self._hook = _Once(finish)
+
+    def _check(
+        self,
+        model: Any,
+        planned: tuple[Any, Any],
+        measured: Any,
+        shape: tuple[int, int],
+        keywords: dict[str, Any],
+    ) -> None:
+        """Report a plan whose prediction misses the first step's measurement by more than 15%; fix mode re-plans
+        from the measurement. An accurate plan says nothing. The prediction for the forward's own shape is the
+        plan's estimate scaled to its tokens when the plan was made for a longer batch, and a miss is confirmed
+        with an estimate at that shape (paid only then)."""
+        from ..planning import memory, plan_check, planner
+
+        estimate, plan = planned
+        same = (estimate.batch_size, estimate.seq_len) == shape
+        comparison = plan_check.compare(estimate if same else plan_check.scaled(estimate, *shape), measured, model)
+        if comparison is not None and comparison.off and not same:
+            comparison = plan_check.compare(memory.estimate(model, *shape, forward_kwargs=keywords), measured, model)
+        self.comparison = comparison
+        if comparison is None or not comparison.off:
+            return
+        rows, tokens = comparison.batch_shape
+        replan = None
+        if self.session.mode == "fix":
+            fixed = plan_check.corrected(estimate, comparison)
+            replan = planner.plan(
+                fixed,
+                plan.budget,
+                allow_selective=self._selective_allowed(model),
+                allow_offload=probe.accelerator_available(),
+            )
+        after = {
+            **comparison.to_dict(),
+            "planned_shape": [estimate.batch_size, estimate.seq_len],
+            "plan": (plan.chosen or plan.lowest).name,
+            "replanned": (replan.chosen or replan.lowest).name if replan is not None else None,
+        }
+        reason = (
+            f"The memory plan's prediction misses the first training step: it saved "
+            f"{planner.format_bytes(comparison.measured)} for the backward ({comparison.measured} bytes) where "
+            f"{planner.format_bytes(comparison.predicted)} ({comparison.predicted} bytes) were predicted for its "
+            f"{rows} x {tokens} batch (x{comparison.ratio:.2f}; blocks {comparison.blocks_measured} vs "
+            f"{comparison.blocks_predicted} bytes, outside them {comparison.outside_measured} vs "
+            f"{comparison.outside_predicted}). Something the estimate does not run changes what is saved (a forward "
+            "wrapper, a hook, another batch shape); "
+            + (
+                "re-planned from the measurement (fix mode)."
+                if replan is not None
+                else "the plan stands; fix mode re-plans from the measurement."
+            )
+        )
+        rule = get_rule("memory-plan")
+        decision = runtime_decision(rule, "warn", "prediction", "measurement", reason, setting="memory_plan_check")
+        self.session.record([dataclasses.replace(decision, before=comparison.predicted, after=after)])
+        if replan is not None:
+            decisions = planner.plan_decisions(replan, self.session.mode)
+            self._apply_plan(model, replan, decisions, ckpt.model_use_reentrant(model))
+
+    def _selective_allowed(self, model: Any) -> bool:
+        """Selective per-op saving is a candidate: non-reentrant, and no adapter it is not known to be exact for (said
+        once)."""
+        if ckpt.model_use_reentrant(model) is not False:
+            return False
+        unsafe = probe.selective_unsafe_adapters(model)
+        if unsafe and self.session.count("selective-unsafe-adapters") == 1:
+            rule = get_rule("memory-plan")
+            why = (
+                f"The selective candidate is left out: the model's PEFT adapters ({', '.join(unsafe)}) are not known "
+                "to give exact gradients under selective per-op saving (BD-LoRA measured 0.59 off, aLoRA 1.61)."
+            )
+            self.session.record([runtime_decision(rule, "none", None, None, why, level="info")])
+        return not unsafe
+
+
+SEQUENCE_FIELDS = ("max_length", "max_seq_length")
+
+
+def budget_bytes(budget: str | int, model: Any) -> int:
+    """The budget in bytes; `auto`: free CUDA memory now, less an Adam optimizer state (8 bytes per trainable
+    parameter), less 10% for the allocator."""
+    if budget != "auto":
+        return int(budget)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise GCConfigError('memory_budget="auto" reads the free CUDA memory; give a size ("40GiB") on this machine.')
+    free, _ = torch.cuda.mem_get_info()
+    optimizer = 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return max(int((free - optimizer) * 0.9), 1)
+
+
+def planned_sequence_length(args: Any) -> int | None:
+    """The longest sequence the arguments allow (TRL's `max_length`, GRPO's prompt + completion), None if unknown."""
+    for name in SEQUENCE_FIELDS:
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    prompt, completion = getattr(args, "max_prompt_length", None), getattr(args, "max_completion_length", None)
+    if isinstance(prompt, int) and isinstance(completion, int) and prompt > 0 and completion > 0:
+        return prompt + completion
+    return None
+
+
+def planned_shape(args: Any, shape: tuple[int, int]) -> tuple[int, int]:
+    """The batch shape to plan for, from the first training forward's `shape` (rows x tokens): its rows (DPO's
+    chosen and rejected, GRPO's completions), and the longest sequence the arguments allow (`max_length`) when it is
+    longer; a padding-free or packed batch (one row, TRL's `padding_free`, `packing` with `bfd`) up to
+    `per_device_train_batch_size` x `max_length` tokens."""
+    rows, tokens = shape
+    length = planned_sequence_length(args)
+    if length is None:
+        return shape
+    packed = bool(getattr(args, "padding_free", False)) or (
+        bool(getattr(args, "packing", False)) and str(getattr(args, "packing_strategy", "bfd")).startswith("bfd")
+    )
+    if rows == 1 and packed:
+        per_device = int(getattr(args, "per_device_train_batch_size", 1) or 1)
+        return 1, max(tokens, per_device * length)
+    return rows, max(tokens, length)
+
+
+def _call_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The non-tensor keyword arguments of a model call (`fused_lm_head=True`, `use_cache=False`, ...): what makes
+    the estimate's fake forward take the same path."""
+    import torch
+
+    return {
+        k: v
+        for k, v in kwargs.items()
+        if k not in ("input_ids", "labels", "inputs_embeds")
+        and not isinstance(v, torch.Tensor)
+        and (v is None or isinstance(v, bool | int | float | str))
+    }
+
+
+def _device_kind(model: Any) -> str:
+    """`cuda` when the model's first parameter is on an accelerator (the cost constants), else `cpu`."""
+    for parameter in model.parameters():
+        return "cpu" if parameter.device.type == "cpu" else "cuda"
+    return "cpu"
+
+
+class _Once:
+    """A handle whose `remove()` runs a cleanup once (the plan check's meter and hook)."""
+
+    def __init__(self, cleanup: Callable[[], None]) -> None:
+        self._cleanup: Callable[[], None] | None = cleanup
+
+    def remove(self) -> None:
+        cleanup, self._cleanup = self._cleanup, None
+        if cleanup is not None:
+            cleanup()
+
+
+def _input_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:
+    import torch
+
+    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *(args[:1] or ())):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0]), int(value.shape[1])
+    return None

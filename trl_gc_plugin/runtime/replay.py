@@ -1,0 +1,131 @@
+"""The state a checkpointed forward changes, changed again by its recompute in the backward.
+
+Checkpointing runs a block's forward twice: once in the forward pass and once, to rebuild its activations, in the
+backward. Whatever the forward writes besides its output (a counter, MoE tokens-per-expert, a BatchNorm running
+statistic) is written twice: every batch counts double, silently. `Replay` looks once, in the first training step:
+at the end of the first training forward it reads the state of every checkpointed block (each buffer's version
+counter and sum, the public number attributes of its modules), and at the end of that forward's backward (an
+autograd engine callback) it reads them again. Anything that changed in between was changed by the recompute.
+
+Its cost is one pass over the blocks' modules and one float64 sum per buffer (no copy) at each of the two points,
+once per run; it holds no tensor (a number per buffer) and nothing of it is attached to the model.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from .._base import report
+from ..core.rules import get_rule
+from ..model import ckpt, probe
+from ..model import hooks as _hooks
+from .first_forward import grad_output
+from .session import Session, runtime_decision
+
+State = dict[str, Any]
+
+NOT_MODEL_STATE = frozenset({"applied_pre_backward_ref_cnt"})
+"""Number attributes other libraries keep on the modules for their own bookkeeping, which a recompute legitimately
+changes again (not the model's state). DeepSpeed ZeRO-3 counts its pre-backward hooks on every module it partitions
+(`deepspeed/runtime/zero/parameter_offload.py`, read in 0.19.8): without this, every ZeRO-3 run with checkpointing
+was warned of replayed state. Its other attributes start with `ds_`, skipped like private ones."""
+
+
+def read_state(base: Any) -> State:
+    """Per checkpointing block: `<module>.<buffer>` -> (version, sum) and `<module>.<attribute>` -> number."""
+    import torch
+
+    active = {id(m) for m, _ in ckpt.functions(base)}
+    names = {id(m): n for n, m in base.named_modules()}
+    sums: list[tuple[str, int, Any]] = []
+    state: State = {}
+    for block in ckpt.blocks(base):
+        if id(block) not in active:
+            continue
+        prefix = names.get(id(block), type(block).__name__)
+        for sub_name, module in block.named_modules():
+            where = f"{prefix}.{sub_name}" if sub_name else prefix
+            for key, value in vars(module).items():
+                if key.startswith(("_", "ds_")) or key in NOT_MODEL_STATE or isinstance(value, bool):
+                    continue
+                if isinstance(value, numbers.Number):
+                    state[f"{where}.{key}"] = value
+            for key, buffer in module._buffers.items():
+                if isinstance(buffer, torch.Tensor):
+                    sums.append((f"{where}.{key}", buffer._version, buffer.detach().sum(dtype=torch.float64)))
+    for name, version, total in sums:
+        state[name] = (version, float(total.item()))
+    return state
+
+
+def changed(before: State, after: State) -> list[str]:
+    """The names whose value differs (a buffer rewritten with the same values is not a change)."""
+    out = []
+    for name, old in before.items():
+        new = after.get(name, old)
+        if isinstance(old, tuple):
+            if new[0] != old[0] and new[1] != old[1]:
+                out.append(name)
+        elif new != old:
+            out.append(name)
+    return out
+
+
+class Replay:
+    """The runtime check of rule `forward-state-replayed`: installed at train begin on a model that checkpoints,
+    it watches the first grad-enabled training forward and its backward, then removes itself."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.found: list[str] | None = None
+        self._handle: Any = None
+
+    def install(self, model: Any) -> None:
+        base = probe.unwrap(model)
+
+        def after_forward(module: Any, f_args: Any, output: Any) -> None:
+            import torch
+
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            self.remove()
+            tensor = grad_output(output)
+            if tensor is None:  # the loss is computed elsewhere: no backward to wait for
+                return
+            try:
+                before = read_state(base)
+            except Exception:  # an unreadable module: no check rather than a failed step
+                return
+            if not before:
+                return
+
+            def at_backward_end() -> None:
+                try:
+                    self._judge(changed(before, read_state(base)))
+                except Exception as exc:  # a plugin bug never stops training
+                    report.note(f"the replayed-state check failed ({type(exc).__name__}: {exc}); skipped", "info")
+
+            def on_grad(grad: Any) -> None:
+                torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
+
+            tensor.register_hook(on_grad)
+
+        self._handle = _hooks.on_forward(base, after_forward)
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _judge(self, names: list[str]) -> None:
+        self.found = names
+        if not names:
+            return
+        rule = get_rule("forward-state-replayed")
+        shown = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
+        reason = (
+            f"{len(names)} value(s) written by a checkpointed block's forward were written again by its recompute in "
+            f"the first backward ({shown}): every batch updates them twice. " + rule.message
+        )
+        self.session.record([runtime_decision(rule, "warn", None, names[:20], reason)])
