@@ -256,6 +256,7 @@ def run_exact(ns: argparse.Namespace) -> dict:
 
 def run_layouts() -> list[dict]:
     from trl_gc_plugin import plan_cli
+    from trl_gc_plugin.core.settings import parse_size
     from trl_gc_plugin.planning import memory, planner
 
     rows = []
@@ -264,7 +265,7 @@ def run_layouts() -> list[dict]:
         est = memory.estimate(config, batch, seq, dtype="bf16", attn_implementation="sdpa")
         row = {"layout": layout, "batch": batch, "seq": seq, "grad_shards": shards}
         for budget in LAYOUT_BUDGETS:
-            result = planner.plan(est, planner.parse_budget(budget), allow_selective=True, allow_offload=True,
+            result = planner.plan(est, parse_size(budget), allow_selective=True, allow_offload=True,
                                   grad_fraction=1 / shards)
             c = result.chosen or result.lowest
             row[budget] = {"plan": c.name if result.fits else None, "peak": c.peak_bytes, "fits": result.fits,

@@ -86,7 +86,7 @@ def test_alora_under_the_trainer(tmp_path, use_reentrant):
         if not TF5:  # a value the user set is kept: the repair makes it work
             assert not [d for d in callback.decisions if d.action in ("error", "override") and d.setting == "use_reentrant"]
         if not TF5:  # the hook the plugin added is gone, handle and all (on 5.x it is transformers' own)
-            base = trl_gc_plugin.model.probe.unwrap(model)
+            base = trl_gc_plugin.model.ckpt.unwrap(model)
             assert "_require_grads_hook" not in base.__dict__ and not base.get_input_embeddings()._forward_hooks
 
 
@@ -124,7 +124,7 @@ def test_alora_in_a_loop(use_reentrant):
     plugged, model = loop_run(use_reentrant, mode="strict")
     assert isinstance(plugged, dict) and close(plugged, reference)
     # the loop goes on after the route's first step: the repair stays, as transformers 5 would have it
-    assert hasattr(trl_gc_plugin.model.probe.unwrap(model), "_require_grads_hook")
+    assert hasattr(trl_gc_plugin.model.ckpt.unwrap(model), "_require_grads_hook")
 
 
 def test_no_alora_no_rule():

@@ -92,7 +92,7 @@ def both_parsers(tmp_path_factory):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_the_model_reads_what_trls_parser_reads(both_parsers, name):
-    from trl_gc_plugin.model.probe import installed_versions
+    from trl_gc_plugin.core.capabilities import installed_versions
 
     model, launcher, _ = both_parsers
     a, b = model[name], launcher[name]
@@ -121,7 +121,7 @@ def test_trls_parser_finds_keys_accelerate_launch_does_not_know(both_parsers):
 
 
 def test_ddp_static_graph_is_a_field_only_from_transformers_5(both_parsers):
-    from trl_gc_plugin.model.probe import installed_versions
+    from trl_gc_plugin.core.capabilities import installed_versions
 
     _, launcher, _ = both_parsers
     report = launcher["static_graph.yaml"]

@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trl_gc_plugin.model import ckpt
 from trl_gc_plugin.model.observe import Observation, _Observer
-from trl_gc_plugin.planning.memory import selective_context
+from trl_gc_plugin.model.policies import selective_context
 from trl_gc_plugin.testing import make_model
 
 LAYERS = 4

@@ -334,7 +334,7 @@ def test_qlora_loop_through_peft_prepare(tiny_checkpoint, reentrant, patched):
         opt.step()
         opt.zero_grad()
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in adapters)
-    route = loop._ROUTES.get(trl_gc_plugin.model.probe.unwrap(model))
+    route = loop._ROUTES.get(trl_gc_plugin.model.ckpt.unwrap(model))
     said = {d.rule_id for d in route.run.decisions if d.action != "none"}
     assert route.run.session.final == (reentrant, "user")
     assert ("quantized-prefers-non-reentrant" in said) is reentrant

@@ -15,7 +15,7 @@ from torch import nn
 from zoo import BY_NAME, TF
 from zoo_run import build
 
-from trl_gc_plugin.model import probe
+from trl_gc_plugin.model import ckpt
 from trl_gc_plugin.planning.memory import live_bytes
 from trl_gc_plugin.runtime import parity
 
@@ -25,7 +25,7 @@ TF5 = TF.major >= 5
 def exact_probe(model, inputs, seed=0):
     """The element-wise comparison: (names missing with checkpointing, max |diff| <= 1e-6 + 1e-4 * max|g|)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    flagged = [m for m in probe.unwrap(model).modules() if getattr(m, "gradient_checkpointing", None) is True]
+    flagged = [m for m in ckpt.unwrap(model).modules() if getattr(m, "gradient_checkpointing", None) is True]
     args, kwargs = inputs
 
     def run(on):
@@ -61,7 +61,7 @@ def exact_probe(model, inputs, seed=0):
 
 
 def enabled(model, reentrant):
-    probe.unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ckpt.unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     return model.train()
 
 

@@ -16,6 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_gc_plugin.core.decisions import Decision
+from trl_gc_plugin.core.settings import parse_size
+from trl_gc_plugin.model import ckpt
 from trl_gc_plugin.planning import memory, planner
 from trl_gc_plugin.testing import make_config, make_model
 
@@ -66,13 +68,13 @@ def gradients(model, inputs, seed: int = 0) -> dict[str, torch.Tensor]:
     ],
 )
 def test_budget_forms(text, expected):
-    assert planner.parse_budget(text) == expected
+    assert parse_size(text) == expected
 
 
 @pytest.mark.parametrize("text", ["", "abc", "-1GiB", "0", "0GiB", 0, -5, True, None, "1.5XB", "nan", "inf", 1e400, "4 0GiB"])
 def test_budget_refusals_name_the_accepted_forms(text):
     with pytest.raises(ValueError) as info:
-        planner.parse_budget(text)
+        parse_size(text)
     message = str(info.value)
     assert message.startswith("memory budget") and "40GiB" in message and "\n" not in message
 
@@ -81,7 +83,7 @@ def test_budget_refusals_name_the_accepted_forms(text):
 @given(st.one_of(st.text(max_size=20), st.integers(), st.floats(allow_nan=True, allow_infinity=True)))
 def test_budget_parser_never_crashes(value):
     try:
-        result = planner.parse_budget(value)
+        result = parse_size(value)
     except ValueError as exc:
         assert "\n" not in str(exc)
     else:
@@ -129,7 +131,7 @@ def test_live_estimate_follows_the_models_layout():
     for candidate in runnable(est):
         planner.apply_plan(model, candidate, use_reentrant=False)
         assert memory.measure(model, inputs).total == candidate.saved_bytes, candidate.name
-    assert memory.ckpt.functions(memory.probe.unwrap(model))  # the live model was not touched
+    assert memory.ckpt.functions(memory.ckpt.unwrap(model))  # the live model was not touched
 
 
 def test_estimate_of_a_7b_layout_allocates_no_tensor_memory():
@@ -308,7 +310,7 @@ def test_the_selective_function_pickles_and_stays_off_the_arguments():
     planner.apply_plan(model, planner.plan(est, 10**12, allow_selective=True, allow_offload=False).get("selective"), False)
     func = model.model.layers[0]._gradient_checkpointing_func
     restored = pickle.loads(pickle.dumps(func))
-    assert memory.is_selective(restored) and restored.keywords["use_reentrant"] is False
+    assert ckpt.is_selective(restored) and restored.keywords["use_reentrant"] is False
 
 
 def test_apply_plan_refuses_what_cannot_run():

@@ -11,7 +11,7 @@ import torch
 
 from trl_gc_plugin import SafeGCCallback
 from trl_gc_plugin.model import ckpt, probe
-from trl_gc_plugin.planning.memory import is_selective
+from trl_gc_plugin.model.ckpt import is_selective
 from trl_gc_plugin.testing import make_model
 
 peft = pytest.importorskip("peft")

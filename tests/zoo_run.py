@@ -132,7 +132,7 @@ def run_loop(arch: Arch | str, variant: str, use_reentrant: Any = "unset", plugi
     import contextlib
 
     from trl_gc_plugin import installed
-    from trl_gc_plugin.model import probe
+    from trl_gc_plugin.model import ckpt
     from trl_gc_plugin.routes import model_route as loop
 
     arch = BY_NAME[arch] if isinstance(arch, str) else arch
@@ -158,7 +158,7 @@ def run_loop(arch: Arch | str, variant: str, use_reentrant: Any = "unset", plugi
             outcome.settle(params, before, model, exc)
         else:
             outcome.settle(params, before, model)
-        route = loop._ROUTES.get(probe.unwrap(model))
+        route = loop._ROUTES.get(ckpt.unwrap(model))
         if route is not None and route.run is not None:
             outcome.decisions = list(route.run.decisions)
     return outcome

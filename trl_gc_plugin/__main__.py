@@ -22,7 +22,7 @@ def trainer_kinds() -> tuple[str, ...]:
     """The trainers TRL has: its CLI's commands first, then its other trainer classes (as the plugin names them
     from the config class), and `trainer` for transformers' own Trainer. TRL configs take only the CLI's commands."""
     from .configcheck.launchers.trl import CLI_TRAINERS
-    from .model.probe import GENERATING_TRAINERS, RL_TRAINERS
+    from .core.facts import GENERATING_TRAINERS, RL_TRAINERS
 
     others = sorted((RL_TRAINERS | GENERATING_TRAINERS) - set(CLI_TRAINERS))
     return (*CLI_TRAINERS, *others, "trainer")

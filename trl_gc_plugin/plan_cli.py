@@ -227,7 +227,7 @@ def _shown(plan: Any, show_all: bool) -> list[Any]:
 
 def render(plan: Any, label: str, show_all: bool = False) -> str:
     """The candidate table and the pick, as text."""
-    from .planning.planner import format_bytes
+    from .core.settings import format_bytes
 
     e = plan.estimate
     head = (
@@ -375,10 +375,11 @@ def _with_gathered(est: Any, layout: str | None, window: int) -> Any:
 def run(argv: list[str] | None) -> tuple[int, str]:
     """Parse, estimate, plan. Returns (exit status, stdout text); raises `InputError` for exit status 2."""
     ns = _parser().parse_args(argv)
-    from .planning.planner import parse_budget, plan
+    from .core.settings import parse_size
+    from .planning.planner import plan
 
     try:
-        budget = parse_budget(ns.budget)
+        budget = parse_size(ns.budget)
     except ValueError as exc:
         raise InputError(str(exc)) from None
     if ns.batch_size < 1 or ns.seq_len < 1:
@@ -448,7 +449,7 @@ def run(argv: list[str] | None) -> tuple[int, str]:
 
 def render_throughput(options: list[Any], effective: int, batch_size: int) -> str:
     """The (micro-batch, accumulation, plan) options, fastest first, and the advice."""
-    from .planning.planner import format_bytes
+    from .core.settings import format_bytes
 
     lines = [f"effective batch {effective} rows per device, ranked by predicted tokens/s (relative to the fastest):"]
     rows = [("micro-batch", "accumulation", "plan", "peak", "speed")]

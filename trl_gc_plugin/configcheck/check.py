@@ -22,11 +22,11 @@ from typing import Any, Literal
 
 from .._base.flags import parse_flag
 from ..core import capabilities
+from ..core.capabilities import installed_versions
 from ..core.decisions import Decision, first_sentence
 from ..core.engine import decide
 from ..core.facts import Facts
 from ..core.modes import Mode
-from ..model.probe import installed_versions
 from .launchers import detect, llamafactory, native, trl
 from .launchers.common import ConfigError, Context, Fact, Reading, yaml_bool
 from .launchers.load import Config

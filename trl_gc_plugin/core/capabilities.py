@@ -26,6 +26,7 @@ tested one gets the newest capabilities: an unknown version is never a reason to
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import inspect
@@ -190,12 +191,49 @@ def _enable_parameters(tf_dir: Path) -> set[str]:
     return names
 
 
+TORCH_POPPED_KWARGS = ("preserve_rng_state",)
+"""Keywords `torch.utils.checkpoint.checkpoint` takes out of its `**kwargs` (not in its signature)."""
+TORCH_DOCUMENTED_KWARGS = frozenset({"use_reentrant", "context_fn", "determinism_check", "debug", "early_stop"})
+_CHECKPOINT_DEF = re.compile(r"^def checkpoint\(.*?\)\s*(?:->[^:]*)?:", re.S | re.M)
+
+
+@functools.lru_cache(maxsize=1)
+def torch_checkpoint_keywords() -> frozenset[str]:
+    """The keywords the installed `torch.utils.checkpoint.checkpoint` reads: its keyword-only parameters (the
+    signature when torch is imported, else its source text; torch is never imported for it) and `preserve_rng_state`,
+    which it pops from `**kwargs`; torch's documented set when torch cannot be read."""
+    module = sys.modules.get("torch.utils.checkpoint")
+    named: frozenset[str] = frozenset()
+    if module is not None:
+        params = inspect.signature(module.checkpoint).parameters.values()
+        named = frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    else:
+        torch_dir = _package_dir("torch")
+        found = _CHECKPOINT_DEF.search(_read(torch_dir / "utils" / "checkpoint.py")) if torch_dir else None
+        try:
+            header = ast.parse(found.group(0) + " pass").body[0] if found is not None else None
+        except SyntaxError:
+            header = None
+        if isinstance(header, ast.FunctionDef):
+            named = frozenset(arg.arg for arg in header.args.kwonlyargs)
+    return (named or TORCH_DOCUMENTED_KWARGS) | frozenset(TORCH_POPPED_KWARGS)
+
+
 def _has_activation_fields(tf_dir: Path) -> bool:
     module = _imported("transformers.training_args", tf_dir)
     args_cls = getattr(module, "TrainingArguments", None) if module is not None else None
     if args_cls is not None:
         return "activation_checkpointing_kwargs" in getattr(args_cls, "__dataclass_fields__", {})
     return re.search(r"^\s+activation_checkpointing_kwargs\s*:", _read(tf_dir / "training_args.py"), re.M) is not None
+
+
+PACKAGES = ("transformers", "trl", "peft", "torch", "accelerate", "deepspeed", "bitsandbytes")
+
+
+@functools.lru_cache(maxsize=1)
+def installed_versions() -> dict[str, str | None]:
+    """Installed versions of the packages the rules gate on (from package metadata: nothing is imported)."""
+    return {name: installed_version(name) for name in PACKAGES}
 
 
 def installed_version(name: str) -> str | None:

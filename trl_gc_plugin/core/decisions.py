@@ -9,10 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    from .rules import Rule
+from typing import Any, Literal
 
 Action = Literal["default", "override", "repair", "warn", "error", "none"]
 Level = Literal["info", "warning", "error"]
@@ -73,35 +70,6 @@ class Decision:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), default=repr)
-
-    @classmethod
-    def from_rule(
-        cls,
-        rule: Rule,
-        action: Action,
-        before: Any,
-        after: Any,
-        source: str,
-        reason: str,
-        stage: str,
-        setting: str | None = None,
-        level: Level | None = None,
-    ) -> Decision:
-        """A decision of `rule` (its id, setting and evidence); applied when the action changes something; logged
-        at `level`, by default the one `level_of` gives for the action and the rule."""
-        return cls(
-            rule_id=rule.id,
-            action=action,
-            setting=setting or rule.setting,
-            before=before,
-            after=after,
-            source=source,
-            reason=reason,
-            evidence=rule.evidence,
-            applied=action in ("default", "override", "repair"),
-            stage=stage,
-            level=level or level_of(action, rule.level),
-        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Decision:

@@ -81,7 +81,7 @@ def _refuse_explicit(rule: Rule, mode: Mode, current: Any, source: str, facts: F
         reason = _detail(rule, facts) + _VERB_DETAIL[action] + " " + rule.message
     else:
         reason = f"{rule.setting}={current!r} {_VERB[action]}: {rule.condition}. " + rule.message
-    return Decision.from_rule(rule, action, current, rule.value, source, reason, facts.stage)
+    return rule.decision(action, current, rule.value, source, reason, facts.stage)
 
 
 def _in_warn_mode(decision: Decision) -> Decision:
@@ -111,13 +111,11 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if not facts.gc_enabled and not facts.fsdp_activation_checkpointing:
-        off = Decision.from_rule(
-            get_rule("checkpointing-off"), "none", False, False, facts.gc_flag_source, _OFF_REASON, facts.stage
+        off = get_rule("checkpointing-off").decision(
+            "none", False, False, facts.gc_flag_source, _OFF_REASON, facts.stage
         )
         checks = [r for r in applicable(facts, rules) if r.kind == "check"]  # said whether checkpointing is on or off
-        return [off] + [
-            Decision.from_rule(r, "warn", None, None, "unset", r.message, facts.stage, level=r.level) for r in checks
-        ]
+        return [off] + [r.decision("warn", None, None, "unset", r.message, facts.stage, level=r.level) for r in checks]
 
     rules_here = applicable(facts, rules)
     standing_back = next((r for r in rules_here if r.stand_back), None)
@@ -139,7 +137,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
 
 def _stand_back(rule: Rule, facts: Facts) -> Decision:
     value, source = facts.use_reentrant, facts.use_reentrant_source
-    return Decision.from_rule(rule, "warn", value, value, source, rule.message, facts.stage, level=rule.level)
+    return rule.decision("warn", value, value, source, rule.message, facts.stage, level=rule.level)
 
 
 def _field_disagreement(rule: Rule, facts: Facts, value: Any, source: str, out: list[Decision]) -> tuple[Any, str]:
@@ -148,7 +146,7 @@ def _field_disagreement(rule: Rule, facts: Facts, value: Any, source: str, out: 
     winner = facts.changed_field or "legacy"
 
     def repair(before: Any, after: Any, who: str, setting: str, reason: str) -> None:
-        out.append(Decision.from_rule(rule, "repair", before, after, who, reason, facts.stage, setting=setting))
+        out.append(rule.decision("repair", before, after, who, reason, facts.stage, setting=setting))
 
     if winner == "legacy":
         if facts.legacy_gc is not None:
@@ -183,11 +181,11 @@ def _non_bool(
         why = (
             f"use_reentrant={value!r} is not a bool (torch would read it as {bool(value)!r}); converted to {coerced!r}."
         )
-        out.append(Decision.from_rule(rule, "repair", value, coerced, source, why, facts.stage))
+        out.append(rule.decision("repair", value, coerced, source, why, facts.stage))
         value = coerced
     else:
         why = f"use_reentrant={value!r} is not a bool and spells none; " + rule.message
-        out.append(Decision.from_rule(rule, refused(mode), value, None, source, why, facts.stage))
+        out.append(rule.decision(refused(mode), value, None, source, why, facts.stage))
         value, source = None, "unset"
     return value, source
 
@@ -205,14 +203,14 @@ def _choose_use_reentrant(
     if len(demanded) > 1:
         names = ", ".join(f"{r.id} (use_reentrant={r.value})" for r in requires)
         reason = f"Rules demand opposite values: {names}. " + " ".join(r.message for r in requires)
-        conflict = Decision.from_rule(get_rule("conflict"), "error", value, None, source, reason, facts.stage)
+        conflict = get_rule("conflict").decision("error", value, None, source, reason, facts.stage)
         out.append(dataclasses.replace(conflict, evidence=tuple(e for r in requires for e in r.evidence)))
     elif requires or prefers:
         rule = requires[0] if requires else prefers[0]
         strong, target = bool(requires), rule.value
 
         def say(action: Action, before: Any, after: Any, who: str, reason: str, level: Level | None = None) -> None:
-            out.append(Decision.from_rule(rule, action, before, after, who, reason, facts.stage, level=level))
+            out.append(rule.decision(action, before, after, who, reason, facts.stage, level=level))
 
         if value is None:
             say("default", None, target, "unset", f"use_reentrant unset; set to {target!r} ({rule.title}).")
@@ -245,8 +243,7 @@ def _stale_model(rule: Rule | None, facts: Facts, final: Any, out: list[Decision
     effective = final if isinstance(final, bool) else None
     if rule is not None and effective is not None and facts.model_use_reentrant != effective:
         out.append(
-            Decision.from_rule(
-                rule,
+            rule.decision(
                 "repair",
                 facts.model_use_reentrant,
                 effective,
@@ -272,8 +269,7 @@ def _other_settings(
         if rule.kind == "prefer" or who not in _EXPLICIT:
             action: Action = "override" if rule.kind == "require" and who == "trainer" else "default"
             out.append(
-                Decision.from_rule(
-                    rule,
+                rule.decision(
                     action,
                     current,
                     rule.value,
@@ -289,14 +285,14 @@ def _other_settings(
         if rule.setting in _REPAIRED_ABOVE:
             continue
         current, who = _current(facts, rule.setting)
-        out.append(Decision.from_rule(rule, "repair", current, rule.value, who, rule.message, facts.stage))
+        out.append(rule.decision("repair", current, rule.value, who, rule.message, facts.stage))
     for rule in by_kind["check"]:
         current, who = (
             (value, source) if rule.setting == USE_REENTRANT else _current(facts, rule.setting, value, source)
         )
         reason = _detail(rule, facts) + rule.message
         said: Action = "none" if rule.level == "info" else "warn"  # an info check is a note, not a warning
-        out.append(Decision.from_rule(rule, said, current, current, who, reason, facts.stage, level=rule.level))
+        out.append(rule.decision(said, current, current, who, reason, facts.stage, level=rule.level))
 
 
 _REPAIRED_ABOVE = frozenset({USE_REENTRANT, "activation_checkpointing_kwargs", "model.use_reentrant"})

@@ -18,6 +18,13 @@ default applies), or `unknown` (set, but by whom cannot be told: treated as expl
 Stage = Literal["post_init", "init_end", "train"]
 
 
+GENERATING_TRAINERS = frozenset({"grpo", "rloo", "online_dpo", "ppo", "xpo", "nash_md", "gkd", "distillation"})
+"""TRL trainer kinds (`Facts.trainer_kind`, from the arguments' class) that generate with the policy while training."""
+RL_TRAINERS = frozenset(
+    {"dpo", "kto", "orpo", "cpo", "bco", "grpo", "rloo", "ppo", "online_dpo", "xpo", "nash_md", "reward", "prm"}
+)
+"""TRL's RL and preference trainer kinds."""
+
 @dataclass(frozen=True)
 class Facts:
     """What the engine needs to know about one training setup.

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .decisions import Level
+from .decisions import Action, Decision, Level, level_of
 from .facts import Facts
 
 RuleKind = Literal["require", "prefer", "repair", "check", "verify", "plan", "state"]
@@ -85,6 +85,33 @@ class Rule:
     stand_back: bool = False
     level: Level = "warning"
     detail: Callable[[Facts], str] | None = field(default=None, compare=False)
+
+    def decision(
+        self,
+        action: Action,
+        before: Any,
+        after: Any,
+        source: str,
+        reason: str,
+        stage: str,
+        setting: str | None = None,
+        level: Level | None = None,
+    ) -> Decision:
+        """A decision of this rule (its id, setting and evidence); applied when the action changes something; logged
+        at `level`, by default the one `level_of` gives for the action and the rule."""
+        return Decision(
+            rule_id=self.id,
+            action=action,
+            setting=setting or self.setting,
+            before=before,
+            after=after,
+            source=source,
+            reason=reason,
+            evidence=self.evidence,
+            applied=action in ("default", "override", "repair"),
+            stage=stage,
+            level=level or level_of(action, self.level),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The rule as plain data (the predicate is represented by its `condition` text)."""

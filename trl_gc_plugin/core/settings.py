@@ -21,13 +21,15 @@ nothing else is truthy by accident (`audit="no"` is False, `audit="perhaps"` is 
 from __future__ import annotations
 
 import difflib
-import functools
+import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from .._base.flags import FORMS, parse_flag
+from .capabilities import torch_checkpoint_keywords
 from .errors import GCConfigError, short
 from .modes import MODES, Mode
 
@@ -49,15 +51,57 @@ def parse_mode(value: Any) -> Mode:
     raise ValueError(f"expected one of {', '.join(MODES)} (any case)")
 
 
-def parse_budget(value: Any) -> int | str:
-    """Bytes (`"40GiB"`, `"512MiB"`, an int) or `"auto"`; `ValueError` naming the accepted forms for anything else."""
-    from ..planning.planner import BUDGET_FORMS
-    from ..planning.planner import parse_budget as _bytes
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_UNITS.update({f"{u}ib": size for u, size in list(_UNITS.items()) if u in "kmgt" and u})
+_UNITS.update({f"{u}b": 10 ** (3 * (i + 1)) for i, u in enumerate("kmgt")})
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+BUDGET_FORMS = (
+    "a whole number of bytes or a size such as 40GiB, 512MiB, 1.5GB, 800M (KiB/MiB/GiB/TiB, KB/MB/GB/TB; K/M/G/T = "
+    "KiB/MiB/GiB/TiB)"
+)
 
+
+def parse_size(text: str | int | float) -> int:
+    """Bytes from a size: `40GiB`, `512MiB`, `1.5GB`, `800M`, `1073741824`, an int or a float (bytes).
+
+    Binary units (`KiB`..`TiB`, and the bare `K`/`M`/`G`/`T`) are powers of 1024, decimal ones (`KB`..`TB`) powers of
+    1000; case and blanks are ignored. A size in units is rounded to whole bytes; a number of bytes must be whole
+    (`1.5` is no size: it would be rounded to 2 bytes).
+
+    Raises:
+        `ValueError`: one line naming the accepted forms, for anything else (zero, negative, fractional bytes, not
+        finite, a bool).
+    """
+    if isinstance(text, bool) or not isinstance(text, int | float | str):
+        raise ValueError(f"memory budget: expected {BUDGET_FORMS}; got {text!r}")
+    if isinstance(text, int | float):
+        value, unit = float(text), ""
+    else:
+        match = _SIZE.match(text)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"memory budget: expected {BUDGET_FORMS}; got {text!r}")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"memory budget: must be a positive size ({BUDGET_FORMS}); got {text!r}")
+    if _UNITS[unit] == 1 and not value.is_integer():
+        raise ValueError(f"memory budget: a number of bytes must be whole ({BUDGET_FORMS}); got {text!r}")
+    return max(round(value * _UNITS[unit]), 1)
+
+
+def format_bytes(n: float) -> str:
+    """`12.3 GiB`, `512.0 MiB`, ... (binary units)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def parse_budget(value: Any) -> int | str:
+    """Bytes (`parse_size`) or `"auto"`; `ValueError` naming the accepted forms for anything else."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     try:
-        return _bytes(value)
+        return parse_size(value)
     except ValueError:
         raise ValueError(f'expected {BUDGET_FORMS}, or "auto"') from None
 
@@ -242,27 +286,6 @@ LAYER_KWARGS = ("every_n_layers", "offload")
 """Read by transformers itself where it can (5.16: every_n_layers; 5.17: offload); taken out by the plugin before."""
 PLUGIN_KWARGS = ("selective",)
 """Read by the plugin (TRL's `selective: true` spelling of per-op checkpointing)."""
-TORCH_POPPED_KWARGS = ("preserve_rng_state",)
-"""Keywords `torch.utils.checkpoint.checkpoint` takes out of its `**kwargs` (not in its signature)."""
-
-
-@functools.lru_cache(maxsize=1)
-def torch_checkpoint_keywords() -> frozenset[str]:
-    """The keywords the installed `torch.utils.checkpoint.checkpoint` reads (its signature, read from the installed
-    torch, plus `preserve_rng_state`, which it pops from `**kwargs`); torch's documented set when torch is absent."""
-    documented = frozenset({"use_reentrant", "context_fn", "determinism_check", "debug", "early_stop"})
-    try:
-        import inspect
-
-        from torch.utils.checkpoint import checkpoint
-
-        params = inspect.signature(checkpoint).parameters.values()
-        named = frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
-    except Exception:
-        named = documented
-    return named | frozenset(TORCH_POPPED_KWARGS)
-
-
 def known_checkpoint_keys() -> frozenset[str]:
     """Every key of the checkpointing kwargs that something reads (torch, transformers, the plugin)."""
     return torch_checkpoint_keywords() | frozenset(LAYER_KWARGS) | frozenset(PLUGIN_KWARGS)

@@ -37,6 +37,27 @@ FUNC = "_gradient_checkpointing_func"
 # --- readers -----------------------------------------------------------------------------------------------------
 
 
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+"""Wrappers whose `.module` is the model they wrap (FSDP1's root wrapper is what a Trainer's callbacks get)."""
+
+
+def unwrap(model: Any) -> Any:
+    """The underlying transformers model of a PEFT / DDP / FSDP1 / accelerate wrapper."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            inner = model.get_base_model()
+        elif hasattr(model, "module") and type(model).__name__ in _WRAPPERS:
+            inner = model.module
+        else:
+            return model
+        if inner is model:
+            return model
+        model = inner
+    return model
+
+
 def blocks(model: Any) -> list[Any]:
     """The repeated checkpointed blocks (decoder layers) of `model` (not unwrapped).
 
@@ -117,11 +138,24 @@ def model_use_reentrant(model: Any) -> bool | None:
     Returns:
         `None` when no module checkpoints; the first checkpointing module's value when modules disagree.
     """
-    from .probe import unwrap
-
     funcs = functions(unwrap(model))
     return use_reentrant(funcs[0][1]) if funcs else None
 
+
+
+def is_selective(func: Any) -> bool:
+    """Whether a block's checkpoint function runs one of the planner's per-op policies (`policies.selective_context`,
+    `policies.lean_context`), behind the observer and any wrapper."""
+    from .policies import lean_context, selective_context
+
+    return keywords(func).get("context_fn") in (selective_context, lean_context)
+
+
+def is_lean(func: Any) -> bool:
+    """Whether a block's checkpoint function runs `policies.lean_context`."""
+    from .policies import lean_context
+
+    return keywords(func).get("context_fn") is lean_context
 
 _functions = functions
 
@@ -257,8 +291,6 @@ def set_keyword(model: Any, key: str, value: Any) -> int:
     Returns:
         How many modules changed.
     """
-    from .probe import unwrap
-
     changed = 0
     for module, func in functions(unwrap(model)):
         func = real(func)
@@ -285,10 +317,10 @@ class Spec:
         use_reentrant (`bool`, *optional*): the `use_reentrant` every block's function runs with.
         keywords (`Mapping[str, Any]`): keywords to set in every block's function; a value of `None` removes the key.
         selective (`bool` or `tuple[bool, ...]`, *optional*): run the planner's selective policy
-            (`memory.selective_context` as `context_fn`), for every block or per block; `False` removes that
+            (`policies.selective_context` as `context_fn`), for every block or per block; `False` removes that
             `context_fn` (a user's own `context_fn` is kept).
         lean (`bool` or `tuple[bool, ...]`, *optional*): the selective blocks run the lean policy
-            (`memory.lean_context`) instead, for every block or per block.
+            (`policies.lean_context`) instead, for every block or per block.
         offload (`bool`, *optional*): run `offload_checkpoint` (saved inputs in host memory); `False` runs torch's
             `checkpoint` where a block offloaded.
     """
@@ -313,7 +345,7 @@ class Spec:
 
 def _function_for(current: Any, spec: Spec) -> Any:
     """The checkpoint function a block holding `current` runs under `spec`."""
-    from ..planning.memory import lean_context, selective_context
+    from .policies import lean_context, selective_context
 
     if wrapped(current):  # the wrapper is kept, around the partial the spec makes of the one inside it
         new = _function_for(inner(current), spec)
@@ -351,8 +383,6 @@ def apply(model: Any, spec: Spec) -> None:
     Raises:
         `ValueError`: selective with `use_reentrant=True`, or a pattern for another number of blocks.
     """
-    from .probe import unwrap
-
     per_block = spec.selective if isinstance(spec.selective, tuple) else None
     if spec.use_reentrant and (any(per_block) if per_block is not None else spec.selective):
         raise ValueError("selective checkpointing needs use_reentrant=False (torch accepts context_fn only there)")
@@ -409,8 +439,6 @@ def snapshot(
     Returns:
         The `Snapshot`.
     """
-    from .probe import unwrap
-
     base = unwrap(model)
     keep = None if only is None else {id(m) for m in only}
 
@@ -471,6 +499,8 @@ __all__ = [
     "function_of",
     "functions",
     "inner",
+    "is_lean",
+    "is_selective",
     "keywords",
     "model_use_reentrant",
     "offload_checkpoint",
@@ -481,6 +511,7 @@ __all__ = [
     "set_function",
     "set_keyword",
     "snapshot",
+    "unwrap",
     "use_reentrant",
     "with_keywords",
     "wrapped",

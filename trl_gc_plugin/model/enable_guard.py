@@ -81,7 +81,7 @@ class EnableGuard:
     """
 
     def __init__(self, model: Any, layer_kwargs: Collection[str]) -> None:
-        self.base = probe.unwrap(model)
+        self.base = ckpt.unwrap(model)
         self.layer_kwargs = frozenset(layer_kwargs)
         self.pattern: tuple[bool, ...] = ()
         self.funcs: dict[int, Any] = {}

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..core.errors import GCConfigError
-from . import ckpt, probe
+from . import ckpt
 from . import hooks as _hooks
 
 logger = logging.getLogger("trl_gc_plugin")
@@ -150,7 +150,7 @@ class Observation:
         on_frozen: Callable[[Call], Verdict],
         on_keyword_inputs: Callable[[Call, str | None], Verdict] | None = None,
     ) -> None:
-        self.base = probe.unwrap(model)
+        self.base = ckpt.unwrap(model)
         self.on_frozen = on_frozen
         self.on_keyword_inputs = on_keyword_inputs
         self.calls: dict[str, Call] = {}

@@ -6,7 +6,6 @@ of them at module level (torch and transformers are imported lazily, only when a
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -19,7 +18,7 @@ from ..core import capabilities, settings
 from ..core.context_parallel import cp_size_from_args
 from ..core.deepspeed_config import ACCELERATE_DEFAULT_STAGE, DeepSpeedFacts
 from ..core.deepspeed_config import deepspeed_facts as read_deepspeed_config
-from ..core.facts import Facts, Source
+from ..core.facts import GENERATING_TRAINERS, RL_TRAINERS, Facts, Source
 from . import ckpt
 
 logger = logging.getLogger("trl_gc_plugin")
@@ -27,24 +26,9 @@ logger = logging.getLogger("trl_gc_plugin")
 NEW_KWARGS, OLD_KWARGS = "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"
 NEW_FLAG, OLD_FLAG = "activation_checkpointing", "gradient_checkpointing"
 
-PACKAGES = ("transformers", "trl", "peft", "torch", "accelerate", "deepspeed", "bitsandbytes")
-
 # Names of the forward hooks that make the input embeddings' output require grad: transformers'
 # `enable_input_require_grads` and PEFT/TRL's fallback `make_inputs_require_grad`.
 INPUT_GRAD_HOOK_NAMES = frozenset({"make_inputs_require_grads", "make_inputs_require_grad"})
-
-# Trainer kinds by args class; the ones that generate with the policy while training; RL / preference ones.
-GENERATING_TRAINERS = frozenset({"grpo", "rloo", "online_dpo", "ppo", "xpo", "nash_md", "gkd", "distillation"})
-RL_TRAINERS = frozenset(
-    {"dpo", "kto", "orpo", "cpo", "bco", "grpo", "rloo", "ppo", "online_dpo", "xpo", "nash_md", "reward", "prm"}
-)
-
-
-@functools.lru_cache(maxsize=1)
-def installed_versions() -> dict[str, str | None]:
-    """Installed versions of the packages the rules gate on (from package metadata: nothing is imported)."""
-    return {name: capabilities.installed_version(name) for name in PACKAGES}
-
 
 @dataclass
 class PostInitRecord:
@@ -292,7 +276,7 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
     offloading = parse_flag(getattr(args, "activation_offloading", None)) is True  # TRL's configs
     return Facts(
         stage=stage,  # type: ignore[arg-type]
-        versions=dict(installed_versions()),
+        versions=dict(capabilities.installed_versions()),
         capabilities=capabilities.installed(),
         gc_enabled=gc_on,
         use_reentrant=use_reentrant,
@@ -368,33 +352,12 @@ def compiled(args: Any, model: Any) -> str | None:
     backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "")
     if backend and backend.lower() != "no":
         return f"ACCELERATE_DYNAMO_BACKEND={backend}"
-    for candidate in (model, unwrap(model)):
+    for candidate in (model, ckpt.unwrap(model)):
         if hasattr(candidate, "_orig_mod"):
             return "the model is wrapped by torch.compile"
         if getattr(candidate, "_compiled_call_impl", None) is not None:
             return "the model was compiled in place (Module.compile)"
     return None
-
-
-_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
-"""Wrappers whose `.module` is the model they wrap (FSDP1's root wrapper is what a Trainer's callbacks get)."""
-
-
-def unwrap(model: Any) -> Any:
-    """The underlying transformers model of a PEFT / DDP / FSDP1 / accelerate wrapper."""
-    seen = 0
-    while seen < 8:
-        seen += 1
-        if hasattr(model, "get_base_model") and callable(model.get_base_model):
-            inner = model.get_base_model()
-        elif hasattr(model, "module") and type(model).__name__ in _WRAPPERS:
-            inner = model.module
-        else:
-            return model
-        if inner is model:
-            return model
-        model = inner
-    return model
 
 
 def is_peft_model(model: Any) -> bool:
@@ -403,12 +366,12 @@ def is_peft_model(model: Any) -> bool:
 
 def block_pattern(model: Any) -> tuple[bool, ...]:
     """The live per-block checkpointing flags (one per `GradientCheckpointingLayer`, in module order)."""
-    return tuple(getattr(b, "gradient_checkpointing", False) is True for b in ckpt.blocks(unwrap(model)))
+    return tuple(getattr(b, "gradient_checkpointing", False) is True for b in ckpt.blocks(ckpt.unwrap(model)))
 
 
 def checkpointing_on(model: Any) -> bool:
     """Some module of the model has checkpointing switched on (any format, the pre-4.35 one included)."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in unwrap(model).modules())
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in ckpt.unwrap(model).modules())
 
 
 def input_grad_hooks(model: Any) -> int:
@@ -425,7 +388,7 @@ def input_grad_hooks_of(embeddings: Any) -> int:
 def embeddings(model: Any, side: str = "input") -> Any:
     """The model's input (or `side="output"`: output) embeddings under any wrapper, None when it has none."""
     try:
-        return getattr(unwrap(model), f"get_{side}_embeddings")()
+        return getattr(ckpt.unwrap(model), f"get_{side}_embeddings")()
     except (AttributeError, NotImplementedError):
         return None
 
@@ -434,7 +397,7 @@ def model_configs(model: Any) -> list[Any]:
     """Every config object the model's modules read (the top-level one, and those of sub-models: a VLM's text and
     vision models, an encoder-decoder's stacks), each once."""
     seen: dict[int, Any] = {}
-    for module in unwrap(model).modules():
+    for module in ckpt.unwrap(model).modules():
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "use_cache") and id(config) not in seen:
             seen[id(config)] = config
@@ -445,7 +408,7 @@ def training_use_cache(args: Any, model: Any) -> bool:
     """Whether some config the model reads will have `use_cache=True` while training: transformers >= 5 has a
     `TrainingArguments.use_cache` (default False) that the Trainer writes into the top-level config after
     `on_init_end`; sub-model configs (a VLM's `text_config`, ...) keep their own value."""
-    base = unwrap(model)
+    base = ckpt.unwrap(model)
     top = getattr(base, "config", None)
     has_field = "use_cache" in getattr(type(args), "__dataclass_fields__", {})
     return any(
@@ -455,7 +418,7 @@ def training_use_cache(args: Any, model: Any) -> bool:
 
 
 def quantization_of(model: Any) -> str | None:
-    base = unwrap(model)
+    base = ckpt.unwrap(model)
     if getattr(base, "is_loaded_in_4bit", False):
         return "bitsandbytes_4bit"
     if getattr(base, "is_loaded_in_8bit", False):
@@ -497,7 +460,7 @@ def _nothing_upstream(model: Any, base: Any, blocks: list[Any]) -> bool:
 def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
     """Facts from the arguments and the (unwrapped) model, as `on_init_end` sees them."""
     facts = facts_from_args(args, stage=stage)
-    base = unwrap(model)
+    base = ckpt.unwrap(model)
     blocks = ckpt.blocks(base)
     trainable_in_blocks = any(p.requires_grad for b in blocks for p in b.parameters())
     params = list(model.parameters())
@@ -555,21 +518,21 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
 
 
 SELECTIVE_EXACT_VARIANTS = frozenset({"DoraLinearVariant", "DoraEmbeddingVariant"})
-"""PEFT LoRA variants whose gradients under the planner's selective policy (`memory.selective_policy`) were measured
+"""PEFT LoRA variants whose gradients under the planner's selective policy (`policies.selective_policy`) were measured
 equal to those without checkpointing (peft 0.21.2, transformers 4.57.6 and 5.23.0: `tests/test_selective_peft.py`).
-Plain LoRA (no variant) too; plain LoRA and DoRA under the lean policy (`memory.lean_policy`) as well. BD-LoRA
+Plain LoRA (no variant) too; plain LoRA and DoRA under the lean policy (`policies.lean_policy`) as well. BD-LoRA
 (`BdLoraLinearVariant`) was measured 0.59 off and aLoRA (`ALoraLinearVariant`, its adapter active from the invocation
 token on) 1.61 off; the others were not measured."""
 
 
 def checkpoint_wrapped(model: Any) -> bool:
     """Some module of `model` is torch's `CheckpointWrapper` (`apply_activation_checkpointing`)."""
-    return any(type(m).__name__ == "CheckpointWrapper" for m in unwrap(model).modules())
+    return any(type(m).__name__ == "CheckpointWrapper" for m in ckpt.unwrap(model).modules())
 
 
 def uses_alora(model: Any) -> bool:
     """Some LoRA layer of `model` runs an aLoRA adapter (PEFT's `ALoraLinearVariant`)."""
-    for module in unwrap(model).modules():
+    for module in ckpt.unwrap(model).modules():
         variants = getattr(module, "lora_variant", None)
         if isinstance(variants, dict) and any(type(v).__name__ == "ALoraLinearVariant" for v in variants.values()):
             return True
@@ -580,7 +543,7 @@ def selective_unsafe_adapters(model: Any) -> list[str]:
     """The PEFT adapter kinds of `model` the selective policy is not known to be exact for: LoRA variants outside
     `SELECTIVE_EXACT_VARIANTS`, and tuner layers other than LoRA's (IA3, LoHa, ...). Empty without PEFT."""
     found: set[str] = set()
-    for module in unwrap(model).modules():
+    for module in ckpt.unwrap(model).modules():
         variants = getattr(module, "lora_variant", None)
         if isinstance(variants, dict):
             found.update(
@@ -600,7 +563,7 @@ def layer_list_entries(model: Any) -> list[Any]:
     import torch
 
     out: list[Any] = []
-    for module in unwrap(model).modules():
+    for module in ckpt.unwrap(model).modules():
         if hasattr(module, "gradient_checkpointing") and not isinstance(module, torch.nn.ModuleList):
             for child in module.children():
                 if isinstance(child, torch.nn.ModuleList):
@@ -647,7 +610,7 @@ def has_dropout(model: Any) -> bool:
     config, which accepts the key for models that never use it)."""
     import torch
 
-    base = unwrap(model)
+    base = ckpt.unwrap(model)
     for m in base.modules():
         if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
             return True
@@ -679,7 +642,7 @@ def records_router_logits_in_blocks(base: Any, blocks: list[Any]) -> bool:
 def shares_layer_state(model: Any) -> bool:
     """Some layers read tensors another layer computed, outside their own inputs: cross-layer KV sharing
     (`num_kv_shared_layers`, Gemma 3n / Gemma 4)."""
-    return any((getattr(c, "num_kv_shared_layers", 0) or 0) > 0 for c in model_configs(unwrap(model)))
+    return any((getattr(c, "num_kv_shared_layers", 0) or 0) > 0 for c in model_configs(ckpt.unwrap(model)))
 
 
 def uses_legacy_format(model: Any) -> bool:

@@ -67,7 +67,7 @@ def gradients_are_sharded(args: Any, model: Any = None) -> str | None:
     except ImportError:  # torch without distributed
         return None
     if isinstance(model, FullyShardedDataParallel) or any(
-        isinstance(m, FullyShardedDataParallel) for m in probe.unwrap(model).modules()
+        isinstance(m, FullyShardedDataParallel) for m in ckpt.unwrap(model).modules()
     ):
         return "FSDP1 keeps gradients in flat parameters sharded across ranks"
     return None
@@ -81,7 +81,7 @@ def audit_gradients(model: Any, observation: Any = None) -> AuditResult:
     checkpointing on."""
     import torch
 
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     names = {id(m): n for n, m in base.named_modules()}
     modules = {n: m for n, m in base.named_modules()}
     calls = dict(getattr(observation, "calls", {}) or {})
@@ -150,7 +150,7 @@ class Watch:
         self.value = value
         start = probe.read_kwargs(args)
         self.args_value = start.get("use_reentrant") if start is not None else None  # None: warn mode left it unset
-        base = probe.unwrap(model)
+        base = ckpt.unwrap(model)
         funcs = ckpt.functions(base)
         # one module read per step: a re-enable rewrites every module's function at once
         self.sentinel = funcs[0][0] if funcs else None

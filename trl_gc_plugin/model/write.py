@@ -118,7 +118,7 @@ def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[D
         elif d.setting == "inputs_require_grad":  # transformers' own hook on the input embeddings
             if model is None:
                 continue
-            probe.unwrap(model).enable_input_require_grads()
+            ckpt.unwrap(model).enable_input_require_grads()
         else:
             raise KeyError(f"no way to apply a decision on {d.setting!r}")
         done.append(d)
@@ -128,6 +128,6 @@ def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[D
 def remove_input_hook(model: Any) -> None:
     """Take off the input hook a repair added (`enable_input_require_grads`), leaving the model as it was:
     transformers 4.x's `disable_input_require_grads` removes the hook but keeps the removed handle as an attribute."""
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     base.disable_input_require_grads()
     base.__dict__.pop("_require_grads_hook", None)

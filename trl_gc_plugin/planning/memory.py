@@ -13,7 +13,7 @@ Two instruments, one accounting:
   config is built with two blocks and extrapolated; a live model is copied as fake tensors with its own layout
   (PEFT adapters, frozen parameters).
 
-The selective policy (`selective_policy`, `selective_context`) lives here too: what it keeps is what is measured.
+What the selective policies keep (`model.policies`) is counted with their own test of each op.
 torch and transformers are imported inside the functions only.
 """
 
@@ -27,139 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..model import ckpt, probe
-
-# --- the selective policy ----------------------------------------------------------------------------------------
-
-# aten packets whose outputs selective checkpointing keeps: the matmuls (nn.Linear lowers to mm/addmm below
-# autograd; transformers 5.x runs MoE experts as `_grouped_mm`) and the fused attention kernels. `bmm`/`baddbmm` are
-# kept only when their output is not square in its last two dimensions: eager attention's `QK^T` scores (b*a, s, s)
-# are recomputed, its `scores @ V` is kept.
-_SAVE_NAMES = (
-    "mm",
-    "addmm",
-    "_grouped_mm",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_fused_attention_overrideable",
-    "_flash_attention_forward",
-    "_efficient_attention_forward",
-)
-_BMM_NAMES = ("bmm", "baddbmm")  # bmm(a, b); baddbmm(input, a, b)
-_ATTENTION_NAMES = tuple(n for n in _SAVE_NAMES if "attention" in n)
-
-_state: dict[str, Any] = {}
-
-
-def _ops(*names: str) -> frozenset[Any]:
-    import torch
-
-    out = set()
-    for name in names:
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is None:
-            continue
-        for overload in packet.overloads():
-            out.add(getattr(packet, overload))
-    return frozenset(out)
-
-
-def _policy_state() -> dict[str, Any]:
-    if not _state:
-        from torch.utils.checkpoint import CheckpointPolicy
-
-        _state.update(
-            save=_ops(*_SAVE_NAMES),
-            bmm=_ops("bmm"),
-            baddbmm=_ops("baddbmm"),
-            attention=_ops(*_ATTENTION_NAMES),
-            mm=_ops("mm", "_grouped_mm"),
-            addmm=_ops("addmm"),
-            must_save=CheckpointPolicy.MUST_SAVE,
-            recompute=CheckpointPolicy.PREFER_RECOMPUTE,
-        )
-    return _state
-
-
-def _keeps(op: Any, args: tuple[Any, ...], state: dict[str, Any]) -> bool:
-    if op in state["save"]:
-        return True
-    if op in state["bmm"]:
-        return bool(args[0].shape[-2] != args[1].shape[-1])
-    if op in state["baddbmm"]:
-        return bool(args[1].shape[-2] != args[2].shape[-1])
-    return False
-
-
-def _widens(op: Any, args: tuple[Any, ...], state: dict[str, Any]) -> bool:
-    """A matmul whose output is wider than its input (`mm(a, b)`, `_grouped_mm(a, b, ...)`, `addmm(bias, a, b)` with
-    `b`'s columns more than `a`'s): an MLP's up and gate projections, a fused QKV projection, LoRA's `B`. Its output
-    costs the most bytes for the FLOPs recomputing it takes (both scale with the output's width; the FLOPs also with
-    the narrower input)."""
-    if op in state["mm"]:
-        return bool(args[1].shape[-1] > args[0].shape[-1])
-    if op in state["addmm"]:
-        return bool(args[2].shape[-1] > args[1].shape[-1])
-    return False
-
-
-def _lean_keeps(op: Any, args: tuple[Any, ...], state: dict[str, Any]) -> bool:
-    return _keeps(op, args, state) and not _widens(op, args, state)
-
-
-def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """The selective checkpointing policy: keep the outputs of matmuls and fused attention kernels (and of batched
-    matmuls whose output is not an `s x s` score matrix), recompute everything else (norms, rotary, activations,
-    elementwise ops).
-
-    Args:
-        ctx (`SelectiveCheckpointContext`): torch's context (unused).
-        op (`OpOverload`): the aten op that just ran.
-        *args: its arguments.
-
-    Returns:
-        `CheckpointPolicy.MUST_SAVE` or `CheckpointPolicy.PREFER_RECOMPUTE`.
-    """
-    state = _state or _policy_state()
-    return state["must_save"] if _keeps(op, args, state) else state["recompute"]
-
-
-def lean_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """The lean selective policy (arguments and result as `selective_policy`'s): what `selective_policy` keeps, less
-    the outputs of widening matmuls (`_widens`), which are recomputed. Between selective and full checkpointing: on a
-    Llama block (hidden 512, 2 x 512 tokens) it keeps 53% of what selective keeps and recomputes the MLP's up and gate
-    projections (38% of the block's FLOPs)."""
-    state = _state or _policy_state()
-    return state["must_save"] if _lean_keeps(op, args, state) else state["recompute"]
-
-
-def selective_context() -> Any:
-    """The `context_fn` of selective checkpointing: a fresh pair of contexts per checkpointed call (one shared pair
-    would break the second call). A module-level function, so a checkpoint `functools.partial` holding it pickles."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(selective_policy)
-
-
-def lean_context() -> Any:
-    """The `context_fn` of lean selective checkpointing (`lean_policy`), as `selective_context`."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(lean_policy)
-
-
-def is_selective(func: Any) -> bool:
-    """Whether a block's checkpoint function (a `functools.partial` of torch's `checkpoint`, possibly behind the
-    plugin's first-forward observer) runs with one of the planner's policies (`selective_context`, `lean_context`)."""
-    return ckpt.keywords(func).get("context_fn") in (selective_context, lean_context)
-
-
-def is_lean(func: Any) -> bool:
-    """Whether a block's checkpoint function runs with `lean_context`."""
-    return ckpt.keywords(func).get("context_fn") is lean_context
-
+from ..model import ckpt, policies, probe
 
 # --- the meter ---------------------------------------------------------------------------------------------------
 
@@ -176,7 +44,7 @@ def storage_nbytes(tensor: Any) -> int:
 
 def named_blocks(model: Any) -> list[tuple[str, Any]]:
     """The checkpointed blocks of `model` (as `ckpt.blocks` finds them), with their module names."""
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     blocks = ckpt.blocks(base)
     names = {id(m): n for n, m in base.named_modules()}
     return [(names.get(id(b), f"<block {i}>"), b) for i, b in enumerate(blocks)]
@@ -255,7 +123,7 @@ def _flops(op: Any, args: tuple[Any, ...], out: Any) -> int:
             return 2 * rows * a.shape[-1] * b.shape[-1]
         if name == "addmm":
             return 2 * args[1].shape[0] * args[1].shape[1] * args[2].shape[1]
-        if name in _BMM_NAMES:
+        if name in policies.BMM_NAMES:
             a, b = (args[0], args[1]) if name == "bmm" else (args[1], args[2])
             return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
         if "attention" in name:
@@ -363,7 +231,7 @@ def _would_keep_mode(counter: _Counter) -> Any:
     the FLOPs of the matmuls and the bytes the other ops write."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    state = _policy_state()
+    state = policies.policy_state()
 
     class WouldKeep(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -375,10 +243,10 @@ def _would_keep_mode(counter: _Counter) -> Any:
                 return out
             counter.report.block_flops[block] += flops
             counter.report.ops[block] += 1
-            if _lean_keeps(func, args, state):
+            if policies.lean_keeps(func, args, state):
                 counter.keep(out, lean=True)
                 counter.report.lean_matmul_flops[block] += flops
-            if _keeps(func, args, state):
+            if policies.keeps(func, args, state):
                 counter.keep(out)
                 counter.report.matmul_flops[block] += flops
             else:
@@ -397,8 +265,8 @@ def _counting_context(counter: _Counter, lean: bool) -> Any:
     invisible to saved-tensor hooks, and torch before 2.13 calls the policy before the op, without its output)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    state = _policy_state()
-    keeps = _lean_keeps if lean else _keeps
+    state = policies.policy_state()
+    keeps = policies.lean_keeps if lean else policies.keeps
 
     class CountKept(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -408,7 +276,7 @@ def _counting_context(counter: _Counter, lean: bool) -> Any:
             return out
 
     def context_fn() -> tuple[Any, Any]:
-        forward, recompute = lean_context() if lean else selective_context()
+        forward, recompute = policies.lean_context() if lean else policies.selective_context()
         return _entered_in_order(forward, CountKept()), recompute
 
     return context_fn
@@ -434,7 +302,7 @@ def meter(model: Any, *, would_keep: bool = False) -> Iterator[SavedBytes]:
     """
     import torch
 
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     blocks = named_blocks(base)
     # a ZeRO-3 parameter (`ds_shape`) gets a new storage at every gather and release: its key now could be an
     # activation's later (the address reused), so such parameters are excluded by what they are (`_is_parameter`) only.
@@ -445,7 +313,7 @@ def meter(model: Any, *, would_keep: bool = False) -> Iterator[SavedBytes]:
     counter = _Counter([n for n, _ in blocks], {int(s._cdata) for s in storages})
     counter.held = storages
     handles = []
-    selective = [b for _, b in blocks if getattr(b, ckpt.FLAG, False) and is_selective(getattr(b, ckpt.FUNC, None))]
+    selective = [b for _, b in blocks if getattr(b, ckpt.FLAG, False) and ckpt.is_selective(getattr(b, ckpt.FUNC, None))]
     saved = ckpt.snapshot(base, flags=False, only=selective)  # put back exactly what is swapped, nothing else
     for name, block in blocks:
         handles.append(
@@ -454,7 +322,7 @@ def meter(model: Any, *, would_keep: bool = False) -> Iterator[SavedBytes]:
         handles.append(block.register_forward_hook(functools.partial(_post_hook, counter, name), always_call=True))
     for block in selective:
         func = getattr(block, ckpt.FUNC)
-        ckpt.set_function(block, ckpt.with_keywords(func, context_fn=_counting_context(counter, is_lean(func))))
+        ckpt.set_function(block, ckpt.with_keywords(func, context_fn=_counting_context(counter, ckpt.is_lean(func))))
     mode = _would_keep_mode(counter) if would_keep else contextlib.nullcontext()
     try:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, _identity), mode:
@@ -814,7 +682,7 @@ def _run_fake(
         raise RuntimeError(
             "the fake forward did not run the model's blocks (a forward wrapper calls another copy of the model)"
         )
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     seen: set[int] = set()
     grads = [_param_bytes(b, seen) for _, b in named_blocks(base)]
     head_module = probe.embeddings(base, "output")
@@ -858,7 +726,7 @@ def _vocab_size(model: Any) -> int:
     weight = getattr(probe.embeddings(model, "output"), "weight", None)
     if weight is not None and weight.dim() == 2:
         return int(weight.shape[0])
-    return int(getattr(probe.unwrap(model).config.get_text_config(), "vocab_size", 0) or 0)
+    return int(getattr(ckpt.unwrap(model).config.get_text_config(), "vocab_size", 0) or 0)
 
 
 def _transient(config: Any, attn: str, batch_size: int, seq_len: int, act: int) -> int:
@@ -1023,7 +891,7 @@ def _estimate_model_once(
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     params = list(base.parameters())
     device = params[0].device if params else torch.device("cpu")
     model_dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
@@ -1114,7 +982,7 @@ def _estimate(
     except ValueError:
         raise
     except Exception as exc:  # a layout the fake copy cannot run: fall back to the config
-        base = probe.unwrap(model_or_config)
+        base = ckpt.unwrap(model_or_config)
         params = [p for p in base.parameters() if p.is_floating_point()]
         fallback = _dtype_of(torch_dtype or (params[0].dtype if params else "float32"))
         attn = attn_implementation or getattr(base.config, "_attn_implementation", None) or "sdpa"

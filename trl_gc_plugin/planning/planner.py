@@ -29,16 +29,16 @@ torch and transformers are imported inside the functions only.
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..core.decisions import Decision
+from ..core.settings import format_bytes
 from ..model import ckpt, probe
-from ..model.ckpt import offload_checkpoint
-from .memory import ActivationEstimate, is_lean, is_selective, selective_context
+from ..model.ckpt import is_lean, is_selective, offload_checkpoint
+from ..model.policies import selective_context
+from .memory import ActivationEstimate
 
 RULE_ID = "memory-plan"
 
@@ -49,60 +49,6 @@ RULE_ID = "memory-plan"
 # CUDA: fitted to the H100 step times of `benchmarks/planner.py` (hidden 512 and a 4-layer 7B-shaped Llama).
 BALANCE = {"cpu": 22.0, "cuda": 500.0}
 OP_OVERHEAD = {"cpu": 1e6, "cuda": 3e9}
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
-_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-BUDGET_FORMS = "a number of bytes or a size such as 40GiB, 512MiB, 1.5GB, 800M (KiB/MiB/GiB/TiB, KB/MB/GB/TB; K/M/G/T = KiB/MiB/GiB/TiB)"
-
-
-def parse_budget(text: str | int | float) -> int:
-    """Bytes from a budget: `40GiB`, `512MiB`, `1.5GB`, `800M`, `1073741824`, an int or a float (bytes).
-
-    Binary units (`KiB`..`TiB`, and the bare `K`/`M`/`G`/`T`) are powers of 1024, decimal ones (`KB`..`TB`) powers of
-    1000; case and blanks are ignored. `"auto"` is the caller's to resolve (it needs the device).
-
-    Raises:
-        `ValueError`: one line naming the accepted forms, for anything else (zero, negative, not finite, a bool).
-    """
-    if isinstance(text, bool) or not isinstance(text, int | float | str):
-        raise ValueError(f"memory budget: expected {BUDGET_FORMS}; got {text!r}")
-    if isinstance(text, int | float):
-        value, unit = float(text), ""
-    else:
-        match = _BUDGET.match(text)
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"memory budget: expected {BUDGET_FORMS}; got {text!r}")
-        value, unit = float(match.group(1)), match.group(2).lower()
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"memory budget: must be a positive size ({BUDGET_FORMS}); got {text!r}")
-    result = round(value * _UNITS[unit])
-    if result < 1:
-        raise ValueError(f"memory budget: must be at least one byte; got {text!r}")
-    return result
-
-
-def format_bytes(n: float) -> str:
-    """`12.3 GiB`, `512.0 MiB`, ... (binary units)."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
 
 # --- candidates --------------------------------------------------------------------------------------------------
 
@@ -116,7 +62,7 @@ class Candidate:
         pattern (`tuple[bool, ...]`): per block, whether it is checkpointed.
         every_n (`int`, *optional*): n when the pattern is transformers' `every_n_layers=n` (block `i` checkpointed
             when `i % n == 0`).
-        selective (`bool`): checkpointed blocks keep matmul and attention outputs (`memory.selective_policy`); in a
+        selective (`bool`): checkpointed blocks keep matmul and attention outputs (`policies.selective_policy`); in a
             mixed plan, some of them do (`selective_blocks`).
         offload (`bool`): checkpointed blocks keep their inputs in (pinned) host memory.
         saved_bytes (`int`): bytes kept for the backward at the end of the forward, on the device.
@@ -129,7 +75,7 @@ class Candidate:
         selective_blocks (`tuple[bool, ...]`): per block, selective or not, for a mixed plan (`mixed_candidate`);
             empty when `selective` says it for every checkpointed block.
         lean_blocks (`tuple[bool, ...]`): per block, whether its selective checkpoint runs the lean policy
-            (`memory.lean_policy`: the outputs of widening matmuls recomputed too); empty when none does.
+            (`policies.lean_policy`: the outputs of widening matmuls recomputed too); empty when none does.
     """
 
     name: str
@@ -677,7 +623,7 @@ def plan_decisions(
             f"({plan.estimate.get('method')}, batch {plan.estimate.get('batch_size')} x "
             f"{plan.estimate.get('seq_len')} tokens); the gradients equal full checkpointing's."
         )
-        return [Decision.from_rule(rule, "default", before, after, source, reason, stage)]
+        return [rule.decision("default", before, after, source, reason, stage)]
     low = plan.lowest
     after["plan"] = low.name
     need = (
@@ -690,9 +636,9 @@ def plan_decisions(
             f"{need}. Raise memory_budget to at least {format_bytes(low.peak_bytes)}, or lower the per-device batch "
             "size or the sequence length, or use fix mode to train with the lowest-memory plan anyway."
         )
-        return [Decision.from_rule(rule, "error", before, after, source, reason, stage)]
+        return [rule.decision("error", before, after, source, reason, stage)]
     reason = f"{need}. Training with it anyway ({mode} mode); it may run out of memory."
-    return [replace(Decision.from_rule(rule, "warn", before, after, source, reason, stage), applied=True)]
+    return [replace(rule.decision("warn", before, after, source, reason, stage), applied=True)]
 
 
 # --- applying a plan to the live model ---------------------------------------------------------------------------
@@ -728,17 +674,17 @@ def pattern_of(model: Any) -> tuple[bool, ...]:
 
 def selective_of(model: Any) -> tuple[bool, ...]:
     """Per block, whether its checkpoint function runs the planner's selective policy."""
-    return tuple(is_selective(ckpt.function_of(b)) for b in ckpt.blocks(probe.unwrap(model)))
+    return tuple(is_selective(ckpt.function_of(b)) for b in ckpt.blocks(ckpt.unwrap(model)))
 
 
 def lean_of(model: Any) -> tuple[bool, ...]:
     """Per block, whether its checkpoint function runs the planner's lean selective policy."""
-    return tuple(is_lean(ckpt.function_of(b)) for b in ckpt.blocks(probe.unwrap(model)))
+    return tuple(is_lean(ckpt.function_of(b)) for b in ckpt.blocks(ckpt.unwrap(model)))
 
 
 def offload_of(model: Any) -> tuple[bool, ...]:
     """Per block, whether its checkpoint function offloads (the planner's `offload_checkpoint`)."""
-    functions = (ckpt.real(ckpt.function_of(b)) for b in ckpt.blocks(probe.unwrap(model)))
+    functions = (ckpt.real(ckpt.function_of(b)) for b in ckpt.blocks(ckpt.unwrap(model)))
     return tuple(getattr(f, "func", None) is offload_checkpoint for f in functions)
 
 
@@ -766,13 +712,11 @@ __all__ = [
     "apply_plan",
     "candidates",
     "drift",
-    "format_bytes",
     "forward_cost",
     "is_selective",
     "lean_of",
     "offload_checkpoint",
     "offload_of",
-    "parse_budget",
     "pattern_of",
     "plan",
     "plan_decisions",

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ..model import probe
+from ..model import ckpt, probe
 
 
 def zero3_window(args: Any) -> int | None:
@@ -33,7 +33,7 @@ def gathered_parameter_bytes(model: Any, zero3_window: int | None = None) -> int
     from . import memory
     from .planner import gathered_bytes, zero3_gathered
 
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     fsdp1 = fsdp1_layout(model)
     if fsdp1 is not None:
         blocks = [fsdp1.unit_bytes.get(id(block), 0) for _, block in memory.named_blocks(base)]
@@ -152,7 +152,7 @@ def fsdp2_layout(model: Any) -> Fsdp2Layout | None:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
         return None
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     modules = [m for m in base.modules() if isinstance(m, FSDPModule)]
     if not modules:
         return None
@@ -202,7 +202,7 @@ def held_sampler(model: Any) -> Callable[[], int] | None:
     or None without ZeRO-3 / FSDP1 / FSDP2 or when their state cannot be read. Each call reads one flag per
     parameter (ZeRO-3's `ds_status`, FSDP2's `sharded_state`) or per FSDP1 unit (whether its padded whole flat
     parameter has storage): a few microseconds per hundred parameters."""
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     try:
         zero3 = [(p, int(p.ds_numel) * p.element_size()) for p in base.parameters() if hasattr(p, "ds_status")]
         if zero3:
@@ -260,7 +260,7 @@ def watch_held(model: Any, sample: Callable[[], int]) -> tuple[dict[str, Any], C
             except Exception as exc:  # a plugin bug never stops training: no more samples, said after the forward
                 record["failed"] = f"{type(exc).__name__}: {exc}"
 
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     handles = [m.register_forward_pre_hook(hook) for m in base.modules() if next(m.parameters(False), None) is not None]
 
     def remove() -> None:

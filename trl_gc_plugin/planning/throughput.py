@@ -204,7 +204,7 @@ def advice_decision(
             f"gradient_accumulation_steps={best.accumulation} (a prediction of the cost model, not a measurement)."
         )
     after = {**_row(best), "ranking": [_row(o) for o in options]}
-    return Decision.from_rule(get_rule("batch-advice"), "none", _row(current), after, "runtime", reason, "train")
+    return get_rule("batch-advice").decision("none", _row(current), after, "runtime", reason, "train")
 
 
 def _said(o: Option) -> str:

@@ -200,7 +200,7 @@ class ModelRoute:
             given = self.kwargs or {}
             probe.start_record(args, "use_reentrant" in given, given.get("use_reentrant"))
         else:  # the keywords the model runs: the loop's or transformers' default, which cannot be told apart
-            funcs = ckpt.functions(probe.unwrap(model))
+            funcs = ckpt.functions(ckpt.unwrap(model))
             running = ckpt.keywords(funcs[0][1]) if funcs else {}
             args.gradient_checkpointing_kwargs = dict(running) if running else None
             if "use_reentrant" in running:
@@ -350,7 +350,7 @@ def _zero3_partitions(model: Any) -> dict[str, Any] | None:
 def _entry_modules(model: Any) -> list[Any]:
     """The modules every forward of `model` calls first: its input embeddings (under any wrapper, whatever calls
     `forward` directly) and the transformers model itself (a forward from `inputs_embeds`)."""
-    base, emb = probe.unwrap(model), probe.embeddings(model)
+    base, emb = ckpt.unwrap(model), probe.embeddings(model)
     return [emb, base] if emb is not None else [base]
 
 
@@ -409,7 +409,7 @@ def guard(
     report.setup()
     for line in settings.problems:
         report.note(f"{line}; using the default.", "warning")
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     old = _ROUTES.get(base)
     if old is not None:
         old.stop()
@@ -433,7 +433,7 @@ _ENABLED: WeakIdMap[tuple[dict[str, Any] | None]] = WeakIdMap()
 
 def claim(model: Any) -> None:
     """A Trainer route owns `model` from now on: a route armed for it goes, and later enable calls arm none."""
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     _CLAIMED.set(base, True)
     route = _ROUTES.get(base)
     if route is not None:
@@ -479,7 +479,7 @@ def _wrap(name: str, original: Any) -> Any:
 
 
 def _after_enable(model: Any, kwargs: dict[str, Any] | None) -> None:
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     if _CLAIMED.get(base):  # a Trainer's model (TRL's trainers re-enable every step): nothing to record
         return
     _ENABLED.set(base, (kwargs,))

@@ -9,8 +9,8 @@ from typing import Any
 from ..core.decisions import Action
 from ..core.policy import action_for
 from ..core.rules import Rule, get_rule
+from ..model import ckpt
 from ..model import hooks as _hooks
-from ..model import probe
 from ..model.observe import Call, Observation, Verdict
 from .session import Session, runtime_decision
 
@@ -124,7 +124,7 @@ class TwoForwards:
         self._handles: list[Any] = []
 
     def install(self, model: Any) -> None:
-        base = probe.unwrap(model)
+        base = ckpt.unwrap(model)
         state = {"pending": False}
 
         def before(module: Any, f_args: Any) -> None:

@@ -96,7 +96,7 @@ def ddp_unused(session: Session, model: Any) -> None:
     """Under DDP without `find_unused_parameters` or a static graph: trainable parameters that got no gradient at the
     first optimizer step leave their buckets unreduced (this step's update differs across ranks) and DDP stops the
     next forward. Refused (strict and fix: DDP's arguments are fixed once the model is wrapped), said in warn mode."""
-    names = [n for n, p in probe.unwrap(model).named_parameters() if p.requires_grad and p.grad is None]
+    names = [n for n, p in ckpt.unwrap(model).named_parameters() if p.requires_grad and p.grad is None]
     if not names:
         return
     rule = get_rule("ddp-unused-parameters")
@@ -154,7 +154,7 @@ class Parity:
             session.record([runtime_decision(rule, "none", None, None, "Skipped: sharded parameters.")])
             return
         inputs, batch = (first.inputs, first.batch) if first is not None else (None, None)
-        target = probe.unwrap(model) if first is not None and first.for_base else model
+        target = ckpt.unwrap(model) if first is not None and first.for_base else model
         result = parity.parity_probe(target, inputs, batch)
         if result.skipped:
             session.record([runtime_decision(rule, "none", None, None, f"Skipped: {result.skipped}.", level="info")])

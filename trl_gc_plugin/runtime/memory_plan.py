@@ -11,6 +11,7 @@ from .._base import report
 from ..core.decisions import Decision, first_sentence
 from ..core.errors import GCConfigError
 from ..core.rules import get_rule
+from ..core.settings import format_bytes
 from ..model import ckpt, probe, verify
 from ..model import hooks as _hooks
 from ..planning import sharding
@@ -49,7 +50,7 @@ class MemoryPlan:
         with (TRL's fused LM head); the sequence length is the longest the arguments allow (`max_length`), so a later,
         longer batch fits too. That forward is then measured and checked against the prediction (`_check`).
         Without a readable input shape, the arguments' `per_device_train_batch_size` x `max_length` is planned."""
-        base, args = probe.unwrap(model), self.session.args
+        base, args = ckpt.unwrap(model), self.session.args
 
         def first_forward(module: Any, f_args: tuple[Any, ...], f_kwargs: dict[str, Any]) -> None:
             import torch
@@ -160,7 +161,7 @@ class MemoryPlan:
             return None
         if fsdp2 is not None:
             return fsdp2.grad_fraction
-        if any(sharding.is_dtensor(p) for p in probe.unwrap(model).parameters()):
+        if any(sharding.is_dtensor(p) for p in ckpt.unwrap(model).parameters()):
             self.session.record([no_plan("not planned under tensor parallelism (DTensor parameters, no FSDP2)")])
             return None
         fsdp1 = sharding.fsdp1_layout(model)
@@ -281,8 +282,8 @@ class MemoryPlan:
         }
         reason = (
             f"The memory plan's prediction misses the first training step: it saved "
-            f"{planner.format_bytes(comparison.measured)} for the backward ({comparison.measured} bytes) where "
-            f"{planner.format_bytes(comparison.predicted)} ({comparison.predicted} bytes) were predicted for its "
+            f"{format_bytes(comparison.measured)} for the backward ({comparison.measured} bytes) where "
+            f"{format_bytes(comparison.predicted)} ({comparison.predicted} bytes) were predicted for its "
             f"{rows} x {tokens} batch (x{comparison.ratio:.2f}; blocks {comparison.blocks_measured} vs "
             f"{comparison.blocks_predicted} bytes, outside them {comparison.outside_measured} vs "
             f"{comparison.outside_predicted}). Something the estimate does not run changes what is saved (a forward "

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..model import ckpt, probe
+from ..model import ckpt
 
 PROJECTIONS = 8
 COLUMNS = 512
@@ -202,7 +202,7 @@ class FirstInputs:
     """
 
     def __init__(self, model: Any) -> None:
-        self._outer, self._base = id(model), id(probe.unwrap(model))
+        self._outer, self._base = id(model), id(ckpt.unwrap(model))
         self.inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.batch: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.for_base = False
@@ -245,7 +245,7 @@ def synthetic(model: Any, seed: int, length: int) -> tuple[tuple[Any, ...], dict
 
     import torch
 
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     if getattr(base, "main_input_name", None) != "input_ids":
         return None
     vocab = int(getattr(getattr(base, "config", None), "vocab_size", 0) or 2)
@@ -304,7 +304,7 @@ def fits(model: Any, tokens: int) -> str | None:
     params = list(model.parameters())
     if not params or params[0].device.type != "cuda":
         return None
-    config = getattr(probe.unwrap(model), "config", None)
+    config = getattr(ckpt.unwrap(model), "config", None)
     text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
     hidden = int(getattr(text, "hidden_size", 0) or 0)
     layers = int(getattr(text, "num_hidden_layers", 0) or 0)
@@ -342,7 +342,7 @@ def parity_probe(
     import torch
 
     result = ParityResult()
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params:
         result.skipped = "no trainable parameters"
@@ -393,7 +393,7 @@ def _passes(
     import torch
 
     saved_grads = [p.grad for _, p in params]
-    base = probe.unwrap(model)
+    base = ckpt.unwrap(model)
     buffers = [(b, b.detach().clone()) for b in base.buffers()]
     counters = _number_attributes(base)
     was_training = model.training

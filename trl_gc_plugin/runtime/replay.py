@@ -18,7 +18,7 @@ from typing import Any
 
 from .._base import report
 from ..core.rules import get_rule
-from ..model import ckpt, probe
+from ..model import ckpt
 from ..model import hooks as _hooks
 from .first_forward import grad_output
 from .session import Session, runtime_decision
@@ -82,7 +82,7 @@ class Replay:
         self._handle: Any = None
 
     def install(self, model: Any) -> None:
-        base = probe.unwrap(model)
+        base = ckpt.unwrap(model)
 
         def after_forward(module: Any, f_args: Any, output: Any) -> None:
             import torch

@@ -182,7 +182,7 @@ class Run:
         layer_kwargs = facts.caps.layer_kwargs()
         every_n = None if "every_n_layers" in layer_kwargs else self.every_n
         if every_n:
-            blocks = ckpt.blocks(probe.unwrap(model))
+            blocks = ckpt.blocks(ckpt.unwrap(model))
             ckpt.apply(model, ckpt.Spec(pattern=every_n_pattern(len(blocks), every_n)))
         if every_n or (layer_kwargs and (facts.every_n_layers or facts.offload)):
             self.session.ensure_guard(layer_kwargs)
@@ -250,7 +250,7 @@ def _withdraw_default_under_launcher(args: Any, model: Any, previous: list[Decis
         return previous
     if not _launcher_checkpoints(model):
         return previous
-    if "gradient_checkpointing_enable" not in vars(probe.unwrap(model)):  # the Trainer's re-enable skips the launcher
+    if "gradient_checkpointing_enable" not in vars(ckpt.unwrap(model)):  # the Trainer's re-enable skips the launcher
         return previous
     set_args_kwarg(args, "use_reentrant", None)
     probe.remember(args, None, "unset")
@@ -264,4 +264,4 @@ def _key(d: Decision) -> tuple[Any, ...]:
 def _launcher_checkpoints(model: Any) -> bool:
     """A launcher's own checkpoint function runs (`ckpt.wrapped`): it enabled checkpointing on purpose (LLaMA-Factory
     does on the model, by default, with the Trainer's flag false), so it is asked for, by the launcher."""
-    return any(ckpt.wrapped(f) for _, f in ckpt.functions(probe.unwrap(model)))
+    return any(ckpt.wrapped(f) for _, f in ckpt.functions(ckpt.unwrap(model)))

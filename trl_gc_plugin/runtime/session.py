@@ -43,7 +43,7 @@ def runtime_decision(
     level: Level | None = None,
 ) -> Decision:
     """A decision taken while the run trains (source `runtime`, stage `train`)."""
-    return Decision.from_rule(rule, action, before, after, "runtime", reason, "train", setting, level)
+    return rule.decision(action, before, after, "runtime", reason, "train", setting, level)
 
 
 class Session:

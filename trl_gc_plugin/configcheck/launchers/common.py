@@ -7,6 +7,7 @@ Standard library only (plus this package's records): reading a config never impo
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -41,6 +42,35 @@ def release(version: str | None) -> tuple[int, int]:
 class ConfigError(ValueError):
     """A config (or a file it names) cannot be read, or a check option is invalid. The message is one line that
     names the file and the key or line, and what to change; the CLI exits 2 with it."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """A config file as the check sees it.
+
+    Args:
+        path: the path as given.
+        values: the values of the top-level keys the check reads (every key, for JSON and small YAML files).
+        keys: every top-level key, in file order.
+        lines: the 1-based line of each top-level key (YAML only).
+        kind: `yaml`, `json`, or `command` (an OpenRLHF command line's flags).
+    """
+
+    path: str
+    values: dict[str, Any]
+    keys: tuple[str, ...]
+    lines: dict[str, int] = field(default_factory=dict)
+    kind: str = "yaml"
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+    @property
+    def base_dir(self) -> str:
+        return os.path.dirname(os.path.abspath(self.path))
 
 
 @dataclass(frozen=True)

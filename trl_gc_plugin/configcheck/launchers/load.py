@@ -19,42 +19,12 @@ import functools
 import json
 import os
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
-from .common import ConfigError, short, type_name
+from .common import Config, ConfigError, short, type_name
 
 MAX_BYTES = 64 * 1024 * 1024
 """Larger files are not configs; they are refused before being read."""
-
-
-@dataclass(frozen=True)
-class Config:
-    """A config file as the check sees it.
-
-    Args:
-        path: the path as given.
-        values: the values of the top-level keys the check reads (every key, for JSON and small YAML files).
-        keys: every top-level key, in file order.
-        lines: the 1-based line of each top-level key (YAML only).
-        kind: `yaml`, `json`, or `command` (an OpenRLHF command line's flags).
-    """
-
-    path: str
-    values: dict[str, Any]
-    keys: tuple[str, ...]
-    lines: dict[str, int] = field(default_factory=dict)
-    kind: str = "yaml"
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.keys
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.values.get(key, default)
-
-    @property
-    def base_dir(self) -> str:
-        return os.path.dirname(os.path.abspath(self.path))
 
 
 def read_text(path: str, what: str = "") -> str:

@@ -26,8 +26,7 @@ import re
 import shlex
 from typing import Any
 
-from .common import ConfigError, Context, Origin, Reading
-from .load import Config
+from .common import Config, ConfigError, Context, Origin, Reading
 from .model_config import read_model_facts
 
 VERSION_MODELLED = "OpenRLHF 0.11.2 (and the flat flags of <= 0.9)"

@@ -29,8 +29,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ...core.facts import GENERATING_TRAINERS, RL_TRAINERS
 from ...core.settings import unknown_checkpoint_keys
-from ...model.probe import GENERATING_TRAINERS, RL_TRAINERS
 from .accelerate import (
     AccelerateConfig,
     read_accelerate,
@@ -655,7 +655,7 @@ def apply_native(config: Config, ctx: Context, reading: Reading, result: dict[st
 
 
 def _installed(package: str) -> str | None:
-    from ...model.probe import installed_versions
+    from ...core.capabilities import installed_versions
 
     return installed_versions().get(package)
 
