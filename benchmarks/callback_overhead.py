@@ -43,6 +43,7 @@ from transformers import (
 
 from trl_gc_plugin import SafeGCCallback
 from trl_gc_plugin.model import verify
+from trl_gc_plugin.model.hooks import Hooks
 from trl_gc_plugin.model.observe import Observation
 from trl_gc_plugin.runtime import parity
 from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
@@ -89,7 +90,7 @@ def per_step(steps: int, repeats: int) -> dict[str, object]:
     state, control = TrainerState(), TrainerControl()
     callback.on_init_end(args, state, control, model=model)
     callback.on_train_begin(args, state, control, model=model)
-    assert callback._run.session.watch is not None and callback._run.session.watch.sentinel is not None  # the real per-step path
+    assert callback._run.watch is not None and callback._run.watch.sentinel is not None  # the real per-step path
     callback.on_step_end(args, state, control, model=model)  # the first step end removes the observation
     assert callback._run.first_forward is not None and callback._run.first_forward.observation is None
 
@@ -119,7 +120,7 @@ def first_forward(repeats: int) -> dict[str, object]:
 
     def step(observe: bool) -> float:
         start = time.perf_counter()
-        observation = Observation(model, lambda call: "report") if observe else None
+        observation = Observation(model, Hooks(), lambda call: "report") if observe else None
         if observation is not None:
             observation.install()
         model(**batch).loss.backward()
@@ -196,7 +197,7 @@ def one_off_7b() -> dict[str, object]:
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
     start = time.perf_counter()
-    observation = Observation(model, lambda call: "report")
+    observation = Observation(model, Hooks(), lambda call: "report")
     stacks = observation.install()
     observation.remove()
     observe = time.perf_counter() - start

@@ -40,7 +40,7 @@ def build(arm: str, device: str):
     if arm == "none":
         model.gradient_checkpointing_disable()
     if arm in ("selective", "lean"):
-        ckpt.apply(model, ckpt.Spec(selective=True, lean=arm == "lean"))
+        ckpt.apply(model, ckpt.Spec(layout=ckpt.layout_of(model).checkpointed_as(arm)))
     return model, batch
 
 

@@ -151,6 +151,7 @@ def _midway_budget(model, version: int = 2, kept: bool = False) -> int:
     after forward (`kept`: `shard_grad_op`), every unit stays whole until its backward: the whole model."""
     import dataclasses
 
+    from trl_gc_plugin.core.layout import Layout
     from trl_gc_plugin.planning import memory, planner
     from trl_gc_plugin.planning.planner import gathered_bytes
 
@@ -170,7 +171,7 @@ def _midway_budget(model, version: int = 2, kept: bool = False) -> int:
         gathered = gathered_bytes(whole, size(model.get_output_embeddings()))
     est = dataclasses.replace(est, gathered_bytes=gathered)
     n = est.num_blocks
-    return sum(planner.predict_peak(est, (on,) * n, grad_fraction=0.5)[0] for on in (False, True)) // 2
+    return sum(planner.predict_peak(est, Layout.from_pattern((on,) * n), grad_fraction=0.5)[0] for on in (False, True)) // 2
 
 
 def run(out: str, scenario: str) -> dict:

@@ -125,5 +125,5 @@ def test_the_check_and_the_run_agree(tmp_path, reentrant, lora):
         model(input_ids=ids, labels=ids).loss.backward()
         route = trl_gc_plugin.routes.model_route._ROUTES.get(trl_gc_plugin.model.ckpt.unwrap(model))
         ran = {(d.rule_id, d.action, d.after) for d in route.run.decisions if d.stage == "init_end"}
-        route.stop()
+        route.end()
     assert checked == ran, textwrap.shorten(f"check {checked} run {ran}", 400)

@@ -8,9 +8,11 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from trl_gc_plugin.core.layout import Layout
 from trl_gc_plugin.model import ckpt
+from trl_gc_plugin.model.hooks import Hooks
 from trl_gc_plugin.model.observe import Observation, _Observer
-from trl_gc_plugin.model.policies import selective_context
+from trl_gc_plugin.model.policies import lean_context, selective_context
 from trl_gc_plugin.testing import make_model
 
 LAYERS = 4
@@ -60,37 +62,36 @@ def test_set_keyword_counts_changes() -> None:
     assert ckpt.set_keyword(model, "preserve_rng_state", None) == 0  # no such key: nothing to remove
 
 
-def test_apply_sets_pattern_and_keywords_on_every_block() -> None:
+def test_apply_sets_the_layout_and_keywords_on_every_block() -> None:
     model = _model(preserve_rng_state=False)
-    pattern = (True, False, True, False)
-    ckpt.apply(
-        model,
-        ckpt.Spec(pattern=pattern, use_reentrant=False, keywords={"determinism_check": "none"}, selective=True),
-    )
+    layout = Layout(("selective", "none", "lean", "none"))
+    ckpt.apply(model, ckpt.Spec(layout=layout, use_reentrant=False, keywords={"determinism_check": "none"}))
     blocks = ckpt.blocks(model)
-    assert tuple(b.gradient_checkpointing for b in blocks) == pattern
-    for block in blocks:  # blocks switched off keep (and get) the function too
+    assert tuple(b.gradient_checkpointing for b in blocks) == layout.pattern and ckpt.layout_of(model) == layout
+    for block, kind in zip(blocks, layout.kinds, strict=True):  # blocks switched off keep (and get) the function too
         keywords = ckpt.keywords(ckpt.function_of(block))
         assert keywords["determinism_check"] == "none"
         assert keywords["preserve_rng_state"] is False  # kept
-        assert keywords["context_fn"] is selective_context
-    ckpt.apply(model, ckpt.Spec(selective=False, offload=True))
+        assert keywords.get("context_fn") is {"selective": selective_context, "lean": lean_context}.get(kind)
+    ckpt.apply(model, ckpt.Spec(layout=layout.checkpointed_as("offload")))
     for block in blocks:
         func = ckpt.function_of(block)
-        assert func.func is ckpt.offload_checkpoint and "context_fn" not in func.keywords
-    ckpt.apply(model, ckpt.Spec(offload=False, keywords={"determinism_check": None}))
+        assert "context_fn" not in func.keywords
+    assert ckpt.layout_of(model).kinds == ("offload", "none", "offload", "none")
+    ckpt.apply(model, ckpt.Spec(layout=layout.checkpointed_as("full"), keywords={"determinism_check": None}))
     for block in blocks:
         func = ckpt.function_of(block)
         assert func.func is checkpoint and "determinism_check" not in func.keywords
-    assert tuple(b.gradient_checkpointing for b in blocks) == pattern  # no pattern: flags untouched
+    ckpt.apply(model, ckpt.Spec(use_reentrant=True))
+    assert tuple(b.gradient_checkpointing for b in blocks) == layout.pattern  # no layout: flags untouched
 
 
 def test_apply_refuses_what_cannot_run() -> None:
     model = _model()
     with pytest.raises(ValueError, match="selective"):
-        ckpt.apply(model, ckpt.Spec(use_reentrant=True, selective=True))
+        ckpt.apply(model, ckpt.Spec(use_reentrant=True, layout=Layout.uniform("selective", LAYERS)))
     with pytest.raises(ValueError, match="blocks"):
-        ckpt.apply(model, ckpt.Spec(pattern=(True,)))
+        ckpt.apply(model, ckpt.Spec(layout=Layout(("full",))))
 
 
 def test_spec_is_frozen() -> None:
@@ -105,7 +106,7 @@ def test_real_unwraps_an_installed_observer() -> None:
     model = _model()
     block = ckpt.blocks(model)[0]
     func = ckpt.function_of(block)
-    observation = Observation(model, lambda call: "report")
+    observation = Observation(model, Hooks(), lambda call: "report")
     observation.install()
     seen = []
 
@@ -141,7 +142,7 @@ def test_snapshot_restore_round_trips() -> None:
     before = [(ckpt.function_of(b), b.gradient_checkpointing) for b in ckpt.blocks(model)]
     before_stack = model.model.__dict__.get(ckpt.FLAG)
     saved = ckpt.snapshot(model)
-    ckpt.apply(model, ckpt.Spec(pattern=(False,) * LAYERS, use_reentrant=True, offload=True))
+    ckpt.apply(model, ckpt.Spec(layout=Layout.uniform("none", LAYERS), use_reentrant=True))
     model.model.gradient_checkpointing = False  # someone else writes a flag
     ckpt.restore(saved)
     assert [(ckpt.function_of(b), b.gradient_checkpointing) for b in ckpt.blocks(model)] == before
@@ -151,7 +152,7 @@ def test_snapshot_restore_round_trips() -> None:
 def test_restore_keeping_use_reentrant() -> None:
     """The enable guard's restore: the recorded wrapper and keywords, with the use_reentrant running now."""
     model = _model()
-    ckpt.apply(model, ckpt.Spec(pattern=(True, False) * (LAYERS // 2), keywords={"determinism_check": "none"}))
+    ckpt.apply(model, ckpt.Spec(layout=Layout(('full', 'none') * (LAYERS // 2)), keywords={"determinism_check": "none"}))
     saved = ckpt.snapshot(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})  # a re-enable
     ckpt.restore(saved, keep_use_reentrant=True)
@@ -167,7 +168,7 @@ def test_snapshot_narrowed() -> None:
     flags_only = ckpt.snapshot(model, functions=False)
     first_only = ckpt.snapshot(model, flags=False, only=[blocks[0]])
     assert flags_only.functions == () and first_only.flags == ()
-    assert [m for m, _ in first_only.functions] == [blocks[0]]
+    assert [ref() for ref, _ in first_only.functions] == [blocks[0]]
     ckpt.set_keyword(model, "use_reentrant", True)
     ckpt.set_flag(blocks[1], False)
     ckpt.restore(flags_only)

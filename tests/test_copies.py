@@ -14,6 +14,7 @@ from transformers import TrainerCallback
 from trl_gc_plugin import SafeGCCallback
 from trl_gc_plugin.model import ckpt
 from trl_gc_plugin.model import hooks as _hooks
+from trl_gc_plugin.model.hooks import Hooks
 from trl_gc_plugin.testing import make_model
 
 EVENTS = ("on_train_begin", "on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end")
@@ -73,8 +74,8 @@ def test_a_copy_of_a_guarded_model_enables_its_own_checkpointing_and_nothing_sta
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for block, on in zip(ckpt.blocks(model), (True, False, True, False), strict=True):
         block.gradient_checkpointing = on
-    guard = EnableGuard(model, frozenset())
-    guard.install()
+    guard, run_hooks = EnableGuard(model, frozenset()), Hooks()
+    guard.install(run_hooks)
     assert "gradient_checkpointing_enable" not in vars(model)
     twin = copy.deepcopy(model)
     assert "gradient_checkpointing_enable" not in vars(twin)  # it was the guard's closure, bound to `model`
@@ -82,7 +83,7 @@ def test_a_copy_of_a_guarded_model_enables_its_own_checkpointing_and_nothing_sta
     assert probe.block_pattern(model) == (True, False, True, False)  # the guard put the pattern back
     twin.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     assert probe.block_pattern(twin) == (True,) * 4  # the copy's own enable, not the original's
-    guard.remove()
+    run_hooks.remove()
     assert "gradient_checkpointing_enable" not in vars(type(model))
 
 
@@ -91,7 +92,7 @@ def test_a_keyword_pre_hook_outside_the_module_sees_the_keywords_and_leaves_noth
     pre-hook gets them for the chosen module only; a copy made meanwhile is not called back; removal leaves no key."""
     model = make_model(num_hidden_layers=1)
     seen = []
-    handle = _hooks.on_forward_pre_with_kwargs(model, lambda m, a, k: seen.append((m, sorted(k))))
+    handle = Hooks().forward_pre_with_kwargs(model, lambda m, a, k: seen.append((m, sorted(k))))
     assert handle is not None  # torch 2.13 passes the keywords to a flagged process-wide hook
     twin = copy.deepcopy(model)
     ids = torch.tensor([[1, 2, 3]])

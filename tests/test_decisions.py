@@ -38,7 +38,7 @@ def test_log_levels_follow_actions(caplog):
     levels = {r.getMessage().split("]")[0][1:]: r.levelname for r in caplog.records}
     assert levels["invalid-use-reentrant"] == "WARNING"
     assert levels["use-cache-off"] == "INFO"
-    assert all(r.name == "trl_gc_plugin.core.decisions" for r in caplog.records)
+    assert all(r.name == "trl_gc_plugin.decisions" for r in caplog.records)
 
 
 def test_other_processes_log_nothing(caplog):

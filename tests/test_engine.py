@@ -9,7 +9,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 from trl_gc_plugin import RULES, Facts, Rule, decide
-from trl_gc_plugin.core.engine import applicable, coerce_bool, errors, final_use_reentrant, version_applies
+from trl_gc_plugin.core.engine import applicable, coerce_bool, errors, version_applies
 
 TF4 = {"transformers": "4.57.6", "torch": "2.13.0"}
 TF5 = {"transformers": "5.23.0", "torch": "2.13.0"}
@@ -88,7 +88,7 @@ def test_frozen_inputs_without_trainable_block_params_need_nothing():
 def test_string_use_reentrant_is_coerced(raw, coerced):
     ds = decide(facts(use_reentrant=raw, use_reentrant_source="user"))
     assert ds[0].rule_id == "invalid-use-reentrant" and ds[0].action == "repair" and ds[0].after is coerced
-    assert final_use_reentrant(ds)[0] is coerced
+    assert ds.use_reentrant is coerced and ds.source == "user"  # decide says the value it leaves in force
 
 
 @pytest.mark.parametrize(("mode", "action"), [("strict", "error"), ("fix", "override"), ("warn", "warn")])
@@ -111,7 +111,7 @@ def test_field_disagreement_last_write_wins_legacy_by_default():
     assert ds[0].rule_id == "field-disagreement" and ds[0].setting == "activation_checkpointing_kwargs"
     assert ds[0].after is True and ds[0].action == "repair"
     assert by_setting(ds).action == "warn"  # the reconciled True has an unknown author: kept
-    assert final_use_reentrant(ds) == (True, "unknown")
+    assert (ds.use_reentrant, ds.source) == (True, "unknown")
 
 
 def test_field_disagreement_new_name_written_last():
@@ -341,18 +341,22 @@ def test_preserve_rng_state_only_matters_with_dropout():
     assert not errors(decide(f.replace(preserve_rng_state=None)))  # torch's default is True
 
 
-def test_every_rule_setting_has_a_value_the_engine_can_read():
-    """Each setting a rule acts on (other than use_reentrant and the runtime's own) maps to a fact: a new rule whose
-    setting the engine cannot read fails here, not in a user's run."""
-    import dataclasses
-
-    from trl_gc_plugin.core.engine import SETTING_FACTS, _current
+def test_every_rule_setting_has_a_value_the_engine_can_read_and_a_way_to_be_written():
+    """Each setting a rule acts on (other than use_reentrant and the runtime's own) maps to a fact, and each setting a
+    rule can change has a writer (`targets.TARGETS`): a new rule the engine cannot read or the run cannot carry out
+    fails here, not in a user's run."""
     from trl_gc_plugin.core.rules import RULES
+    from trl_gc_plugin.core.targets import TARGETS, current
+    from trl_gc_plugin.model import write  # registers the writers
 
-    fields = {f.name for f in dataclasses.fields(Facts)}
-    assert all(field in fields for field, _ in SETTING_FACTS.values())
+    for target in TARGETS.values():
+        if target.read is not None:
+            target.read(Facts(gc_enabled=True))  # a fact that exists
     for rule in RULES:
         if rule.kind in ("require", "prefer", "repair", "check") and rule.setting not in (
                 "use_reentrant", "model.use_reentrant", "activation_checkpointing_kwargs"):
-            _, source = _current(Facts(gc_enabled=True), rule.setting, "fallback", "fallback")
+            _, source = current(Facts(gc_enabled=True), rule.setting, "fallback", "fallback")
             assert source != "fallback" or rule.kind == "check", rule.id
+        if rule.kind in ("require", "prefer", "repair") and rule.setting != "model.config.use_cache":
+            assert TARGETS[rule.setting].write is not None, rule.id  # the callback switches use_cache step by step
+    assert write.apply([], None) == []

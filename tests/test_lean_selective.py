@@ -9,8 +9,9 @@ import pytest
 import torch
 import zoo
 
+from trl_gc_plugin.core.layout import Layout
 from trl_gc_plugin.model import ckpt
-from trl_gc_plugin.planning import memory, planner
+from trl_gc_plugin.planning import memory
 
 
 def gradients(model, batch) -> dict[str, torch.Tensor]:
@@ -32,13 +33,13 @@ def test_lean_is_exact_and_keeps_what_the_estimate_says(arch):
     batch = arch.batch(0)
     reference = gradients(model, batch)  # full checkpointing
     kept = {}
-    for name, spec in (("selective", ckpt.Spec(selective=True)), ("lean", ckpt.Spec(selective=True, lean=True))):
-        ckpt.apply(model, spec)
-        assert planner.lean_of(model) == (name == "lean",) * len(blocks)
+    for name in ("selective", "lean"):
+        ckpt.apply(model, ckpt.Spec(layout=Layout.uniform(name, len(blocks))))
+        assert ckpt.layout_of(model).lean == (name == "lean",) * len(blocks)
         got = gradients(model, batch)
         assert all(torch.equal(got[k], reference[k]) for k in reference), (arch.name, name)
         kept[name] = memory.measure(model, batch).selective
-    ckpt.apply(model, ckpt.Spec(pattern=(False,) * len(blocks), selective=False))
+    ckpt.apply(model, ckpt.Spec(layout=Layout.uniform("none", len(blocks))))
     would = memory.measure(model, batch, would_keep=True)
     assert would.selective == kept["selective"], arch.name
     assert would.lean == kept["lean"], arch.name

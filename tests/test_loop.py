@@ -22,6 +22,7 @@ from zoo import BY_NAME
 
 import trl_gc_plugin
 from trl_gc_plugin import GCConfigError
+from trl_gc_plugin.model import hooks as _hooks
 from trl_gc_plugin.model.ckpt import functions, keywords
 from trl_gc_plugin.routes import model_route as loop
 from trl_gc_plugin.testing import make_model
@@ -271,7 +272,8 @@ def test_ddp_loop_on_two_processes(tmp_path, wrapper):
 
 def test_a_copy_of_an_armed_model_does_not_start_the_route_and_carries_nothing_after(patched):
     """`copy.deepcopy` of a model between the enable call and the first forward (a reference model, a critic
-    initialised from the actor) copies the arming hook; the copy's forward does not start the original's route."""
+    initialised from the actor): the route is armed at the model's class, by identity, so the copy's forward does not
+    start the original's route."""
     import copy
 
     model = make_model()
@@ -281,11 +283,11 @@ def test_a_copy_of_an_armed_model_does_not_start_the_route_and_carries_nothing_a
     ids = torch.randint(3, 64, (2, 8))
     twin(input_ids=ids, labels=ids).loss.backward()
     route = loop._ROUTES.get(model)
-    assert route is not None and route.run is None  # still waiting for the original's first forward
+    assert route is not None and route.state == "new"  # still waiting for the original's first forward
     model.train()
     model(input_ids=ids, labels=ids).loss.backward()
-    assert route.run is not None
-    route.stop()
+    assert route.state == "first step"
+    route.end()
 
 
 def test_checkpointing_turned_off_again_before_training_is_left_alone(patched, plugin_log):
@@ -302,13 +304,14 @@ def test_the_last_enable_call_is_the_one_decided_for(patched):
     model = make_model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert len(model.get_input_embeddings()._forward_pre_hooks) == 1  # one route armed, not two
+    assert not model.get_input_embeddings()._forward_pre_hooks  # armed at the model's class, not on the model
+    assert _hooks.patched_classes() == ["LlamaForCausalLM.__call__"]  # one route armed, not two
     model.train()
     ids = torch.randint(3, 64, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     route = loop._ROUTES.get(model)
-    assert route.run.session.final == (False, "user")
-    route.stop()
+    assert (route.run.use_reentrant, route.run.source) == (False, "user")
+    route.end()
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -336,7 +339,7 @@ def test_qlora_loop_through_peft_prepare(tiny_checkpoint, reentrant, patched):
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in adapters)
     route = loop._ROUTES.get(trl_gc_plugin.model.ckpt.unwrap(model))
     said = {d.rule_id for d in route.run.decisions if d.action != "none"}
-    assert route.run.session.final == (reentrant, "user")
+    assert (route.run.use_reentrant, route.run.source) == (reentrant, "user")
     assert ("quantized-prefers-non-reentrant" in said) is reentrant
     assert all(keywords(f)["use_reentrant"] is reentrant for _, f in functions(model))
 
@@ -377,8 +380,9 @@ def test_nothing_of_the_plugin_in_what_the_loop_saves(tmp_path):
 
 
 def test_a_refused_loop_leaves_no_optimizer_hook():
-    """A refusal at the first forward removes the route's optimizer-step hooks with its other checks: torch's steps
-    pay nothing for a refused route (a notebook that fixes the setup and runs again)."""
+    """A refusal at the first forward removes the route's optimizer-step hook with its other checks: torch's steps
+    pay nothing for a refused route (a notebook that fixes the setup and runs again). Before the first training
+    forward the route holds no process-wide hook at all."""
     from torch.optim import optimizer as torch_optimizer
 
     pre, post = (dict(torch_optimizer._global_optimizer_pre_hooks), dict(torch_optimizer._global_optimizer_post_hooks))
@@ -387,7 +391,7 @@ def test_a_refused_loop_leaves_no_optimizer_hook():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.detach())  # inputs never require grad
     trl_gc_plugin.guard(model, mode="strict")
-    assert len(torch_optimizer._global_optimizer_pre_hooks) == len(pre) + 1
+    assert dict(torch_optimizer._global_optimizer_pre_hooks) == pre  # armed at the model's class only
     model.train()
     ids = torch.randint(3, 64, (2, 8))
     with pytest.raises(GCConfigError, match="frozen-inputs"):

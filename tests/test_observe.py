@@ -14,6 +14,7 @@ from zoo_run import build, run
 from trl_gc_plugin import GCConfigError, SafeGCCallback
 from trl_gc_plugin.model import hooks as _hooks
 from trl_gc_plugin.model.ckpt import functions as checkpoint_functions
+from trl_gc_plugin.model.hooks import Hooks
 from trl_gc_plugin.model.observe import Observation, _Observer
 
 
@@ -143,7 +144,7 @@ def test_an_observation_error_never_stops_training():
     # reentrant, without the input-require-grad hook transformers 5 adds in gradient_checkpointing_enable()
     model._set_gradient_checkpointing(True, functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True))
     model.get_input_embeddings().weight.requires_grad_(False)
-    observation = Observation(model, broken)
+    observation = Observation(model, Hooks(), broken)
     assert observation.install() == 1
     batch = __import__("zoo").lm_batch(0)
     model(**batch).loss.backward()  # the verdict raised inside: logged, training goes on

@@ -16,6 +16,7 @@ from zoo import BY_NAME, TF
 from zoo_run import build
 
 from trl_gc_plugin.model import ckpt
+from trl_gc_plugin.model.hooks import Hooks
 from trl_gc_plugin.planning.memory import live_bytes
 from trl_gc_plugin.runtime import parity
 
@@ -220,7 +221,8 @@ def test_first_inputs_leave_nothing_on_copies_of_the_model():
     except (AttributeError, pickle.PicklingError):  # transformers 5's input-require-grad hook is a local function
         plain_pickle = None
     watch = parity.FirstInputs(model)
-    watch.install()
+    run_hooks = Hooks()
+    watch.install(run_hooks)
     assert hooks(copy.deepcopy(model)) == plain
     if plain_pickle is not None:
         assert b"trl_gc_plugin" not in pickle.dumps(model)
@@ -228,4 +230,5 @@ def test_first_inputs_leave_nothing_on_copies_of_the_model():
     model(input_ids=ids, labels=ids)
     assert watch.inputs is not None and watch.inputs[1]["input_ids"].shape == (1, parity.MAX_TOKENS)
     assert not torch.nn.modules.module._global_forward_hooks  # gone after the first forward
+    assert len(run_hooks) == 0
     assert hooks(model) == plain

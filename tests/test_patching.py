@@ -167,7 +167,7 @@ def test_no_message_repeats_within_a_process(tmp_path, plugin_log):
     with trl_gc_plugin.installed():
         for run in ("a", "b"):
             make_trainer("trainer", make_model(), str(tmp_path / run), gc_kwargs=None).train()
-    lines = [r.getMessage() for r in plugin_log.records if r.name == "trl_gc_plugin.core.decisions"]
+    lines = [r.getMessage() for r in plugin_log.records if r.name == "trl_gc_plugin.decisions"]
     assert lines and len(lines) == len(set(lines)), lines
     summaries = [r.getMessage() for r in plugin_log.records if r.name == "trl_gc_plugin"]
     assert len([m for m in summaries if m.startswith("gradient checkpointing on")]) == 2

@@ -13,7 +13,8 @@ from trainers import make_trainer
 
 from trl_gc_plugin import SafeGCCallback
 from trl_gc_plugin.core.decisions import read_decisions
-from trl_gc_plugin.planning import memory, plan_check, planner
+from trl_gc_plugin.model import ckpt
+from trl_gc_plugin.planning import memory, plan_check
 from trl_gc_plugin.testing import make_model
 
 LAYERS = 4
@@ -157,7 +158,7 @@ def test_a_replan_follows_the_measurement(tmp_path):
         return next(sum(c["pattern"]) for c in plan.after["candidates"] if c["name"] == plan.after["plan"])
 
     assert blocks(second) > blocks(first)
-    assert sum(planner.pattern_of(trained)) == blocks(second)  # applied to the live model
+    assert sum(ckpt.layout_of(trained).pattern) == blocks(second)  # applied to the live model
 
 
 def test_a_packed_sft_batch_is_planned_as_one_row_of_batch_times_max_length(tmp_path):

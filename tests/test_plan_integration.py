@@ -13,6 +13,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import trl_gc_plugin
 from trl_gc_plugin import GCConfigError, SafeGCCallback
+from trl_gc_plugin.model import ckpt
 from trl_gc_plugin.planning import memory, planner, throughput
 from trl_gc_plugin.testing import make_model
 
@@ -154,7 +155,7 @@ class LeanSeen(TrainerCallback):
         self.seen = []
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.seen.append(planner.lean_of(model))
+        self.seen.append(ckpt.layout_of(model).lean)
 
 
 def wide_model():
@@ -178,7 +179,7 @@ def test_a_plan_with_lean_blocks_runs_them_and_updates_as_full_checkpointing(tmp
     budgets = (round(table["full"].peak_bytes + k / 40 * (table["none"].peak_bytes - table["full"].peak_bytes))
                for k in range(1, 40))
     budget = next(b for b in budgets if any(planner.plan(est, b, allow_selective=True, allow_offload=False)
-                                            .chosen.per_block_lean))
+                                            .chosen.layout.lean))
     callback, lean = SafeGCCallback(memory_budget=budget), LeanSeen()
     planned = wide_model()
     args = TrainingArguments(**common_args(str(tmp_path / "plan"), max_steps=2, optim="sgd", gradient_checkpointing=True))

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_gc_plugin.core.decisions import Decision
+from trl_gc_plugin.core.layout import Layout
 from trl_gc_plugin.core.settings import parse_size
 from trl_gc_plugin.model import ckpt
 from trl_gc_plugin.planning import memory, planner
@@ -149,7 +150,7 @@ def test_estimate_of_a_7b_layout_allocates_no_tensor_memory():
     est = memory.estimate(config, 1, 4096, dtype="bf16")
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     # two real bf16 blocks would take 0.8 GiB of weights alone; the activations it measured are 23 GiB
-    assert est.saved_bytes((False,) * 32) > 20 * 2**30
+    assert est.saved_bytes(Layout.uniform("none", 32)) > 20 * 2**30
     assert grown < 200 * 2**20
     # Korthikanti et al.: 34 s*b*h bytes per layer with flash attention in 16-bit; measured here 45.5 (RMSNorm in
     # float32, SwiGLU with intermediate 2.6875 h, no dropout), and on transformers 4.x 2 s/h = 2 more for the
@@ -177,8 +178,8 @@ def test_plans_fit_the_budget_measured(attn):
     model = build(attn)
     inputs = batch(model.config.vocab_size)
     est = memory.estimate(model, BATCH, SEQ)
-    full = planner.predict_peak(est, (True,) * LAYERS)[0]
-    none = planner.predict_peak(est, (False,) * LAYERS)[0]
+    full = planner.predict_peak(est, Layout.uniform("full", LAYERS))[0]
+    none = planner.predict_peak(est, Layout.uniform("none", LAYERS))[0]
     chosen = []
     for share in (0.0, 0.25, 0.5, 0.75, 1.0):
         budget = round(full + share * (none - full))
@@ -212,7 +213,7 @@ def test_only_allowed_candidates_are_chosen():
     selective, offload = result.get("selective"), result.get("offload")
     assert not selective.allowed and "use_reentrant" in selective.why_not
     assert not offload.allowed and "accelerator" in offload.why_not
-    assert result.chosen is not None and not result.chosen.selective and not result.chosen.offload
+    assert result.chosen is not None and not any(result.chosen.layout.selective) and not result.chosen.offload
     tiny = planner.plan(est, 1, allow_selective=False, allow_offload=False)
     assert not tiny.fits and tiny.chosen is None and tiny.lowest.allowed
 
@@ -251,7 +252,7 @@ def test_reentrant_plans_are_gradient_exact():
     est = memory.estimate(model, BATCH, SEQ)
     for candidate in runnable(est, allow_selective=False):
         planner.apply_plan(model, candidate, use_reentrant=True)
-        assert planner.pattern_of(model) == candidate.pattern
+        assert ckpt.layout_of(model).pattern == candidate.pattern
         got = gradients(model, inputs)
         assert all(torch.equal(got[k], reference[k]) for k in reference), candidate.name
 
@@ -270,16 +271,16 @@ def test_apply_plan_is_idempotent_and_survives_trls_re_enable():
         planner.apply_plan(model, candidate, use_reentrant=False)
         assert [b._gradient_checkpointing_func for b in model.model.layers] == functions
         assert all(a is b._gradient_checkpointing_func for a, b in zip(functions, model.model.layers, strict=True))
-        assert planner.drift(model, candidate) == []
+        assert ckpt.layout_of(model).differences(candidate.layout) == []
         with disable_gradient_checkpointing(model, {"use_reentrant": False}):
             pass
-        assert planner.drift(model, candidate)
+        assert ckpt.layout_of(model).differences(candidate.layout)
         planner.apply_plan(model, candidate, use_reentrant=False)
-        assert planner.drift(model, candidate) == []
-        assert planner.selective_of(model) == (candidate.selective,) * LAYERS
-        assert planner.lean_of(model) == (name == "selective-lean",) * LAYERS
+        assert ckpt.layout_of(model).differences(candidate.layout) == []
+        assert ckpt.layout_of(model).selective == candidate.layout.selective
+        assert ckpt.layout_of(model).lean == (name == "selective-lean",) * LAYERS
     planner.apply_plan(model, planner.plan(est, 10**12, allow_selective=True, allow_offload=False).get("full"), False)
-    assert planner.selective_of(model) == (False,) * LAYERS and planner.pattern_of(model) == (True,) * LAYERS
+    assert ckpt.layout_of(model).selective == (False,) * LAYERS and ckpt.layout_of(model).pattern == (True,) * LAYERS
 
 
 class Observer:
@@ -300,7 +301,7 @@ def test_apply_plan_writes_behind_an_observer():
         block._gradient_checkpointing_func = observer
     planner.apply_plan(model, planner.plan(est, 10**12, allow_selective=True, allow_offload=False).get("selective"), False)
     assert all(b._gradient_checkpointing_func is o for b, o in zip(model.model.layers, observers, strict=True))
-    assert planner.selective_of(model) == (True,) * LAYERS
+    assert ckpt.layout_of(model).selective == (True,) * LAYERS
     model(**batch(model.config.vocab_size)).loss.backward()
 
 
@@ -332,7 +333,7 @@ def test_offload_plan_runs_on_an_accelerator():
     reference = gradients(model, inputs)
     est = memory.estimate(model, BATCH, SEQ)
     planner.apply_plan(model, planner.plan(est, 10**12, allow_selective=True, allow_offload=True).get("offload"), False)
-    assert planner.offload_of(model) == (True,) * LAYERS
+    assert ckpt.layout_of(model).offload == (True,) * LAYERS
     got = gradients(model, inputs)
     assert all(torch.equal(got[k], reference[k]) for k in reference)
 
@@ -342,8 +343,8 @@ def test_offload_plan_runs_on_an_accelerator():
 
 def test_a_plan_that_fits_is_a_default_decision():
     est = memory.estimate(make_config(num_hidden_layers=8), BATCH, SEQ, dtype=torch.float32)
-    full = planner.predict_peak(est, (True,) * 8)[0]
-    none = planner.predict_peak(est, (False,) * 8)[0]
+    full = planner.predict_peak(est, Layout.uniform("full", 8))[0]
+    none = planner.predict_peak(est, Layout.uniform("none", 8))[0]
     result = planner.plan(est, (full + none) // 2, allow_selective=True, allow_offload=False)
     [d] = planner.plan_decisions(result, "strict")
     assert isinstance(d, Decision) and d.rule_id == "memory-plan" and d.action == "default" and d.applied
@@ -388,7 +389,8 @@ def test_zero3_gathered_parameters_add_to_every_phase_but_the_end():
     est = memory.estimate(make_config(num_hidden_layers=LAYERS), BATCH, SEQ, dtype=torch.float32)
     more = dataclasses.replace(est, gathered_bytes=12345)
     for pattern in ((False,) * LAYERS, (True,) * LAYERS, planner.spread(1, LAYERS)):
-        before, after = planner.predict_peak(est, pattern)[2], planner.predict_peak(more, pattern)[2]
+        layout = Layout.from_pattern(pattern)
+        before, after = planner.predict_peak(est, layout)[2], planner.predict_peak(more, layout)[2]
         assert {k: after[k] - before[k] for k in before} == {k: 0 if k == "end" else 12345 for k in before}
 
 

@@ -10,6 +10,8 @@ import itertools
 import pytest
 import torch
 
+from trl_gc_plugin.core.layout import Layout
+from trl_gc_plugin.model import ckpt
 from trl_gc_plugin.planning import memory, planner
 
 LAYERS, BATCH, SEQ = 6, 2, 64
@@ -45,8 +47,8 @@ def a_budget_where_mixed_wins(est, lean: bool = False) -> tuple[int, planner.Can
         budget = round(by["full"].peak_bytes + step / 80 * (by["none"].peak_bytes - by["full"].peak_bytes))
         result = planner.plan(est, budget, allow_selective=True, allow_offload=False, op_overhead=0.0)
         chosen = result.chosen
-        wanted = any(chosen.lean_blocks) if lean and chosen is not None else True
-        if chosen is not None and chosen.name == "mixed" and any(chosen.selective_blocks) and wanted:
+        wanted = any(chosen.layout.lean) if lean and chosen is not None else True
+        if chosen is not None and chosen.name == "mixed" and any(chosen.layout.selective) and wanted:
             uniform = next(c for c in table if c.allowed and c.peak_bytes <= budget)
             assert chosen.recompute < uniform.recompute
             return budget, chosen
@@ -60,15 +62,15 @@ def test_a_mixed_plan_is_exact_and_fits_the_budget_measured(lean):
     reference = grads(model, batch)  # full checkpointing
     est = memory.estimate(model, BATCH, SEQ)
     budget, mixed = a_budget_where_mixed_wins(est, lean)
-    assert len(set(mixed.per_block_selective)) == 2, mixed.summary()  # selective blocks beside others
+    assert len(set(mixed.layout.selective)) == 2, mixed.summary()  # selective blocks beside others
     if lean:  # lean blocks beside plain selective or other blocks
-        assert any(mixed.lean_blocks) and not all(mixed.lean_blocks), mixed.summary()
+        assert any(mixed.layout.lean) and not all(mixed.layout.lean), mixed.summary()
         assert "lean selective" in mixed.summary()
     planner.apply_plan(model, mixed, use_reentrant=False)
-    assert planner.pattern_of(model) == mixed.pattern
-    assert planner.selective_of(model) == mixed.per_block_selective
-    assert planner.lean_of(model) == mixed.per_block_lean
-    assert planner.drift(model, mixed) == []
+    assert ckpt.layout_of(model).pattern == mixed.pattern
+    assert ckpt.layout_of(model).selective == mixed.layout.selective
+    assert ckpt.layout_of(model).lean == mixed.layout.lean
+    assert ckpt.layout_of(model).differences(mixed.layout) == []
     got = grads(model, batch)
     assert all(torch.equal(got[k], reference[k]) for k in reference)
     model.zero_grad(set_to_none=True)
@@ -78,9 +80,9 @@ def test_a_mixed_plan_is_exact_and_fits_the_budget_measured(lean):
     assert memory.measure(model, batch).total == mixed.saved_bytes
     # a per-step re-enable (TRL) sets every block back: drift sees it, the plan goes back on
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert planner.drift(model, mixed)
+    assert ckpt.layout_of(model).differences(mixed.layout)
     planner.apply_plan(model, mixed, use_reentrant=False)
-    assert planner.drift(model, mixed) == []
+    assert ckpt.layout_of(model).differences(mixed.layout) == []
 
 
 def test_a_mixed_plan_is_never_selective_with_reentrant():
@@ -90,7 +92,7 @@ def test_a_mixed_plan_is_never_selective_with_reentrant():
     with pytest.raises(ValueError, match="use_reentrant=False"):
         planner.apply_plan(model, mixed, use_reentrant=True)
     result = planner.plan(est, mixed.peak_bytes, allow_selective=False, allow_offload=False, op_overhead=0.0)
-    assert not any(c.per_block_selective[i] for c in result.candidates if c.allowed for i in range(LAYERS))
+    assert not any(c.layout.selective[i] for c in result.candidates if c.allowed for i in range(LAYERS))
 
 
 def uneven(n: int = 5) -> memory.ActivationEstimate:
@@ -134,14 +136,12 @@ def test_the_knapsack_finds_the_brute_force_optimum_on_uneven_blocks(allow_selec
     kinds = ("none", "full", "selective", "lean") if allow_selective else ("none", "full")
     brute = []
     for choice in itertools.product(kinds, repeat=est.num_blocks):
-        pattern = tuple(k != "none" for k in choice)
-        sel = tuple(k in ("selective", "lean") for k in choice)
-        lean = tuple(k == "lean" for k in choice)
-        peak = planner.predict_peak(est, pattern, sel, lean=lean)[0]
-        cost = planner.recompute_cost(est, pattern, sel, 170.0, 1e6, lean)
-        brute.append((cost, peak, sum(est.kept(pattern, sel, lean))))
-    full_peak = planner.predict_peak(est, (True,) * est.num_blocks)[0]
-    none_peak = planner.predict_peak(est, (False,) * est.num_blocks)[0]
+        layout = Layout(choice)
+        peak = planner.predict_peak(est, layout)[0]
+        cost = planner.recompute_cost(est, layout, 170.0, 1e6)
+        brute.append((cost, peak, sum(est.kept(layout))))
+    full_peak = planner.predict_peak(est, Layout.uniform("full", est.num_blocks))[0]
+    none_peak = planner.predict_peak(est, Layout.uniform("none", est.num_blocks))[0]
     found_mixed = found_lean = 0
     for step in range(0, 21):
         budget = round(full_peak + step / 20 * (none_peak - full_peak))
@@ -153,9 +153,9 @@ def test_the_knapsack_finds_the_brute_force_optimum_on_uneven_blocks(allow_selec
             continue
         assert mixed is not None and mixed.peak_bytes <= budget
         assert mixed.recompute <= min(feasible) + 1e-12, (step, mixed.recompute, min(feasible))
-        assert allow_selective or not mixed.selective_blocks
-        found_mixed += len(set(mixed.per_block_selective)) > 1 or 0 < sum(mixed.pattern) < est.num_blocks
-        found_lean += any(mixed.lean_blocks)
+        assert allow_selective or not any(mixed.layout.selective)
+        found_mixed += len(set(mixed.layout.selective)) > 1 or 0 < sum(mixed.pattern) < est.num_blocks
+        found_lean += any(mixed.layout.lean)
     assert found_mixed >= 5
     assert (found_lean > 0) is allow_selective
 

@@ -1,6 +1,6 @@
 """Selective per-op checkpointing with PEFT adapters (issue 26, item 4): the memory planner's selective candidate keeps
 matmul outputs; a LoRA variant that changes a base layer's output in place invalidates what was kept. Measured here
-with the plugin's own selective policy (`ckpt.Spec(selective=True)`), against no checkpointing: plain LoRA and DoRA are
+with the plugin's own selective policy (`ckpt.Spec(layout=...)` with selective blocks), against no checkpointing: plain LoRA and DoRA are
 exact; BD-LoRA is 0.55-0.59 off and aLoRA (with its invocation token in the batch) 1.61 off, silently. The planner leaves
 the selective candidate out for adapters it is not known to be exact for, and says so."""
 
@@ -52,7 +52,8 @@ def gradients(kind: str, selective: bool | None, lean: bool = False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
         if selective:
-            ckpt.apply(model, ckpt.Spec(selective=True, use_reentrant=False, lean=lean))
+            layout = ckpt.layout_of(model).checkpointed_as("lean" if lean else "selective")
+            ckpt.apply(model, ckpt.Spec(layout=layout, use_reentrant=False))
     ids = torch.randint(6, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     ids[:, 4] = 5  # aLoRA's invocation token: its adapter acts from there on
     model(input_ids=ids, labels=ids).loss.backward()

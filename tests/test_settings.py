@@ -388,7 +388,7 @@ def test_the_startup_route_reads_its_mode_through_the_settings_layer(monkeypatch
         monkeypatch.setenv("TRL_GC_PLUGIN_MODE", value)
         try:
             patching.patch_training_args(Args)
-            assert patching.installed_settings()["mode"] == mode, value
+            assert GCSettings.resolve({}, say=False).mode == mode, value  # what a run of this route uses
         finally:
             patching.uninstall()
         assert Args.__dict__["__post_init__"] is original
@@ -396,7 +396,7 @@ def test_the_startup_route_reads_its_mode_through_the_settings_layer(monkeypatch
     monkeypatch.setenv("TRL_GC_PLUGIN_MODE", "bogus-on-rank-1")
     try:
         patching.patch_training_args(Args)
-        assert patching.installed_settings()["mode"] == "strict"
+        assert GCSettings.resolve({}, say=False).mode == "strict"
     finally:
         patching.uninstall()
     said = [r.getMessage() for r in plugin_log.records if r.levelno == logging.WARNING]

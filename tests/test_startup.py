@@ -269,7 +269,7 @@ def test_torchrun_two_ranks_get_the_callback_and_the_same_decision(venv_python, 
 
 
 SUMMARY = "[trl_gc_plugin] INFO: gradient checkpointing on"
-DETAIL = "[trl_gc_plugin.core.decisions] INFO: [non-reentrant-default]"
+DETAIL = "[trl_gc_plugin.decisions] INFO: [non-reentrant-default]"
 
 
 @pytest.mark.parametrize("value", ["1", "1 --log_level info", "maybe"])

@@ -10,6 +10,7 @@ import torch
 import zoo
 
 from trl_gc_plugin import plan_cli
+from trl_gc_plugin.core.layout import Layout
 from trl_gc_plugin.planning import memory, planner, throughput
 from trl_gc_plugin.testing import make_config
 
@@ -38,7 +39,7 @@ def test_micro_batches_divide_the_effective_batch():
 
 def test_each_option_is_the_planners_pick_at_its_micro_batch_and_the_fastest_comes_first():
     at = estimates()
-    budget = planner.predict_peak(at(2), (False,) * 4)[0]  # micro-batch 2 fits without checkpointing, 8 does not
+    budget = planner.predict_peak(at(2), Layout.uniform("none", 4))[0]  # micro-batch 2 fits without checkpointing, 8 does not
     options = throughput.rank(at, 8, budget, allow_selective=True, allow_offload=False)
     assert sorted(o.micro_batch for o in options) == [1, 2, 4, 8]
     assert all(o.micro_batch * o.accumulation == 8 for o in options)
@@ -67,7 +68,7 @@ def test_the_command_prints_and_records_the_advice(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(make_config(num_hidden_layers=4).to_json_string())
     at = estimates()
-    budget = planner.predict_peak(at(2), (False,) * 4)[0]
+    budget = planner.predict_peak(at(2), Layout.uniform("none", 4))[0]
     code = plan_cli.main([str(config), "--batch-size", "8", "--seq-len", str(SEQ), "--budget", str(budget),
                           "--dtype", "fp32", "--effective-batch", "8"])
     out = capsys.readouterr().out
@@ -100,9 +101,10 @@ def test_an_estimate_taken_to_more_rows_predicts_what_a_new_estimate_does(arch):
     assert (scaled.batch_size, scaled.block_flops) == (4, four.block_flops)
     assert scaled.outside_flops == pytest.approx(four.outside_flops, rel=0.01)  # the loss: a few FLOPs per batch
     n = four.num_blocks
-    for pattern, selective in (((False,) * n, False), ((True,) * n, False), ((True,) * n, True), (planner.spread(1, n), False)):
+    layouts = [Layout.uniform(kind, n) for kind in ("none", "full", "selective")]
+    for layout in [*layouts, Layout.from_pattern(planner.spread(1, n))]:
         # per-sequence tensors (rotary tables, a causal mask without a batch dimension) scale too: over, never under
-        fresh, taken = planner.predict_peak(four, pattern, selective)[0], planner.predict_peak(scaled, pattern, selective)[0]
-        assert fresh <= taken <= 1.02 * fresh, (pattern, selective, taken, fresh)
-        fresh, taken = four.saved_bytes(pattern, selective), scaled.saved_bytes(pattern, selective)
-        assert fresh <= taken <= 1.02 * fresh, (pattern, selective, taken, fresh)
+        fresh, taken = planner.predict_peak(four, layout)[0], planner.predict_peak(scaled, layout)[0]
+        assert fresh <= taken <= 1.02 * fresh, (layout, taken, fresh)
+        fresh, taken = four.saved_bytes(layout), scaled.saved_bytes(layout)
+        assert fresh <= taken <= 1.02 * fresh, (layout, taken, fresh)

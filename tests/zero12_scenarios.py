@@ -245,6 +245,7 @@ def run_trainer(out: str, scenario: str) -> dict:
         "zero_optimization": zero, "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto", "zero_force_ds_cpu_optimizer": False}}
     if plugin == "budget":  # strict, with a budget midway between the predicted peaks of no and full checkpointing
+        from trl_gc_plugin.core.layout import Layout
         from trl_gc_plugin.planning import memory, planner
 
         est = memory.estimate(model, 2, 16)  # the Trainer's batch: 2 rows of the 16-token tokenized dataset
@@ -252,7 +253,7 @@ def run_trainer(out: str, scenario: str) -> dict:
         if stage == "3":  # ZeRO-3 keeps what it uses again within 1e9 elements (its default reuse distance): all here
             whole = sum(p.numel() * p.element_size() for p in model.parameters())
             est = dataclasses.replace(est, gathered_bytes=whole)
-        peaks = [planner.predict_peak(est, (on,) * n, grad_fraction=share)[0] for on in (False, True)]
+        peaks = [planner.predict_peak(est, Layout.from_pattern((on,) * n), grad_fraction=share)[0] for on in (False, True)]
         callbacks = [SafeGCCallback(mode="strict", memory_budget=sum(peaks) // 2)]
         if stage == "3":  # what ZeRO-3 really holds whole, against the plan's gathered-parameter term
             callbacks.append(_Held())

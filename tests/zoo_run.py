@@ -159,7 +159,7 @@ def run_loop(arch: Arch | str, variant: str, use_reentrant: Any = "unset", plugi
         else:
             outcome.settle(params, before, model)
         route = loop._ROUTES.get(ckpt.unwrap(model))
-        if route is not None and route.run is not None:
+        if route is not None and route.state != "new":
             outcome.decisions = list(route.run.decisions)
     return outcome
 

@@ -135,7 +135,7 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
             parse_mode(ns.mode)
     except ValueError:
         raise OptionError(f"--mode {ns.mode!r}: mode accepts {BY_NAME['mode'].accepted}") from None
-    resolved = GCSettings.resolve({"mode": ns.mode}, caller="trl-gc-check --mode")  # the run's precedence
+    resolved = GCSettings.resolve({"mode": ns.mode}, caller="trl-gc-check --mode", say=False)  # the run's precedence
     for line in resolved.problems:
         sys.stderr.write(f"trl-gc-check: {line}; using the default.\n")
     mode = resolved.mode

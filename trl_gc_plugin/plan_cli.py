@@ -25,56 +25,20 @@ from typing import Any
 # Published layouts (model cards / config.json of the released checkpoints).
 _LLAMA2 = {"vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
 _LLAMA3 = {"vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0}
+_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
+def _layout(base: dict[str, Any], *sizes: int, **extra: Any) -> dict[str, Any]:
+    return {**base, **dict(zip(_SIZES, sizes, strict=True)), **extra}
+
+
 LAYOUTS: dict[str, dict[str, Any]] = {
-    "llama-7b": {
-        **_LLAMA2,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-    },
-    "llama-13b": {
-        **_LLAMA2,
-        "hidden_size": 5120,
-        "intermediate_size": 13824,
-        "num_hidden_layers": 40,
-        "num_attention_heads": 40,
-        "num_key_value_heads": 40,
-    },
-    "llama-70b": {
-        **_LLAMA2,
-        "hidden_size": 8192,
-        "intermediate_size": 28672,
-        "num_hidden_layers": 80,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-    },
-    "llama3-1b": {
-        **_LLAMA3,
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "tie_word_embeddings": True,
-    },
-    "llama3-8b": {
-        **_LLAMA3,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-    },
-    "llama3-70b": {
-        **_LLAMA3,
-        "hidden_size": 8192,
-        "intermediate_size": 28672,
-        "num_hidden_layers": 80,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-    },
+    "llama-7b": _layout(_LLAMA2, 4096, 11008, 32, 32, 32),
+    "llama-13b": _layout(_LLAMA2, 5120, 13824, 40, 40, 40),
+    "llama-70b": _layout(_LLAMA2, 8192, 28672, 80, 64, 8),
+    "llama3-1b": _layout(_LLAMA3, 2048, 8192, 16, 32, 8, tie_word_embeddings=True),
+    "llama3-8b": _layout(_LLAMA3, 4096, 14336, 32, 32, 8),
+    "llama3-70b": _layout(_LLAMA3, 8192, 28672, 80, 64, 8),
 }
 ALIASES = {"llama2-7b": "llama-7b", "llama2-13b": "llama-13b", "llama2-70b": "llama-70b", "llama3.2-1b": "llama3-1b"}
 _POSITIVE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")

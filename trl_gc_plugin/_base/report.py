@@ -4,7 +4,7 @@ Two loggers, both under `trl_gc_plugin`:
 
 - `trl_gc_plugin`: one short summary per run (INFO: what runs, what changed, where `gc_decisions.json` is), and what
   the user should act on (WARNING), refusals (ERROR). Visible under default settings.
-- `trl_gc_plugin.core.decisions`: one line per decision, at the decision's level. Its INFO lines (defaults filled,
+- `trl_gc_plugin.decisions`: one line per decision, at the decision's level. Its INFO lines (defaults filled,
   routine repairs of upstream behaviour) show when the Trainer's log level is `info` or `debug`
   (`TrainingArguments(log_level="info")`, `--log_level info` on the TRL CLI); its warnings and errors always show.
 
@@ -27,7 +27,7 @@ from typing import Any
 from .flags import launcher_main_process
 
 logger = logging.getLogger("trl_gc_plugin")
-details = logging.getLogger("trl_gc_plugin.core.decisions")
+details = logging.getLogger("trl_gc_plugin.decisions")
 
 _LEVELS = {
     "debug": logging.DEBUG,
@@ -127,7 +127,7 @@ def once(log: logging.Logger, level: int, message: str) -> bool:
 
 
 def log_decisions(decisions: Iterable[Any], main_process: bool = True) -> None:
-    """Log each decision on `trl_gc_plugin.core.decisions` at its level (main process only, once per process)."""
+    """Log each decision on `trl_gc_plugin.decisions` at its level (main process only, once per process)."""
     if not main_process:
         return
     setup()

@@ -24,7 +24,7 @@ from .._base.flags import parse_flag
 from ..core import capabilities
 from ..core.capabilities import installed_versions
 from ..core.decisions import Decision, first_sentence
-from ..core.engine import decide
+from ..core.engine import applicable, decide
 from ..core.facts import Facts
 from ..core.modes import Mode
 from .launchers import detect, llamafactory, native, trl
@@ -43,6 +43,8 @@ ASSUMED_VERSIONS = {
 """Versions assumed when a package is neither installed nor given: the oldest supported, so the rules for old
 releases apply (conservative), and the output says so."""
 
+LAUNCHER_RULES = {rule.id: rule for module in LAUNCHERS.values() for rule in getattr(module, "RULES", ())}
+"""Every launcher's own verdicts, by id (their decisions in a report are these rules')."""
 READ_KEYS = frozenset().union(*(module.READ_KEYS for module in LAUNCHERS.values()), {"torch_compile"})
 """Every top-level key some launcher module reads: only these values are built from a YAML file."""
 
@@ -52,18 +54,11 @@ Status = Literal["ok", "refused", "error"]
 
 @dataclass(frozen=True)
 class Launch:
-    """The check's options: what the file cannot say, and how to read it.
-
-    Args:
-        nproc: processes the launch starts (`--nproc`; None: from the file, else 1, said).
-        trainer: TRL CLI command for TRL configs (`--trainer`; None: `sft`, said).
-        versions: `(package, version)` to check for instead of the installed ones.
-        format: `auto` or a format name (`--format`).
-        parser: `auto` (the launcher's own code where it can run, else the plugin's model), `launcher` (only the
-            launcher's own code; a file it cannot read is an error) or `model` (only the model: fast, no imports).
-        accelerate_config: the accelerate config of the launch (`--accelerate-config`).
-        timeout: seconds for the launchers' own parsers, all files together.
-    """
+    """The check's options: what the file cannot say, and how to read it. `nproc` None: from the file, else 1,
+    said; `trainer` None: `sft`, said; `versions` to check for instead of the installed ones. `parser`: `auto` (the
+    launcher's own code where it can run, else the plugin's model), `launcher` (only the launcher's own code; a file
+    it cannot read is an error) or `model` (only the model: fast, no imports). `timeout`: seconds for the launchers'
+    own parsers, all files together."""
 
     nproc: int | None = None
     trainer: str | None = None
@@ -76,19 +71,9 @@ class Launch:
 
 @dataclass
 class Report:
-    """The check of one file.
-
-    Args:
-        path: the file.
-        status: `ok`, `refused` (strict mode or the launcher refuses) or `error` (not checked).
-        format / detected_by / parser: what it is, why, and who read it.
-        facts: the engine's input; `sources` says where each fact came from.
-        decisions: the launcher's verdicts, then the engine's.
-        notes: what else must be said.
-        change: the one change to make, when refused.
-        error: why the file could not be checked.
-        training: False for a config that trains nothing.
-    """
+    """The check of one file: `status` `ok`, `refused` (strict mode or the launcher refuses) or `error` (not
+    checked, `error` says why); `facts` is the engine's input, `sources` where each came from; `decisions` the
+    launcher's verdicts, then the engine's; `change` the one change to make, when refused."""
 
     path: str
     status: Status
@@ -182,7 +167,13 @@ KWARG_SETTINGS = ("preserve_rng_state", "offload")
 """Settings that are keys of the checkpointing kwargs, spelled like `use_reentrant` in each format."""
 
 
-def change_line(reading: Reading, decisions: list[Decision]) -> str | None:
+def conflicting(facts: Facts | None) -> set[str]:
+    """The rules that demand a `use_reentrant` for these facts (two that disagree are the `conflict` refusal)."""
+    rules = applicable(facts) if facts is not None else []
+    return {r.id for r in rules if r.kind == "require" and r.setting == "use_reentrant"}
+
+
+def change_line(reading: Reading, decisions: list[Decision], facts: Facts | None = None) -> str | None:
     """The one change to make: for the first refusal (the launcher's own first), in the format's spelling."""
     errors = [d for d in decisions if d.action == "error"]
     errors.sort(key=lambda d: 0 if ":" in d.rule_id else 1)
@@ -192,7 +183,7 @@ def change_line(reading: Reading, decisions: list[Decision]) -> str | None:
             return reading.changes_for[d.rule_id]
         if d.setting in forced:
             return forced[d.setting]
-        if d.rule_id == "conflict" and "zero3-frozen-needs-reentrant" not in d.reason:
+        if d.rule_id == "conflict" and "zero3-frozen-needs-reentrant" not in conflicting(facts):
             return "the rules demand opposite use_reentrant values: change the launch (see the decision)"
         if d.rule_id in ENGINE_CHANGES:
             return ENGINE_CHANGES[d.rule_id]
@@ -364,7 +355,7 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
         sources=dict(reading.facts),
         decisions=decisions,
         notes=reading.notes + notes,
-        change=change_line(reading, decisions) if refused else None,
+        change=change_line(reading, decisions, facts) if refused else None,
         training=reading.training,
     )
 
@@ -466,10 +457,9 @@ def render(report: Report) -> str:
     lines.append("  decisions:")
     for d in report.decisions:
         lines.append(f"    {d.line()}")
-        if "The plugin disagrees on purpose:" in d.reason:
-            lines.append(
-                "      disagrees on purpose: " + d.reason.split("The plugin disagrees on purpose:", 1)[1].strip()
-            )
+        rule = LAUNCHER_RULES.get(d.rule_id)
+        if rule is not None and rule.disagreement:
+            lines.append(f"      disagrees on purpose: {rule.disagreement}")
     if report.notes:
         lines.append("  notes:")
         lines += [f"    - {note}" for note in report.notes]

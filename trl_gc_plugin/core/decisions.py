@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -96,6 +97,33 @@ class Decision:
             change = f"{self.setting}: {self.before!r} -> {self.after!r}"
         who = "was unset" if self.source == "unset" else f"set by {self.source}"
         return f"[{self.rule_id}] {self.action}{verb}: {change} ({who}). {first_sentence(self.reason)}"
+
+
+class Decisions(list[Decision]):
+    """What `engine.decide` returns: the decisions, in the order they are applied, and the `use_reentrant` they leave
+    in force with who set it (`plugin` for a value the plugin writes).
+
+    Args:
+        decisions: the `Decision` records.
+        use_reentrant: the value in force once they are applied (in warn mode: the value found, nothing is applied).
+        source: who set it: `user`, `plugin`, `trainer`, `unknown`, `unset`, or a launcher; None when the decisions
+            say nothing about it (`where`).
+    """
+
+    def __init__(
+        self, decisions: Iterable[Decision] = (), use_reentrant: Any = None, source: str | None = "unset"
+    ) -> None:
+        super().__init__(decisions)
+        self.use_reentrant = use_reentrant
+        self.source = source
+
+    def where(self, keep: Callable[[Decision], bool]) -> Decisions:
+        """The decisions `keep` keeps; the value in force stays theirs only where one of them is about it (else
+        `source` is None: they leave the value as it was)."""
+        kept = [d for d in self if keep(d)]
+        if any(d.setting in ("use_reentrant", "activation_checkpointing_kwargs") for d in kept):
+            return Decisions(kept, self.use_reentrant, self.source)
+        return Decisions(kept, None, None)
 
 
 def first_sentence(text: str, limit: int = 240) -> str:

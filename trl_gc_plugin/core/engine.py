@@ -24,12 +24,13 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .._base.flags import parse_flag
+from . import targets
 from .capabilities import Capabilities
-from .decisions import Action, Decision, Level
+from .decisions import Action, Decision, Decisions, Level
 from .facts import Facts
 from .modes import MODES, Mode
 from .policy import refused
-from .rules import RULES, USE_REENTRANT, Rule, get_rule, unread_layer_kwargs
+from .rules import RULES, USE_REENTRANT, Rule, get_rule
 
 _EXPLICIT = {"user", "unknown"}
 _OFF_REASON = "Checkpointing is off: nothing to decide."
@@ -91,7 +92,7 @@ def _in_warn_mode(decision: Decision) -> Decision:
     return dataclasses.replace(decision, action="warn", applied=False)
 
 
-def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -> list[Decision]:
+def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -> Decisions:
     """Decide what to do for one training setup.
 
     Args:
@@ -100,8 +101,9 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
         rules: the rule table (tests pass their own).
 
     Returns:
-        The decisions, in the order they are to be applied. `error` decisions are never applied; the caller raises
-        `GCConfigError` for them in strict and fix mode.
+        `Decisions`: the decisions, in the order they are to be applied, and the `use_reentrant` in force after them
+        with who set it. `error` decisions are never applied; the caller raises `GCConfigError` for them in strict
+        and fix mode.
 
     Example:
         >>> from trl_gc_plugin import Facts, decide
@@ -110,6 +112,11 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    out = _decide(facts, mode, rules)
+    return Decisions(out, *_in_force(out, facts.use_reentrant, facts.use_reentrant_source))
+
+
+def _decide(facts: Facts, mode: Mode, rules: Sequence[Rule]) -> list[Decision]:
     if not facts.gc_enabled and not facts.fsdp_activation_checkpointing:
         off = get_rule("checkpointing-off").decision(
             "none", False, False, facts.gc_flag_source, _OFF_REASON, facts.stage
@@ -263,7 +270,7 @@ def _other_settings(
     for rule in by_kind["require"] + by_kind["prefer"]:
         if rule.setting == USE_REENTRANT:
             continue
-        current, who = _current(facts, rule.setting)
+        current, who = targets.current(facts, rule.setting)
         if current == rule.value:
             continue
         if rule.kind == "prefer" or who not in _EXPLICIT:
@@ -284,11 +291,11 @@ def _other_settings(
     for rule in by_kind["repair"]:
         if rule.setting in _REPAIRED_ABOVE:
             continue
-        current, who = _current(facts, rule.setting)
+        current, who = targets.current(facts, rule.setting)
         out.append(rule.decision("repair", current, rule.value, who, rule.message, facts.stage))
     for rule in by_kind["check"]:
         current, who = (
-            (value, source) if rule.setting == USE_REENTRANT else _current(facts, rule.setting, value, source)
+            (value, source) if rule.setting == USE_REENTRANT else targets.current(facts, rule.setting, value, source)
         )
         reason = _detail(rule, facts) + rule.message
         said: Action = "none" if rule.level == "info" else "warn"  # an info check is a note, not a warning
@@ -299,49 +306,13 @@ _REPAIRED_ABOVE = frozenset({USE_REENTRANT, "activation_checkpointing_kwargs", "
 """Repairs `decide` folds into the choice of `use_reentrant` (field disagreement, a non-bool value, a stale model)."""
 
 
-SETTING_FACTS: dict[str, tuple[str, str]] = {
-    "model.config.use_cache": ("use_cache", "model config"),
-    "preserve_rng_state": ("preserve_rng_state", "user"),  # only ever written by the user
-    "offload": ("offload", "user"),
-    "fsdp_activation_checkpointing": ("fsdp_activation_checkpointing", "user"),
-    "activation_offloading": ("trl_activation_offloading", "user"),
-    "checkpointing_kwargs.container": ("kwargs_problem", "user"),  # what is wrong with them as a container
-    "checkpoint_wrapper": ("checkpoint_wrapped", "launcher"),
-    "inputs_require_grad": ("inputs_require_grad", "model"),
-    "parallelism_config.cp_size": ("cp_size", "user"),
-}
-"""The setting a rule acts on -> the `Facts` field holding its value, and who sets it."""
-
-
-def _current(facts: Facts, setting: str, *fallback: Any) -> tuple[Any, str]:
-    """The value of a setting other than `use_reentrant`, and who set it (`fallback`, the value and its source, for
-    a setting without a fact)."""
-    if setting in SETTING_FACTS:
-        field, source = SETTING_FACTS[setting]
-        return getattr(facts, field), source
-    if setting == "activation_checkpointing":
-        return facts.gc_enabled, facts.gc_flag_source
-    if setting == "checkpointing_kwargs":  # the kwargs torch must not get
-        return unread_layer_kwargs(facts), "user"
-    if setting == "checkpointing_kwargs.unknown":
-        return list(facts.kwargs_unknown), "user"
-    if setting == "first_step_checks":  # the plugin's own
-        return None, "plugin"
-    if fallback:
-        return fallback[0], fallback[1]
-    raise KeyError(f"no fact for setting {setting!r}")
-
-
 def errors(decisions: Sequence[Decision]) -> list[Decision]:
     """The `error` decisions."""
     return [d for d in decisions if d.action == "error"]
 
 
-def final_use_reentrant(
-    decisions: Sequence[Decision], default: Any = None, default_source: str = "unset"
-) -> tuple[Any, str]:
+def _in_force(decisions: Sequence[Decision], value: Any, source: str) -> tuple[Any, str]:
     """The `use_reentrant` the decisions leave in the args, and who chose it (`plugin` for a value it wrote)."""
-    value, source = default, default_source
     for d in decisions:
         if d.setting not in (USE_REENTRANT, "activation_checkpointing_kwargs"):
             continue

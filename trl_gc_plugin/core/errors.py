@@ -1,10 +1,15 @@
-"""The one deliberate error of trl_gc_plugin, `GCConfigError`, and its message (what to change, and why); how every
-message quotes a value it found (`short`, `type_name`)."""
+"""The one deliberate error of trl_gc_plugin, `GCConfigError`, and its message (what to change, and why); the one
+rule for every other error (`contained`: a plugin bug never stops training); how every message quotes a value it
+found (`short`, `type_name`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
+
+from .._base import report
+from .targets import TARGETS
 
 if TYPE_CHECKING:
     from .decisions import Decision
@@ -46,15 +51,9 @@ def raise_for_errors(decisions: Sequence[Decision], mode: str) -> None:
     lines = [f"trl_gc_plugin refused this gradient-checkpointing setup (mode={mode}):"]
     for d in bad:
         lines.append(f"- [{d.rule_id}] {d.reason}")
-        if d.setting == "use_reentrant" and isinstance(d.after, bool):
-            lines.append(
-                f"  Change: gradient_checkpointing_kwargs={{'use_reentrant': {d.after!r}}} "
-                "(activation_checkpointing_kwargs on transformers >= 5.23)."
-            )
-        elif d.setting == "activation_checkpointing" and isinstance(d.after, bool):
-            lines.append(
-                f"  Change: gradient_checkpointing={d.after!r} (activation_checkpointing on transformers >= 5.23)."
-            )
+        change = getattr(TARGETS.get(d.setting), "change", None)
+        if change is not None and isinstance(d.after, bool):
+            lines.append("  Change: " + change.format(value=d.after) + ".")
         if d.evidence:
             lines.append("  Evidence: " + "; ".join(d.evidence))
     lines.append(
@@ -62,3 +61,34 @@ def raise_for_errors(decisions: Sequence[Decision], mode: str) -> None:
         "TRL_GC_PLUGIN_MODE=fix; `python -m trl_gc_plugin rules` lists every rule."
     )
     raise GCConfigError("\n".join(lines), bad)
+
+
+@contextlib.contextmanager
+def contained(where: str, on_error: Callable[[Exception], Any] | None = None) -> Iterator[None]:
+    """A plugin bug never stops training; a `GCConfigError` always does. Anything but a `GCConfigError` raised inside
+    is handed to `on_error` (by default: said once, as an internal error in `where`) and the caller goes on.
+
+    Example:
+        ```python
+        with contained("the replayed-state check", lambda exc: ...):
+            judge()
+        ```
+    """
+    try:
+        yield
+    except GCConfigError:
+        raise
+    except Exception as exc:
+        if on_error is not None:
+            with contextlib.suppress(Exception):
+                on_error(exc)
+            return
+        report.note(internal_error(where, exc), "warning")
+
+
+def internal_error(where: str, exc: Exception) -> str:
+    """The one line said for a plugin bug."""
+    return (
+        f"internal error in {where} ({type(exc).__name__}: {exc}); training goes on without the plugin's checks. "
+        "Please report it."
+    )

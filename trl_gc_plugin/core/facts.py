@@ -25,6 +25,7 @@ RL_TRAINERS = frozenset(
 )
 """TRL's RL and preference trainer kinds."""
 
+
 @dataclass(frozen=True)
 class Facts:
     """What the engine needs to know about one training setup.

@@ -51,7 +51,8 @@ class Rule:
         kind: `require`, `prefer`, `repair` or `check` (see the module docstring).
         setting: what it acts on (`use_reentrant`, `model.config.use_cache`, ...).
         value: the value it requires or prefers (`None` for repairs and checks).
-        when: predicate on `Facts`; it only sees facts of the current stage (unknown facts are `None`).
+        when: predicate on `Facts`; it only sees facts of the current stage (unknown facts are `None`). Runtime rules
+            (`verify`, `plan`) have none: the running training's checks apply them, never the engine.
         condition: the predicate in words, for the rule table.
         message: why, in one or two sentences; what to change when it fails.
         evidence: links to the upstream issues, PRs and code, and the seed document it comes from.
@@ -60,7 +61,7 @@ class Rule:
         versions: PEP 440 specifiers by distribution name: the releases where the evidence was read (documentation;
             the gate is `needs`).
         remove_when: when the rule becomes dead weight.
-        stages: the stages where the rule is evaluated (`runtime` for `verify` rules).
+        stages: the stages where the rule is evaluated (default: every stage; `runtime` for `verify` and `plan`).
         stand_back: when it applies, the plugin makes no other decision (another library owns checkpointing).
         detail: the fact-specific first sentence of a decision's reason (which value, which keys), from the facts;
             the message follows it.
@@ -73,18 +74,23 @@ class Rule:
     title: str
     kind: RuleKind
     setting: str
-    when: Callable[[Facts], bool]
     condition: str
     message: str
     evidence: tuple[str, ...]
+    when: Callable[[Facts], bool] = field(default=lambda f: False, compare=False)
     value: Any = None
     versions: dict[str, str] = field(default_factory=dict)
     needs: dict[str, bool] = field(default_factory=dict)
     remove_when: str = ""
-    stages: tuple[str, ...] = ("post_init", "init_end", "train")
+    stages: tuple[str, ...] = ()
     stand_back: bool = False
     level: Level = "warning"
     detail: Callable[[Facts], str] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            runtime = self.kind in ("verify", "plan")
+            object.__setattr__(self, "stages", ("runtime",) if runtime else ("post_init", "init_end", "train"))
 
     def decision(
         self,
@@ -913,11 +919,6 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def _at_runtime(f: Facts) -> bool:
-    """`verify` rules are evaluated by the callback on the running training, never by the engine."""
-    return False
-
-
 RULES += (
     Rule(
         id="frozen-inputs-observed",
@@ -925,7 +926,6 @@ RULES += (
         kind="verify",
         setting="use_reentrant",
         value=False,
-        when=_at_runtime,
         condition=(
             "first training forward of each checkpointing stack (decoder, encoder, vision or audio tower): a "
             "checkpointed call ran with use_reentrant=True, its module holds trainable parameters, and none of its "
@@ -946,7 +946,6 @@ RULES += (
             "reproduced: transformers 4.57.6, reentrant, frozen input embeddings -> 0/18 layer parameters train",
         ),
         remove_when="never while torch keeps the reentrant variant's requires-grad semantics",
-        stages=("runtime",),
     ),
     Rule(
         id="reentrant-keyword-inputs",
@@ -954,7 +953,6 @@ RULES += (
         kind="verify",
         setting="use_reentrant",
         value=False,
-        when=_at_runtime,
         condition=(
             "first training forward: reentrant-checkpointed blocks get a tensor that requires grad as a keyword "
             "argument (transformers binds keyword arguments into the checkpointed function), and a second block "
@@ -974,7 +972,6 @@ RULES += (
             "(GradientCheckpointingLayer: inputs that require grad must be passed positionally with use_reentrant=True)",
         ),
         remove_when="never while torch's reentrant checkpoint ignores keyword inputs",
-        stages=("runtime",),
     ),
     Rule(
         id="two-forwards-before-backward",
@@ -982,7 +979,6 @@ RULES += (
         kind="verify",
         setting="use_reentrant",
         value=False,
-        when=_at_runtime,
         condition=(
             "first training step: a second grad-enabled forward of the model before the first backward (a custom "
             "`compute_loss` calling the model twice), with reentrant checkpointing, under DeepSpeed ZeRO-2, ZeRO-3, "
@@ -1000,14 +996,12 @@ RULES += (
             "AssertionError; non-reentrant equals no checkpointing",
         ),
         remove_when="never while reentrant checkpointing runs one backward per call",
-        stages=("runtime",),
     ),
     Rule(
         id="forward-state-replayed",
         title="state written in a checkpointed forward is written again by its recompute",
         kind="verify",
         setting="activation_checkpointing",
-        when=_at_runtime,
         condition=(
             "first training step: between the end of the first training forward and the end of its backward, a "
             "checkpointed block's buffer changed (its version and its values) or a public number attribute of one of "
@@ -1028,7 +1022,6 @@ RULES += (
         ),
         versions={"torch": ">=2.1"},
         remove_when="when torch.utils.checkpoint tells a forward it is recomputing (no public flag in torch 2.13)",
-        stages=("runtime",),
     ),
     Rule(
         id="torch-compile-first-step",
@@ -1128,7 +1121,6 @@ RULES += (
         kind="verify",
         setting="ddp_find_unused_parameters",
         value=True,
-        when=_at_runtime,
         condition=(
             "first optimizer step, before the update: torch DDP (several processes, no DeepSpeed or FSDP) without "
             "`find_unused_parameters` and without `ddp_static_graph` (the Trainer's default with checkpointing on), "
@@ -1152,7 +1144,6 @@ RULES += (
             "ddp_find_unused_parameters=True and use_reentrant=False it trains",
         ),
         remove_when="never while DDP needs every parameter's gradient without find_unused_parameters",
-        stages=("runtime",),
     ),
     Rule(
         id="checkpointing-not-running",
@@ -1160,7 +1151,6 @@ RULES += (
         kind="verify",
         setting="activation_checkpointing",
         value=True,
-        when=_at_runtime,
         condition=(
             "at train begin no block has checkpointing switched on although the arguments ask for it, or the first "
             "training forward ran no checkpointed block (the model was in eval mode: transformers checkpoints only "
@@ -1177,7 +1167,6 @@ RULES += (
             "reproduced: a Trainer whose compute_loss calls model.eval() recomputes no block",
         ),
         remove_when="never: it checks the outcome",
-        stages=("runtime",),
     ),
     Rule(
         id="checkpointing-unasked",
@@ -1185,7 +1174,6 @@ RULES += (
         kind="verify",
         setting="activation_checkpointing",
         value=False,
-        when=_at_runtime,
         condition=(
             "at train begin blocks have checkpointing switched on although the arguments do not ask for it "
             "(PEFT's `prepare_model_for_kbit_training` and some TRL releases switch it on by themselves)"
@@ -1203,7 +1191,6 @@ RULES += (
             "recomputed",
         ),
         remove_when="never: it checks the outcome",
-        stages=("runtime",),
         level="info",
     ),
     Rule(
@@ -1211,7 +1198,6 @@ RULES += (
         title="every checkpointed block got gradients",
         kind="verify",
         setting="gradients",
-        when=_at_runtime,
         condition=(
             "first optimizer step (before `optimizer.step()` and `zero_grad`): a checkpointed block with trainable "
             "parameters none of which received a gradient; judged per block, so one unused expert or branch is fine. "
@@ -1236,14 +1222,12 @@ RULES += (
             "reproduced: transformers 4.57.6, reentrant, frozen/detached embeddings -> no layer gradient",
         ),
         remove_when="never: it checks the outcome, whatever the cause",
-        stages=("runtime",),
     ),
     Rule(
         id="checkpointing-drift",
         title="the decision still holds while training",
         kind="verify",
         setting="use_reentrant",
-        when=_at_runtime,
         condition=(
             "after each step: the args kwargs (both names, one object) and the live checkpoint function no longer "
             "hold the decided `use_reentrant` (DPO/GRPO/KTO/RLOO re-enable checkpointing every step from the args)"
@@ -1257,7 +1241,6 @@ RULES += (
         ),
         remove_when="never: it checks the outcome",
         level="info",
-        stages=("runtime",),
     ),
     Rule(
         id="input-hook-pileup",
@@ -1265,7 +1248,6 @@ RULES += (
         kind="verify",
         setting="input_embeddings.forward_hooks",
         value=1,
-        when=_at_runtime,
         condition=(
             "after each step: more than one `enable_input_require_grads` hook on the input embeddings (transformers 5 "
             "adds one at every enable, and DPO/GRPO re-enable every step)"
@@ -1279,14 +1261,12 @@ RULES += (
         needs={"enable_adds_input_hook": True},
         remove_when="transformers stops registering a new hook per enable",
         level="info",
-        stages=("runtime",),
     ),
     Rule(
         id="parity-check",
         title="checkpointed gradients equal plain gradients",
         kind="verify",
         setting="gradients",
-        when=_at_runtime,
         condition=(
             "at the first optimizer step, before any update: one forward/backward with checkpointing and one without "
             "on one sample of the first training batch (text cut to 16 tokens; else the whole first batch up to 8192 "
@@ -1310,7 +1290,6 @@ RULES += (
             "measured: benchmarks/callback_overhead.py parity_probe_benchmark_model (CPU, 2 threads)",
         ),
         remove_when="never: a check of the outcome",
-        stages=("runtime",),
     ),
 )
 
@@ -1321,7 +1300,6 @@ RULES += (
         title="the cheapest checkpointing that fits the memory budget",
         kind="plan",
         setting="checkpointing_plan",
-        when=_at_runtime,
         condition=(
             "a memory budget is given (`SafeGCCallback(memory_budget=...)`, `install(memory_budget=...)`, "
             "`TRL_GC_PLUGIN_BUDGET`): the activation memory of every allowed candidate (no checkpointing, every n-th "
@@ -1343,7 +1321,6 @@ RULES += (
             "https://docs.pytorch.org/docs/stable/checkpoint.html (create_selective_checkpoint_contexts)",
         ),
         remove_when="transformers or torch plans checkpointing against a memory budget itself",
-        stages=("runtime",),
         level="info",
     ),
     Rule(
@@ -1351,7 +1328,6 @@ RULES += (
         title="the micro-batch and accumulation predicted fastest at the same effective batch",
         kind="plan",
         setting="per_device_train_batch_size",
-        when=_at_runtime,
         condition=(
             "a memory plan was made (`memory-plan`) and the arguments give `per_device_train_batch_size` and "
             "`gradient_accumulation_steps`: every micro-batch that divides the effective batch per device is planned "
@@ -1370,7 +1346,6 @@ RULES += (
             "https://github.com/huggingface/transformers/issues/29648",
         ),
         remove_when="the Trainer or accelerate chooses the micro-batch against a memory budget itself",
-        stages=("runtime",),
         level="info",
     ),
 )

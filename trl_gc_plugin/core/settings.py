@@ -28,7 +28,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .._base.flags import FORMS, parse_flag
+from .._base import report
+from .._base.flags import FORMS, launcher_main_process, parse_flag
 from .capabilities import torch_checkpoint_keywords
 from .errors import GCConfigError, short
 from .modes import MODES, Mode
@@ -225,6 +226,9 @@ class GCSettings:
     memory_budget: int | str | None = None
     output_dir: str | None = None
     problems: tuple[str, ...] = ()
+    origins: tuple[tuple[str, str], ...] = ()
+    """(setting, where its value came from: `guard(output_dir=...)`, `TRL_GC_PLUGIN_OUTPUT_DIR`, ...) for the values
+    that are not defaults."""
 
     @classmethod
     def resolve(
@@ -233,15 +237,17 @@ class GCSettings:
         installed: Mapping[str, Any] | None = None,
         environ: Mapping[str, str] | None = None,
         caller: str = "SafeGCCallback",
+        say: bool = True,
     ) -> GCSettings:
-        """Resolve every setting: `given[name]` when not None, else `installed[name]`, else the environment, else the
-        default.
+        """Resolve every setting: `given[name]` when not None, else what `install()` was given (`installed`: the
+        installed values by default), else the environment, else the default. A bad value is said (`say`: once per
+        process, on the launch's main process) and its default used, or refused.
 
         Raises:
             `GCConfigError` (a `ValueError`): for a bad `mode` argument, and in strict mode for any other bad value,
             one line per value.
         """
-        installed = installed or {}
+        installed = INSTALLED if installed is None else installed
         environ = os.environ if environ is None else environ
         found: dict[str, tuple[str, Any]] = {}
         for setting in SETTINGS:
@@ -274,10 +280,21 @@ class GCSettings:
                 + "; ".join(refusing)
                 + ". Fix the value, or use mode='warn'/'fix' to go on with the default."
             )
-        return cls(**values, problems=lines)
+        for line in lines if say else ():
+            report.note(f"{line}; using the default.", "warning", launcher_main_process())
+        origins = tuple((name, where) for name, (where, _) in found.items() if name not in {s.name for s, _, _ in bad})
+        return cls(**values, problems=lines, origins=origins)
+
+    def origin(self, name: str) -> str:
+        """Where the value of setting `name` came from (`name` itself for a default)."""
+        return dict(self.origins).get(name, name)
 
     def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "problems"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("problems", "origins")}
+
+
+INSTALLED: dict[str, Any] = {}
+"""What `install()` was given (`mode`, `memory_budget`) while it is installed: the second place `resolve` looks."""
 
 
 # --- the Trainer's checkpointing kwargs ---------------------------------------------------------------------------
@@ -286,6 +303,8 @@ LAYER_KWARGS = ("every_n_layers", "offload")
 """Read by transformers itself where it can (5.16: every_n_layers; 5.17: offload); taken out by the plugin before."""
 PLUGIN_KWARGS = ("selective",)
 """Read by the plugin (TRL's `selective: true` spelling of per-op checkpointing)."""
+
+
 def known_checkpoint_keys() -> frozenset[str]:
     """Every key of the checkpointing kwargs that something reads (torch, transformers, the plugin)."""
     return torch_checkpoint_keywords() | frozenset(LAYER_KWARGS) | frozenset(PLUGIN_KWARGS)

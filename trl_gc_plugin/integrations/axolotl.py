@@ -68,9 +68,7 @@ class SafeGCArgs(BaseModel):
 
     @model_validator(mode="after")
     def _resolve_trl_gc(self) -> SafeGCArgs:
-        resolved = resolve(self)
-        for line in resolved.problems:
-            report.note(f"{line}; using the default.", "warning")
+        resolved = resolve(self)  # a bad value is said (or refused) by the settings layer
         for name, value in resolved.as_dict().items():  # the callback gets clean values, and says nothing twice
             if getattr(self, config_key(name), None) is not None:
                 object.__setattr__(self, config_key(name), value)

@@ -15,8 +15,8 @@ every writer keeps (it rebuilds the wrapper around the new partial, never replac
 - Readers: `blocks`, `functions`, `function_of`, `real`, `inner`, `wrapped`, `keywords`, `use_reentrant`,
   `model_use_reentrant`.
 - Writers: `set_flag` and `set_function` (the two primitives every write goes through), `with_keywords` (a function
-  with other keywords), `set_keyword` (one keyword on every checkpointing module), `apply` (a frozen `Spec`: the
-  per-block pattern, `use_reentrant`, keywords, selective checkpointing, offloading) and `snapshot` / `restore`.
+  with other keywords), `set_keyword` (one keyword on every checkpointing module), `apply` (a frozen `Spec`: a
+  `Layout`, `use_reentrant`, keywords) and `snapshot` / `restore`.
 
 No other module of the plugin writes `gradient_checkpointing` or `_gradient_checkpointing_func`. torch and
 transformers are imported inside the functions only.
@@ -24,12 +24,14 @@ transformers are imported inside the functions only.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import types
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..core.layout import Kind, Layout
 
 FLAG = "gradient_checkpointing"
 FUNC = "_gradient_checkpointing_func"
@@ -142,7 +144,6 @@ def model_use_reentrant(model: Any) -> bool | None:
     return use_reentrant(funcs[0][1]) if funcs else None
 
 
-
 def is_selective(func: Any) -> bool:
     """Whether a block's checkpoint function runs one of the planner's per-op policies (`policies.selective_context`,
     `policies.lean_context`), behind the observer and any wrapper."""
@@ -156,6 +157,24 @@ def is_lean(func: Any) -> bool:
     from .policies import lean_context
 
     return keywords(func).get("context_fn") is lean_context
+
+
+def layout_of(model: Any) -> Layout:
+    """What the live model runs, block by block (a PEFT / DDP wrapper is unwrapped): each block's flag and checkpoint
+    function."""
+    return Layout(tuple(_kind_of(block) for block in blocks(unwrap(model))))
+
+
+def _kind_of(block: Any) -> Kind:
+    if getattr(block, FLAG, False) is not True:
+        return "none"
+    func = function_of(block)
+    if getattr(real(func), "func", None) is offload_checkpoint:
+        return "offload"
+    if is_lean(func):
+        return "lean"
+    return "selective" if is_selective(func) else "full"
+
 
 _functions = functions
 
@@ -313,42 +332,28 @@ class Spec:
     """How the blocks of a model checkpoint; `None` (or no key) leaves that part as it is.
 
     Args:
-        pattern (`tuple[bool, ...]`, *optional*): per block (`blocks()`, in order), checkpointing on or off.
+        layout (`Layout`, *optional*): per block, what it runs: its flag, and the planner's policy (`selective`,
+            `lean`: `policies.selective_context` / `lean_context` as `context_fn`) or offloading (`offload`:
+            `offload_checkpoint`) in its checkpoint function; `none` / `full` blocks run torch's `checkpoint` with no
+            planner policy (a user's own `context_fn` is kept).
         use_reentrant (`bool`, *optional*): the `use_reentrant` every block's function runs with.
         keywords (`Mapping[str, Any]`): keywords to set in every block's function; a value of `None` removes the key.
-        selective (`bool` or `tuple[bool, ...]`, *optional*): run the planner's selective policy
-            (`policies.selective_context` as `context_fn`), for every block or per block; `False` removes that
-            `context_fn` (a user's own `context_fn` is kept).
-        lean (`bool` or `tuple[bool, ...]`, *optional*): the selective blocks run the lean policy
-            (`policies.lean_context`) instead, for every block or per block.
-        offload (`bool`, *optional*): run `offload_checkpoint` (saved inputs in host memory); `False` runs torch's
-            `checkpoint` where a block offloaded.
     """
 
-    pattern: tuple[bool, ...] | None = None
+    layout: Layout | None = None
     use_reentrant: bool | None = None
     keywords: Mapping[str, Any] = field(default_factory=dict)
-    selective: bool | tuple[bool, ...] | None = None
-    offload: bool | None = None
-    lean: bool | tuple[bool, ...] = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keywords", types.MappingProxyType(dict(self.keywords)))
 
-    @property
-    def changes_functions(self) -> bool:
-        """Whether applying the spec rewrites checkpoint functions (a pattern alone only sets flags)."""
-        return bool(
-            self.use_reentrant is not None or self.keywords or self.selective is not None or self.offload is not None
-        )
 
-
-def _function_for(current: Any, spec: Spec) -> Any:
-    """The checkpoint function a block holding `current` runs under `spec`."""
+def _function_for(current: Any, kind: Kind | None, spec: Spec) -> Any:
+    """The checkpoint function a block holding `current` runs under `spec`, as `kind` (None: as it runs now)."""
     from .policies import lean_context, selective_context
 
     if wrapped(current):  # the wrapper is kept, around the partial the spec makes of the one inside it
-        new = _function_for(inner(current), spec)
+        new = _function_for(inner(current), kind, spec)
         rebuilt = _rewrapped(current, new)
         return new if rebuilt is None else rebuilt
     base = real(current)
@@ -356,16 +361,16 @@ def _function_for(current: Any, spec: Spec) -> Any:
         func, args, kw = base.func, base.args, dict(base.keywords)
     else:
         func, args, kw = (base if callable(base) else _torch_checkpoint()), (), {}
-    if spec.offload:
+    if kind == "offload":
         func = offload_checkpoint
-    elif spec.offload is False and func is offload_checkpoint:
+    elif kind is not None and func is offload_checkpoint:
         func = _torch_checkpoint()
     if spec.use_reentrant is not None:
         kw["use_reentrant"] = spec.use_reentrant
     result = with_keywords(functools.partial(func, *args, **kw), **spec.keywords)
-    if spec.selective:
-        return with_keywords(result, context_fn=lean_context if spec.lean else selective_context)
-    if spec.selective is False and result.keywords.get("context_fn") in (selective_context, lean_context):
+    if kind in ("selective", "lean"):
+        return with_keywords(result, context_fn=lean_context if kind == "lean" else selective_context)
+    if kind is not None and result.keywords.get("context_fn") in (selective_context, lean_context):
         return with_keywords(result, context_fn=None)
     return result
 
@@ -376,52 +381,43 @@ def apply(model: Any, spec: Spec) -> None:
     A checkpoint function is replaced only when it changes, behind the first-forward observer when one stands in
     (it stays in front); a block without one gets torch's `checkpoint`.
 
-    Args:
-        model: the live model (PEFT / DDP wrappers are fine), checkpointing normally already enabled.
-        spec: what to apply.
-
     Raises:
-        `ValueError`: selective with `use_reentrant=True`, or a pattern for another number of blocks.
+        `ValueError`: selective blocks with `use_reentrant=True`, or a layout for another number of blocks.
     """
-    per_block = spec.selective if isinstance(spec.selective, tuple) else None
-    if spec.use_reentrant and (any(per_block) if per_block is not None else spec.selective):
+    layout = spec.layout
+    if spec.use_reentrant and layout is not None and any(layout.selective):
         raise ValueError("selective checkpointing needs use_reentrant=False (torch accepts context_fn only there)")
-    lean = spec.lean if isinstance(spec.lean, tuple) else None
     found = blocks(unwrap(model))
-    for name, value in (("plan", spec.pattern), ("selective plan", per_block), ("lean plan", lean)):
-        if value is not None and len(found) != len(value):
-            raise ValueError(f"the {name} is for {len(value)} blocks; the model has {len(found)}")
+    if layout is not None and len(found) != len(layout):
+        raise ValueError(f"the plan is for {len(layout)} blocks; the model has {len(found)}")
     for i, block in enumerate(found):
-        if spec.changes_functions:
-            current = function_of(block)
-            here = spec
-            if per_block is not None:
-                here = dataclasses.replace(here, selective=per_block[i])
-            if lean is not None:
-                here = dataclasses.replace(here, lean=lean[i])
-            new = _function_for(current, here)
-            if not same(real(current), new):
-                set_function(block, new, behind_observer=True)
-        if spec.pattern is not None:
-            set_flag(block, spec.pattern[i])
+        kind = layout.kinds[i] if layout is not None else None
+        current = function_of(block)
+        new = _function_for(current, kind, spec)
+        if not same(real(current), new):
+            set_function(block, new, behind_observer=True)
+        if kind is not None:
+            set_flag(block, kind != "none")
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The checkpointing of a model at one moment (`snapshot()`), to put back with `restore()`.
+    """The checkpointing of a model at one moment (`snapshot()`), to put back with `restore()`. Modules are held
+    weakly: a snapshot kept for a run (the enable guard's) never keeps a model alive.
 
     Args:
-        flags (`tuple[tuple[Any, bool], ...]`): (module, flag) for every module carrying a boolean flag.
-        functions (`tuple[tuple[Any, Any], ...]`): (module, checkpoint function as stored, the observer included)
-            for every module with checkpointing switched on, and every block holding a function while switched off.
+        flags (`tuple[tuple[weakref.ref, bool], ...]`): (module, flag) for every module carrying a boolean flag.
+        functions (`tuple[tuple[weakref.ref, Any], ...]`): (module, checkpoint function as stored, the observer
+            included) for every module with checkpointing switched on, and every block holding a function while
+            switched off.
     """
 
-    flags: tuple[tuple[Any, bool], ...]
-    functions: tuple[tuple[Any, Any], ...]
+    flags: tuple[tuple[weakref.ref[Any], bool], ...]
+    functions: tuple[tuple[weakref.ref[Any], Any], ...]
 
     def real_functions(self) -> dict[int, Any]:
-        """{id(module): checkpoint function behind the observer}."""
-        return {id(m): real(f) for m, f in self.functions}
+        """{id(module): checkpoint function behind the observer}, for the modules still alive."""
+        return {id(m): real(f) for ref, f in self.functions if (m := ref()) is not None}
 
 
 def snapshot(
@@ -445,20 +441,22 @@ def snapshot(
     def wanted(module: Any) -> bool:
         return keep is None or id(module) in keep
 
-    recorded_flags: tuple[tuple[Any, bool], ...] = ()
+    recorded_flags: tuple[tuple[weakref.ref[Any], bool], ...] = ()
     if flags:
         recorded_flags = tuple(
-            (m, flag) for m in base.modules() if wanted(m) and isinstance(flag := getattr(m, FLAG, None), bool)
+            (weakref.ref(m), flag)
+            for m in base.modules()
+            if wanted(m) and isinstance(flag := getattr(m, FLAG, None), bool)
         )
-    recorded: dict[int, tuple[Any, Any]] = {}
+    recorded: dict[int, tuple[weakref.ref[Any], Any]] = {}
     if functions:
         for m, f in _functions(base):
             if wanted(m):
-                recorded[id(m)] = (m, f)
+                recorded[id(m)] = (weakref.ref(m), f)
         for block in blocks(base):  # blocks switched off keep their function too
             func = function_of(block)
             if func is not None and wanted(block):
-                recorded.setdefault(id(block), (block, func))
+                recorded.setdefault(id(block), (weakref.ref(block), func))
     return Snapshot(flags=recorded_flags, functions=tuple(recorded.values()))
 
 
@@ -472,9 +470,13 @@ def restore(snap: Snapshot, keep_use_reentrant: bool = False) -> None:
             one is a partial or a wrapper around one (the enable guard after a re-enable); otherwise every recorded
             object is put back as it was.
     """
-    for module, on in snap.flags:
-        set_flag(module, on)
-    for module, recorded in snap.functions:
+    for ref, on in snap.flags:
+        if (module := ref()) is not None:
+            set_flag(module, on)
+    for ref, recorded in snap.functions:
+        module = ref()
+        if module is None:
+            continue
         now = function_of(module)
         if not keep_use_reentrant:
             if now is not recorded:
@@ -487,32 +489,3 @@ def restore(snap: Snapshot, keep_use_reentrant: bool = False) -> None:
         restored = want if mode is None else with_keywords(want, use_reentrant=mode)
         if not same(restored, real(now)):
             set_function(module, restored)
-
-
-__all__ = [
-    "FLAG",
-    "FUNC",
-    "Snapshot",
-    "Spec",
-    "apply",
-    "blocks",
-    "function_of",
-    "functions",
-    "inner",
-    "is_lean",
-    "is_selective",
-    "keywords",
-    "model_use_reentrant",
-    "offload_checkpoint",
-    "real",
-    "restore",
-    "same",
-    "set_flag",
-    "set_function",
-    "set_keyword",
-    "snapshot",
-    "unwrap",
-    "use_reentrant",
-    "with_keywords",
-    "wrapped",
-]

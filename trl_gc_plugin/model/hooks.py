@@ -1,106 +1,139 @@
-"""Forward hooks on chosen modules that live outside the modules.
+"""Every hook the plugin adds, and the one registry per run (`Hooks`) that takes all of it away.
 
-The plugin watches a model's first training step (the first forward of each checkpointing stack, the first batch
-for the parity probe, a second forward before the first backward). Hooks registered on the modules would sit in the
-modules' own hook dictionaries, so a copy of the model made meanwhile (an EMA or reference model deep-copied in a
-user's `on_train_begin`, a `pickle` of the whole model) would carry them for good. Here one process-wide pre-hook and
-one process-wide post-hook (`torch.nn.modules.module.register_module_forward_*_hook`) dispatch to the callbacks
-registered for a module by identity; they exist only while some callback waits, so the steady-state cost is zero and
-nothing of the plugin is ever in a module's `__dict__`.
+Nothing of the plugin is ever in a model's own hook tables or `__dict__`, so a deep copy or a pickle of the model
+(an EMA or reference model, `torch.save(model)`) carries nothing of it, whenever it is made:
+
+- forward hooks on chosen modules: one process-wide pre-hook, pre-hook with keywords and post-hook
+  (`torch.nn.modules.module.register_module_forward_*_hook`) dispatch to the callbacks registered for a module by
+  identity; they exist only while some callback waits;
+- a method of one model, seen at the model's class (`__call__`: the first training forward of a loop's model;
+  `gradient_checkpointing_enable`: its re-enables): the class's method dispatches by identity, the registered instance
+  to its replacement, every other instance (a deep copy, another model of the class) straight to the real method; the
+  class gets its own method back once no instance is registered;
+- torch's process-wide optimizer step pre-hook (the first optimizer step of a loop without a Trainer);
+- undo actions (the repair of a model that a run made and takes back).
+
+`Hooks` is one run's registry: every registration goes through it, and `remove()` takes all of it away on every exit
+path (the first step over, a refusal, a route that never reaches a step, `uninstall()`, the model collected, the
+process ending). A removal torch does not allow at that moment (torch is iterating those hooks: an optimizer step's
+pre-hooks, the post-hooks of a forward that raised) is done at the next moment it does: the next call of any of the
+plugin's hooks, the next registration, or the end of the process.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-_pre: dict[int, dict[int, tuple[weakref.ref[Any], Callable[..., Any]]]] = {}
-_pre_kw: dict[int, dict[int, tuple[weakref.ref[Any], Callable[..., Any]]]] = {}
-_post: dict[int, dict[int, tuple[weakref.ref[Any], Callable[..., Any]]]] = {}
+from .._base import report
+
+Entry = tuple[weakref.ref[Any], Callable[..., Any]]
+Table = dict[int, dict[int, Entry]]
+_pre: Table = {}
+_pre_kw: Table = {}
+_post: Table = {}
 _global: dict[str, Any] = {}
 _next = [0]
+_deferred: list[Callable[[], None]] = []
+"""Removals put off while torch iterates the hooks they would remove (see the module docstring)."""
+_stepping: list[bool] = []
+"""Non-empty while a plugin callback runs inside torch's optimizer pre-hook loop."""
 
 
 class Handle:
-    """Removes one registered callback (idempotent)."""
+    """Removes one hook (idempotent). `lasting`: it stays through `Hooks.remove(keep_lasting=True)`; `repair`: it
+    undoes a repair of the model, which `Hooks.remove(keep_repairs=True)` leaves in place."""
 
-    __slots__ = ("_key", "_module", "_table")
+    __slots__ = ("_remove", "lasting", "repair")
 
-    def __init__(self, table: dict[int, dict[int, Any]], module: int, key: int) -> None:
-        self._table, self._module, self._key = table, module, key
+    def __init__(self, remove: Callable[[], Any], lasting: bool = False, repair: bool = False) -> None:
+        self._remove: Callable[[], Any] | None = remove
+        self.lasting = lasting or repair
+        self.repair = repair
 
     def remove(self) -> None:
-        entries = self._table.get(self._module)
-        if entries is not None:
-            entries.pop(self._key, None)
-            if not entries:
-                del self._table[self._module]
-        _sync()
+        remove, self._remove = self._remove, None
+        if remove is not None:
+            remove()
 
 
-def _dispatch(table: dict[int, dict[int, Any]], module: Any, *rest: Any) -> None:
-    entries = table.get(id(module))
-    if not entries:
+def flush() -> None:
+    """Carry out the removals put off (`_deferred`), now that torch is not iterating the plugin's hooks."""
+    if _stepping or sys.exc_info()[0] is not None:
         return
-    for ref, callback in list(entries.values()):
+    pending, _deferred[:] = list(_deferred), []
+    for removal in pending:
+        removal()
+    _sync()
+
+
+# --- forward hooks on chosen modules -----------------------------------------------------------------------------
+
+
+def _dispatch(table: Table, module: Any, *rest: Any) -> None:
+    if _deferred:
+        flush()
+    for ref, callback in list(table.get(id(module), {}).values()):
         if ref() is module:
             callback(module, *rest)
 
 
-def _pre_hook(module: Any, args: Any) -> None:
-    if _deferred:
-        _sync()
-    _dispatch(_pre, module, args)
-
-
-def _post_hook(module: Any, args: Any, output: Any) -> None:
-    if _deferred:
-        _sync()
-    _dispatch(_post, module, args, output)
-
-
 def _pre_kw_hook(module: Any, args: Any, kwargs: Any = None) -> None:
-    if _deferred:
-        _sync()
     if kwargs is not None:  # called with the keywords only for the modules flagged in `_flag`
         _dispatch(_pre_kw, module, args, kwargs)
 
 
-_deferred: list[bool] = []
-"""A removal put off: torch was running the `always_call` post-hooks of a forward that raised, iterating its
-process-wide hook dictionary itself (a removal then is `RuntimeError: OrderedDict mutated during iteration`, which
-would hide the user's exception). The next call of any of the plugin's process-wide hooks (torch iterates a copy on a
-normal call) or the next registration removes what is no longer needed."""
+_HOOKS: dict[str, tuple[Table, Callable[..., None]]] = {
+    "pre": (_pre, functools.partial(_dispatch, _pre)),
+    "post": (_post, functools.partial(_dispatch, _post)),
+    "pre_kw": (_pre_kw, _pre_kw_hook),
+}
 
 
 def _sync() -> None:
-    """Register the process-wide hooks while a callback waits, remove them when none does (later when torch is
-    handling an exception raised in a forward, see `_deferred`)."""
-    import sys
-
+    """Register the process-wide module hooks while a callback waits, remove them when none does (later when torch
+    is handling an exception raised in a forward: it is iterating its process-wide post-hooks itself)."""
     from torch.nn.modules import module as torch_module
 
-    unwinding = sys.exc_info()[0] is not None
-    _deferred.clear()
-    for name, table in (("pre", _pre), ("post", _post), ("pre_kw", _pre_kw)):
+    for name, (table, hook) in _HOOKS.items():
         handle = _global.get(name)
         if table and handle is None:
-            if name == "pre":
-                _global[name] = torch_module.register_module_forward_pre_hook(_pre_hook)
-            elif name == "pre_kw":
-                _global[name] = torch_module.register_module_forward_pre_hook(_pre_kw_hook)
-            else:
-                try:
-                    _global[name] = torch_module.register_module_forward_hook(_post_hook, always_call=True)
-                except TypeError:  # a torch without always_call for process-wide hooks
-                    _global[name] = torch_module.register_module_forward_hook(_post_hook)
+            register = torch_module.register_module_forward_hook if name == "post" else None
+            _global[name] = (
+                register(hook, always_call=True)
+                if register is not None
+                else torch_module.register_module_forward_pre_hook(hook)
+            )
         elif not table and handle is not None:
-            if unwinding:
-                _deferred[:] = [True]
+            if sys.exc_info()[0] is not None:
+                if _sync not in _deferred:
+                    _deferred.append(_sync)
                 continue
             handle.remove()
             del _global[name]
+
+
+def _add(table: Table, module: Any, callback: Callable[..., Any]) -> Handle:
+    if _deferred:
+        flush()
+    _next[0] += 1
+    key, at = _next[0], id(module)
+    table.setdefault(at, {})[key] = (weakref.ref(module), callback)
+    _sync()
+
+    def remove() -> None:
+        entries = table.get(at)
+        if entries is not None:
+            entries.pop(key, None)
+            if not entries:
+                del table[at]
+        _sync()
+
+    return Handle(remove)
 
 
 def _flag(module: Any, on: bool) -> None:
@@ -109,82 +142,232 @@ def _flag(module: Any, on: bool) -> None:
     object, and taken out again."""
     handle = _global.get("pre_kw")
     flags = getattr(module, "_forward_pre_hooks_with_kwargs", None)
-    if handle is None or flags is None:
-        return
-    if on:
-        flags[handle.id] = True
-    else:
-        flags.pop(handle.id, None)
+    if handle is not None and flags is not None:
+        if on:
+            flags[handle.id] = True
+        else:
+            flags.pop(handle.id, None)
 
 
-_KWARGS_CAPABLE: list[bool] = []
-
-
+@functools.lru_cache(maxsize=1)
 def kwargs_capable() -> bool:
     """Whether the installed torch passes the keywords to a flagged process-wide pre-hook (tried once, on a
     throw-away module)."""
-    if not _KWARGS_CAPABLE:
-        import torch
-        from torch.nn.modules import module as torch_module
+    import torch
+    from torch.nn.modules import module as torch_module
 
-        seen: list[Any] = []
-        probe = torch.nn.Identity()
-        handle = torch_module.register_module_forward_pre_hook(
-            lambda m, a, k=None: seen.append(k) if m is probe else None
-        )
+    seen: list[Any] = []
+    probe = torch.nn.Identity()
+    handle = torch_module.register_module_forward_pre_hook(lambda m, a, k=None: seen.append(k) if m is probe else None)
+    try:
+        getattr(probe, "_forward_pre_hooks_with_kwargs", {})[handle.id] = True
+        probe(torch.zeros(1))
+    except Exception:
+        seen.clear()
+    finally:
+        handle.remove()
+    return seen == [{}]
+
+
+# --- methods of one model, seen at its class ---------------------------------------------------------------------
+
+_MISSING = object()
+_METHODS: dict[tuple[type, str], _Method] = {}
+
+
+class _Method:
+    """`cls.<name>` dispatching by identity while some instance is registered."""
+
+    def __init__(self, cls: type, name: str) -> None:
+        self.cls, self.name = cls, name
+        self.held = cls.__dict__.get(name, _MISSING)
+        real = getattr(cls, name)
+        table: dict[int, Entry] = {}
+        self.table = table
+
+        @functools.wraps(real)
+        def method(instance: Any, *args: Any, **kwargs: Any) -> Any:
+            if _deferred:
+                flush()
+            entry = table.get(id(instance))
+            if entry is None or entry[0]() is not instance:
+                return real(instance, *args, **kwargs)
+            return entry[1](functools.partial(real, instance), *args, **kwargs)
+
+        self.method = method
+        setattr(cls, name, method)
+
+    def drop(self, key: int, ref: Any = None) -> None:
+        """Forget the instance registered under `key` (only the one `ref` refers to, when given: an `id` is reused
+        once its object is collected); the class gets its method back with the last one."""
+        entry = self.table.get(key)
+        if entry is not None and (ref is None or entry[0] is ref):
+            del self.table[key]
+        if self.table:
+            return
+        _METHODS.pop((self.cls, self.name), None)
+        if self.cls.__dict__.get(self.name) is self.method:  # else someone patched it after us: leave theirs
+            if self.held is _MISSING:
+                delattr(self.cls, self.name)
+            else:
+                setattr(self.cls, self.name, self.held)
+        if _deferred:  # the last instance went (collected, or its run is over): what was put off goes too
+            flush()
+
+
+def on_method(instance: Any, name: str, replacement: Callable[..., Any], lasting: bool = False) -> Handle:
+    """Make `instance.<name>(*args, **kwargs)` call `replacement(original, *args, **kwargs)` (`original`: the real
+    method bound to `instance`), through its class, until removed (or `instance` is collected)."""
+    if _deferred:
+        flush()
+    method = _METHODS.get((type(instance), name))
+    if method is None:
+        method = _METHODS[(type(instance), name)] = _Method(type(instance), name)
+    key = id(instance)
+    method.table[key] = (weakref.ref(instance, lambda dead: method.drop(key, dead)), replacement)
+    return Handle(functools.partial(method.drop, key), lasting)
+
+
+def patched_classes() -> list[str]:
+    """`Class.method` of every class method the plugin dispatches now (for tests)."""
+    return sorted(f"{cls.__name__}.{name}" for cls, name in _METHODS)
+
+
+# --- torch's optimizer steps -------------------------------------------------------------------------------------
+
+
+def on_optimizer_step(callback: Callable[[Any], None]) -> Handle:
+    """`callback(optimizer)` before every step of every torch optimizer (accelerate's and DeepSpeed's wrap one). Once
+    removed it does nothing; torch lets it go at once, or, from inside its own loop over the pre-hooks, at the next
+    moment it can (`flush`)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    if _deferred:
+        flush()
+    state = {"removed": False}
+
+    def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if state["removed"]:
+            return
+        _stepping.append(True)
         try:
-            getattr(probe, "_forward_pre_hooks_with_kwargs", {})[handle.id] = True
-            probe(torch.zeros(1))
-        except Exception:
-            seen.clear()
+            callback(optimizer)
         finally:
+            _stepping.pop()
+
+    torch_handle = register_optimizer_step_pre_hook(pre)
+
+    def remove() -> None:
+        state["removed"] = True
+        if _stepping:
+            _deferred.append(torch_handle.remove)
+        else:
+            torch_handle.remove()
+
+    return Handle(remove)
+
+
+# --- one run's registry ------------------------------------------------------------------------------------------
+
+
+class Hooks:
+    """One run's hooks: every registration goes through it, `remove()` takes all of it away (the last added first).
+
+    Example:
+        ```python
+        hooks = Hooks()
+        hooks.forward(model, lambda module, args, output: ...)
+        hooks.method(model, "__call__", lambda original, *a, **k: original(*a, **k))
+        hooks.remove()  # nothing of it stays
+        ```
+    """
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+
+    def add(self, handle: Any) -> Any:
+        """Keep `handle` (anything with `remove()`) until `remove()`; returns it."""
+        self._items.append(handle)
+        _LIVE.add(self)
+        return handle
+
+    def forward_pre(self, module: Any, callback: Callable[[Any, Any], None]) -> Handle:
+        """`callback(module, args)` before every forward of `module` (positional arguments only)."""
+        return self.add(_add(_pre, module, callback))
+
+    def forward_pre_with_kwargs(self, module: Any, callback: Callable[[Any, Any, Any], None]) -> Handle | None:
+        """`callback(module, args, kwargs)` before every forward of `module`; None where the installed torch cannot
+        pass the keywords to a process-wide hook (`kwargs_capable`)."""
+        if not kwargs_capable():
+            return None
+        handle, ref = _add(_pre_kw, module, callback), weakref.ref(module)
+        _flag(module, True)
+
+        def remove() -> None:
+            if (alive := ref()) is not None and len(_pre_kw.get(id(alive), {})) <= 1:  # its last keyword callback
+                _flag(alive, False)
             handle.remove()
-        _KWARGS_CAPABLE.append(seen == [{}])
-    return _KWARGS_CAPABLE[0]
+
+        return self.add(Handle(remove))
+
+    def forward(self, module: Any, callback: Callable[[Any, Any, Any], None]) -> Handle:
+        """`callback(module, args, output)` after every forward of `module`, also one that raised."""
+        return self.add(_add(_post, module, callback))
+
+    def method(self, instance: Any, name: str, replacement: Callable[..., Any], lasting: bool = False) -> Handle:
+        """`on_method` for this run."""
+        return self.add(on_method(instance, name, replacement, lasting))
+
+    def optimizer_step(self, callback: Callable[[Any], None]) -> Handle:
+        """`on_optimizer_step` for this run."""
+        return self.add(on_optimizer_step(callback))
+
+    def undo(self, action: Callable[[], Any], repair: bool = False) -> Handle:
+        """Run `action` when the run's hooks go; `repair`: it takes back a repair of the model, which a loop goes on
+        with after its first step and after `uninstall()` (`remove(keep_lasting=True)`, `remove(keep_repairs=True)`)."""
+        return self.add(Handle(action, repair=repair))
+
+    def discard(self, handle: Any) -> None:
+        """Remove one handle now (a check whose part of the first step is over)."""
+        if handle in self._items:
+            self._items.remove(handle)
+        handle.remove()
+
+    def remove(self, keep_lasting: bool = False, keep_repairs: bool = False) -> None:
+        """Remove every hook of the run, the last added first. `keep_lasting`: the lasting ones stay registered (a
+        loop's first step is over and it goes on with the enable guard and what the run repaired); `keep_repairs`: the
+        repairs stay on the model, forgotten (the route ends, the loop goes on). A removal that fails is said and the
+        others still happen."""
+        kept = [h for h in self._items if keep_lasting and getattr(h, "lasting", False)]
+        gone = [h for h in self._items if h not in kept and not (keep_repairs and getattr(h, "repair", False))]
+        self._items = kept
+        for handle in reversed(gone):
+            try:
+                handle.remove()
+            except Exception as exc:  # a plugin bug never stops training
+                report.note(f"could not remove a hook of the plugin ({type(exc).__name__}: {exc})", "warning")
+        if not self._items:
+            _LIVE.discard(self)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
-def _add(table: dict[int, dict[int, Any]], module: Any, callback: Callable[..., Any]) -> Handle:
-    _next[0] += 1
-    table.setdefault(id(module), {})[_next[0]] = (weakref.ref(module), callback)
-    _sync()
-    return Handle(table, id(module), _next[0])
+_LIVE: weakref.WeakSet[Hooks] = weakref.WeakSet()
 
 
-def on_forward_pre(module: Any, callback: Callable[[Any, Any], None]) -> Handle:
-    """`callback(module, args)` before every forward of `module` (positional arguments only) until removed."""
-    return _add(_pre, module, callback)
-
-
-def on_forward_pre_with_kwargs(module: Any, callback: Callable[[Any, Any, Any], None]) -> Handle | None:
-    """`callback(module, args, kwargs)` before every forward of `module` until removed; None where the installed torch
-    cannot pass the keywords to a process-wide hook (`kwargs_capable`)."""
-    if not kwargs_capable():
-        return None
-    handle = _add(_pre_kw, module, callback)
-    _flag(module, True)
-    return _KwHandle(handle, weakref.ref(module))
-
-
-class _KwHandle:
-    """Removes a keyword pre-hook and its flag on the module (idempotent)."""
-
-    __slots__ = ("_handle", "_module")
-
-    def __init__(self, handle: Handle, module: weakref.ref[Any]) -> None:
-        self._handle, self._module = handle, module
-
-    def remove(self) -> None:
-        module = self._module()
-        if module is not None and len(_pre_kw.get(id(module), {})) <= 1:  # its last keyword callback goes
-            _flag(module, False)
-        self._handle.remove()
-
-
-def on_forward(module: Any, callback: Callable[[Any, Any, Any], None]) -> Handle:
-    """`callback(module, args, output)` after every forward of `module`, also one that raised, until removed."""
-    return _add(_post, module, callback)
+def remove_all() -> None:
+    """Every run's hooks, removed (`uninstall()`, the end of the process)."""
+    for hooks in list(_LIVE):
+        hooks.remove()
+    flush()
 
 
 def waiting() -> int:
-    """How many callbacks wait (for tests)."""
+    """How many module callbacks wait (for tests: each keeps the process-wide hooks registered, which every module's
+    forward then calls). A removal put off is not counted: it is done at the next call of any of the plugin's
+    hooks."""
     return sum(len(v) for table in (_pre, _post, _pre_kw) for v in table.values())
+
+
+atexit.register(remove_all)

@@ -6,7 +6,7 @@ tower, a user hook - is settled by looking: on the first training forward (modul
 each checkpointing *stack* (the module whose forward runs the checkpointed blocks: a decoder, an encoder, a vision
 tower), a forward pre-hook for the stack wraps the checkpoint function of the modules under it for that one forward,
 and a forward post-hook puts the originals back and removes both hooks. The hooks are process-wide ones that act on
-the stack alone (`_hooks.py`), so nothing is attached to the model: a copy of it made meanwhile carries nothing. Each wrapped call records which module it
+the stack alone (`hooks.py`), so nothing is attached to the model: a copy of it made meanwhile carries nothing. Each wrapped call records which module it
 checkpoints, the `use_reentrant` it really runs with, whether any positional tensor input requires grad (only
 positional inputs count: transformers passes keyword arguments inside a `functools.partial`, which reentrant
 checkpointing does not see) and whether the module holds trainable parameters.
@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..core.errors import GCConfigError
 from . import ckpt
-from . import hooks as _hooks
+from .hooks import Hooks
 
 logger = logging.getLogger("trl_gc_plugin")
 
@@ -136,6 +137,7 @@ class Observation:
 
     Args:
         model: the model (a PEFT or DDP wrapper is unwrapped).
+        hooks (`Hooks`): the run's hooks, which the observation's go through.
         on_frozen: called with the `Call` of a block that loses its gradients; returns `"raise"` (the callback
             raises from inside it), `"repair"` or `"report"`.
         on_keyword_inputs: called with the `Call` of a reentrant block that gets a tensor requiring grad as a keyword
@@ -147,10 +149,13 @@ class Observation:
     def __init__(
         self,
         model: Any,
+        hooks: Hooks,
         on_frozen: Callable[[Call], Verdict],
         on_keyword_inputs: Callable[[Call, str | None], Verdict] | None = None,
     ) -> None:
-        self.base = ckpt.unwrap(model)
+        base = ckpt.unwrap(model)
+        self._base = weakref.ref(base)  # a run whose first step never ends keeps no model alive
+        self.hooks = hooks
         self.on_frozen = on_frozen
         self.on_keyword_inputs = on_keyword_inputs
         self.calls: dict[str, Call] = {}
@@ -159,7 +164,7 @@ class Observation:
         self.observed_stacks: list[str] = []
         self.failures = 0
         self.last_repaired = False  # the last `see` made an input require grad
-        self._names = {id(m): n for n, m in self.base.named_modules()}
+        self._names = {id(m): n for n, m in base.named_modules()}
         self._handles: dict[int, list[Any]] = {}
         self._active: dict[int, list[tuple[Any, _Observer]]] = {}
 
@@ -174,10 +179,13 @@ class Observation:
             GradientCheckpointingLayer = ()  # type: ignore[assignment,misc]
         import torch
 
-        parents = {id(child): parent for parent in self.base.modules() for child in parent.children()}
+        base = self._base()
+        if base is None:
+            return {}
+        parents = {id(child): parent for parent in base.modules() for child in parent.children()}
         containers = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
         out: dict[int, tuple[Any, list[Any]]] = {}
-        for owner, _ in ckpt.functions(self.base):
+        for owner, _ in ckpt.functions(base):
             stack = owner
             if isinstance(owner, GradientCheckpointingLayer):
                 stack = parents.get(id(owner), owner)
@@ -193,8 +201,8 @@ class Observation:
             if key in self._handles or self._names.get(key) in self.observed_stacks:
                 continue
             # outside the stack: a copy of the model made meanwhile carries nothing of the plugin (_hooks.py)
-            pre = _hooks.on_forward_pre(stack, functools.partial(self._enter, key, owners))
-            post = _hooks.on_forward(stack, functools.partial(self._leave, key))
+            pre = self.hooks.forward_pre(stack, functools.partial(self._enter, key, owners))
+            post = self.hooks.forward(stack, functools.partial(self._leave, key))
             self._handles[key] = [pre, post]
         return len(self._handles)
 
@@ -204,7 +212,7 @@ class Observation:
             self._restore(key)
         for handles in self._handles.values():
             for handle in handles:
-                handle.remove()
+                self.hooks.discard(handle)
         self._handles.clear()
 
     @property
@@ -238,7 +246,7 @@ class Observation:
         self._restore(key)
         self.observed_stacks.append(self._names.get(key, type(module).__name__))
         for handle in self._handles.pop(key, []):
-            handle.remove()
+            self.hooks.discard(handle)
 
     def _restore(self, key: int) -> None:
         for owner, observer in self._active.pop(key, []):

@@ -30,6 +30,7 @@ NEW_FLAG, OLD_FLAG = "activation_checkpointing", "gradient_checkpointing"
 # `enable_input_require_grads` and PEFT/TRL's fallback `make_inputs_require_grad`.
 INPUT_GRAD_HOOK_NAMES = frozenset({"make_inputs_require_grads", "make_inputs_require_grad"})
 
+
 @dataclass
 class PostInitRecord:
     """What the plugin saw and did about one `TrainingArguments` object. Kept in `RECORDS`, outside the object

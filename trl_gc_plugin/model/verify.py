@@ -13,6 +13,8 @@ Nothing here decides or logs: the callback turns the findings into `Decision` re
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,31 +139,42 @@ def _checkpointing_blocks(base: Any) -> list[Any]:
 
 
 class Watch:
-    """Per-step drift check: a few attribute reads against the decided `use_reentrant`.
+    """Per-step drift check: a few attribute reads against the decided `use_reentrant` (the run holds it).
 
     Args:
         args: the training arguments.
         model: the model (checkpointing already enabled).
-        value: the decided `use_reentrant`.
+        baseline: what the model runs at train begin, watched where nothing was decided (warn mode, a stand-back).
     """
 
-    def __init__(self, args: Any, model: Any, value: bool) -> None:
+    def __init__(self, args: Any, model: Any, baseline: bool | None = None) -> None:
         self.args = args
-        self.value = value
+        self.baseline = baseline
         start = probe.read_kwargs(args)
-        self.args_value = start.get("use_reentrant") if start is not None else None  # None: warn mode left it unset
-        base = ckpt.unwrap(model)
-        funcs = ckpt.functions(base)
-        # one module read per step: a re-enable rewrites every module's function at once
-        self.sentinel = funcs[0][0] if funcs else None
-        self.embeddings = probe.embeddings(model)
+        self.args_value = start.get("use_reentrant") if start is not None else None
+        """What the arguments hold (None: nothing, e.g. the value lives on a launcher's checkpoint function); the run
+        updates it when it writes them."""
+        funcs = ckpt.functions(ckpt.unwrap(model))
+        # one module read per step: a re-enable rewrites every module's function at once (both held weakly)
+        self._sentinel = _weak(funcs[0][0] if funcs else None)
+        self._embeddings = _weak(probe.embeddings(model))
         self.dual_fields = probe.has_activation_fields(args)
 
-    def drift(self) -> list[tuple[str, Any]]:
-        """(setting, value found) for every place that no longer holds the decision."""
+    @property
+    def sentinel(self) -> Any:
+        return self._sentinel()
+
+    @property
+    def embeddings(self) -> Any:
+        return self._embeddings()
+
+    def drift(self, decided: Any) -> list[tuple[str, Any]]:
+        """(setting, value found) for every place that no longer holds what it should: the arguments what they held
+        (`args_value`), the model `decided` (the run's `use_reentrant`; `baseline` when that is not a bool)."""
         found: list[tuple[str, Any]] = []
         kwargs = probe.read_kwargs(self.args)
         current = kwargs.get("use_reentrant") if kwargs is not None else None
+        expected = decided if isinstance(decided, bool) else None
         if current is not self.args_value:
             found.append(("use_reentrant", current))
         elif self.dual_fields and self.args.gradient_checkpointing_kwargs is not kwargs:
@@ -169,7 +182,7 @@ class Watch:
         m = self.sentinel
         if m is not None and m.gradient_checkpointing:
             running = ckpt.use_reentrant(m._gradient_checkpointing_func)
-            if running is not self.value:
+            if running is not (expected if expected is not None else self.baseline):
                 found.append(("model.use_reentrant", running))
         return found
 
@@ -186,3 +199,7 @@ class Watch:
             for table in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
                 getattr(emb, table, {}).pop(key, None)
         return max(len(keys) - 1, 0)
+
+
+def _weak(module: Any) -> Callable[[], Any]:
+    return weakref.ref(module) if module is not None else lambda: None

@@ -5,11 +5,13 @@ Only decisions with `applied=True` are carried out; the engine never marks `erro
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 from ..core.decisions import Decision
 from ..core.settings import unknown_checkpoint_names
+from ..core.targets import TARGETS, writes
 from . import ckpt, probe
 
 
@@ -75,59 +77,115 @@ class CacheSwitch:
 
 
 def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[Decision]:
-    """Carry out the applicable decisions on `args` (and `model` when given). Returns those carried out."""
+    """Carry out the applicable decisions on `args` (and `model` when given), each through its target's writer
+    (`targets.TARGETS`). Returns those carried out."""
     done = []
     for d in decisions:
-        if not d.applied:
-            continue
-        if d.setting == "use_reentrant":
-            set_args_kwarg(args, "use_reentrant", d.after)
-        elif d.setting == probe.NEW_KWARGS:  # the deprecated name was written last: it wins
-            old = getattr(args, probe.OLD_KWARGS, None)
-            write_kwargs(args, old if isinstance(old, dict) else None)
-        elif d.setting == probe.OLD_KWARGS:  # the new name was written last: the old names mirror it
-            write_kwargs(args, probe.read_kwargs(args))
-            write_flag(args, bool(getattr(args, probe.NEW_FLAG, False)))
-        elif d.setting == probe.NEW_FLAG:
-            write_flag(args, bool(d.after))
-        elif d.setting == "model.use_reentrant":
-            if model is None:
-                continue
-            ckpt.set_keyword(model, "use_reentrant", bool(d.after))
-        elif d.setting == "model.config.use_cache":
-            continue  # carried out step by step by the callback's CacheSwitch
-        elif d.setting in ("preserve_rng_state", "offload"):
-            value = None if d.setting == "offload" else d.after  # offload=False: the key goes
-            set_args_kwarg(args, d.setting, value)
-            if model is not None:
-                ckpt.set_keyword(model, d.setting, value)
-        elif d.setting == "activation_offloading":  # TRL's: on a machine without an accelerator
-            args.activation_offloading = False
-        elif d.setting == "fsdp_activation_checkpointing":  # FSDP's own off, the Trainer's (non-reentrant) on
-            switch_fsdp_checkpointing_off(args)
-        elif d.setting == "checkpointing_kwargs.container":  # not a dict: a dict (with use_reentrant once decided)
-            write_kwargs(args, probe.read_kwargs(args) or {})
-        elif d.setting == "checkpointing_kwargs":  # layer kwargs this transformers cannot read: torch must not get them
-            for key in d.before or ():
-                set_args_kwarg(args, key, None)
-        elif d.setting == "checkpointing_kwargs.unknown":  # keys nothing reads (reentrant torch raises on them)
-            for key in unknown_checkpoint_names(probe.read_kwargs(args) or {}):
-                set_args_kwarg(args, key, None)
-                if model is not None:
-                    ckpt.set_keyword(model, key, None)
-        elif d.setting == "inputs_require_grad":  # transformers' own hook on the input embeddings
-            if model is None:
-                continue
-            ckpt.unwrap(model).enable_input_require_grads()
-        else:
+        target = TARGETS.get(d.setting) if d.applied else None
+        if d.applied and target is None:
             raise KeyError(f"no way to apply a decision on {d.setting!r}")
-        done.append(d)
+        if target is not None and target.write is not None and target.write(d, args, model):
+            done.append(d)
     return done
+
+
+@writes("use_reentrant")
+def _use_reentrant(d: Decision, args: Any, model: Any) -> bool:
+    set_args_kwarg(args, "use_reentrant", d.after)
+    return True
+
+
+@writes(probe.NEW_KWARGS)
+def _legacy_kwargs_won(d: Decision, args: Any, model: Any) -> bool:
+    """The deprecated name was written last: it wins, both names hold it."""
+    old = getattr(args, probe.OLD_KWARGS, None)
+    write_kwargs(args, old if isinstance(old, dict) else None)
+    return True
+
+
+@writes(probe.OLD_KWARGS)
+def _new_kwargs_won(d: Decision, args: Any, model: Any) -> bool:
+    """The new name was written last: the old names mirror it."""
+    write_kwargs(args, probe.read_kwargs(args))
+    write_flag(args, bool(getattr(args, probe.NEW_FLAG, False)))
+    return True
+
+
+@writes(probe.NEW_FLAG)
+def _flag(d: Decision, args: Any, model: Any) -> bool:
+    write_flag(args, bool(d.after))
+    return True
+
+
+@writes("model.use_reentrant")
+def _model_use_reentrant(d: Decision, args: Any, model: Any) -> bool:
+    return model is not None and ckpt.set_keyword(model, "use_reentrant", bool(d.after)) >= 0
+
+
+@writes("preserve_rng_state", "offload")
+def _torch_keyword(d: Decision, args: Any, model: Any) -> bool:
+    value = None if d.setting == "offload" else d.after  # offload=False: the key goes
+    set_args_kwarg(args, d.setting, value)
+    if model is not None:
+        ckpt.set_keyword(model, d.setting, value)
+    return True
+
+
+@writes("activation_offloading")
+def _trl_offloading_off(d: Decision, args: Any, model: Any) -> bool:
+    """TRL's offloading, on a machine without an accelerator."""
+    args.activation_offloading = False
+    return True
+
+
+@writes("fsdp_activation_checkpointing")
+def _fsdp_checkpointing_off(d: Decision, args: Any, model: Any) -> bool:
+    switch_fsdp_checkpointing_off(args)
+    return True
+
+
+@writes("checkpointing_kwargs.container")
+def _kwargs_as_dict(d: Decision, args: Any, model: Any) -> bool:
+    """Not a dict: a dict (with `use_reentrant` once decided)."""
+    write_kwargs(args, probe.read_kwargs(args) or {})
+    return True
+
+
+@writes("checkpointing_kwargs")
+def _layer_kwargs_out(d: Decision, args: Any, model: Any) -> bool:
+    """Layer kwargs this transformers cannot read: torch must not get them."""
+    for key in d.before or ():
+        set_args_kwarg(args, key, None)
+    return True
+
+
+@writes("checkpointing_kwargs.unknown")
+def _unknown_keys_out(d: Decision, args: Any, model: Any) -> bool:
+    """Keys nothing reads (reentrant torch raises on them)."""
+    for key in unknown_checkpoint_names(probe.read_kwargs(args) or {}):
+        set_args_kwarg(args, key, None)
+        if model is not None:
+            ckpt.set_keyword(model, key, None)
+    return True
+
+
+@writes("inputs_require_grad")
+def _input_hook(d: Decision, args: Any, model: Any) -> bool:
+    """transformers' own hook on the input embeddings."""
+    if model is None:
+        return False
+    ckpt.unwrap(model).enable_input_require_grads()
+    return True
 
 
 def remove_input_hook(model: Any) -> None:
     """Take off the input hook a repair added (`enable_input_require_grads`), leaving the model as it was:
-    transformers 4.x's `disable_input_require_grads` removes the hook but keeps the removed handle as an attribute."""
+    transformers 4.x's `disable_input_require_grads` removes the hook but keeps the removed handle as an attribute.
+    `model` may be a weak reference (a repair's undo never keeps a model alive)."""
+    if isinstance(model, weakref.ref):
+        model = model()
+        if model is None:
+            return
     base = ckpt.unwrap(model)
     base.disable_input_require_grads()
     base.__dict__.pop("_require_grads_hook", None)

@@ -23,10 +23,11 @@ import contextlib
 import copy
 import dataclasses
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.layout import SELECTIVE, Kind, Layout
 from ..model import ckpt, policies, probe
 
 # --- the meter ---------------------------------------------------------------------------------------------------
@@ -313,7 +314,9 @@ def meter(model: Any, *, would_keep: bool = False) -> Iterator[SavedBytes]:
     counter = _Counter([n for n, _ in blocks], {int(s._cdata) for s in storages})
     counter.held = storages
     handles = []
-    selective = [b for _, b in blocks if getattr(b, ckpt.FLAG, False) and ckpt.is_selective(getattr(b, ckpt.FUNC, None))]
+    selective = [
+        b for _, b in blocks if getattr(b, ckpt.FLAG, False) and ckpt.is_selective(getattr(b, ckpt.FUNC, None))
+    ]
     saved = ckpt.snapshot(base, flags=False, only=selective)  # put back exactly what is swapped, nothing else
     for name, block in blocks:
         handles.append(
@@ -505,51 +508,29 @@ class ActivationEstimate:
         """Whether the lean policy was measured (and differs from selective somewhere: else it is selective)."""
         return len(self.lean) == self.num_blocks and self.lean != self.selective
 
-    def per_block(self, selective: bool | Sequence[bool]) -> list[bool]:
-        """`selective` for every block (one bool: the same for all)."""
-        if isinstance(selective, bool):
-            return [selective] * self.num_blocks
-        self._check(selective)
-        return [bool(x) for x in selective]
+    def policy_bytes(self, i: int, kind: Kind) -> int:
+        """Bytes block `i`'s selective cache holds when it runs `kind`: selective's, lean's, else 0."""
+        if kind == "lean" and self.lean:
+            return self.lean[i]
+        return self.selective[i] if kind in SELECTIVE else 0
 
-    def policy_bytes(self, i: int, selective: bool, lean: bool = False) -> int:
-        """Bytes block `i`'s selective cache holds when checkpointed: 0 (full), selective's, or lean's."""
-        if not selective:
-            return 0
-        return self.lean[i] if lean and self.lean else self.selective[i]
-
-    def kept(
-        self,
-        pattern: tuple[bool, ...] | list[bool],
-        selective: bool | Sequence[bool] = False,
-        lean: Sequence[bool] = (),
-        offload: bool = False,
-    ) -> list[int]:
-        """Bytes each block keeps under `pattern` (True: checkpointed), `selective` for all blocks or per block, and
-        per block `lean` (selective blocks running the lean policy); with `offload`, checkpointed blocks keep
-        nothing on the device."""
-        sel = self.per_block(selective)
-        lean = list(lean) or [False] * self.num_blocks
+    def kept(self, layout: Layout) -> list[int]:
+        """Bytes each block keeps on the device under `layout`: all it saves when not checkpointed, its inputs and its
+        policy's cache when checkpointed, nothing when offloaded."""
+        self._check(layout)
         return [
-            (0 if offload else self.inputs[i] + self.policy_bytes(i, sel[i], lean[i])) if on else self.saved[i]
-            for i, on in enumerate(pattern)
+            self.saved[i] if k == "none" else 0 if k == "offload" else self.inputs[i] + self.policy_bytes(i, k)
+            for i, k in enumerate(layout.kinds)
         ]
 
-    def saved_bytes(
-        self,
-        pattern: tuple[bool, ...] | list[bool],
-        selective: bool | Sequence[bool] = False,
-        lean: Sequence[bool] = (),
-        offload: bool = False,
-    ) -> int:
-        """Bytes kept for the backward pass under `pattern` (what `meter` measures on the real run)."""
-        self._check(pattern)
-        shared = self.shared if not all(pattern) else 0
-        return self.outside + shared + sum(self.kept(pattern, selective, lean, offload))
+    def saved_bytes(self, layout: Layout) -> int:
+        """Bytes kept for the backward pass under `layout` (what `meter` measures on the real run)."""
+        shared = self.shared if not all(layout.pattern) else 0
+        return self.outside + shared + sum(self.kept(layout))
 
-    def _check(self, pattern: tuple[bool, ...] | list[bool]) -> None:
-        if len(pattern) != self.num_blocks:
-            raise ValueError(f"a pattern for {self.num_blocks} blocks has {len(pattern)} entries")
+    def _check(self, layout: Layout) -> None:
+        if len(layout) != self.num_blocks:
+            raise ValueError(f"a layout for {self.num_blocks} blocks has {len(layout)} entries")
 
     def blocks_times(self, factor: float, **changes: Any) -> ActivationEstimate:
         """This estimate with every per-block saved figure (and the bytes shared across blocks) times `factor`, and

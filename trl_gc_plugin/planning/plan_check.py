@@ -16,6 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.layout import Layout
+from ..model import ckpt
 from .memory import ActivationEstimate, SavedBytes
 
 TOLERANCE = 0.15
@@ -65,41 +67,20 @@ class Comparison:
         return data
 
 
-def running(model: Any) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
-    """The live model's checkpointing, per block: checkpointed, selective, offloaded, lean."""
-    from . import planner
-
-    return planner.pattern_of(model), planner.selective_of(model), planner.offload_of(model), planner.lean_of(model)
-
-
-def predicted_parts(
-    est: ActivationEstimate,
-    pattern: tuple[bool, ...],
-    selective: tuple[bool, ...],
-    offload: tuple[bool, ...],
-    lean: tuple[bool, ...] = (),
-) -> tuple[int, int]:
-    """(bytes the blocks keep, bytes saved outside them) predicted for a per-block checkpointing (the planner's
-    `Candidate.saved_bytes`, block by block, so a mixed live model is predicted too)."""
-    est._check(pattern)
-    kept = 0
-    for i, on in enumerate(pattern):
-        if not on:
-            kept += est.saved[i]
-        elif not (i < len(offload) and offload[i]):
-            on_lean = i < len(lean) and lean[i]
-            kept += est.inputs[i] + est.policy_bytes(i, i < len(selective) and selective[i], on_lean)
-    shared = est.shared if not all(pattern) else 0
-    return kept + shared, est.outside
+def predicted_parts(est: ActivationEstimate, layout: Layout) -> tuple[int, int]:
+    """(bytes the blocks keep, bytes saved outside them) predicted for `layout` (`ActivationEstimate.saved_bytes`, in
+    two parts, so a mixed live model is predicted too)."""
+    shared = est.shared if not all(layout.pattern) else 0
+    return sum(est.kept(layout)) + shared, est.outside
 
 
 def compare(est: ActivationEstimate, measured: SavedBytes, model: Any) -> Comparison | None:
     """The prediction of `est` (made at the forward's own batch shape) against what `measured` counted; None when
     they cannot be compared (another number of blocks)."""
-    pattern, selective, offload, lean = running(model)
-    if len(pattern) != est.num_blocks or len(measured.saved) != est.num_blocks:
+    layout = ckpt.layout_of(model)
+    if len(layout) != est.num_blocks or len(measured.saved) != est.num_blocks:
         return None
-    blocks, outside = predicted_parts(est, pattern, selective, offload, lean)
+    blocks, outside = predicted_parts(est, layout)
     measured_blocks = sum(measured.saved) + sum(measured.selective) + measured.shared
     return Comparison(
         predicted=blocks + outside,
@@ -109,7 +90,7 @@ def compare(est: ActivationEstimate, measured: SavedBytes, model: Any) -> Compar
         outside_predicted=outside,
         outside_measured=measured.outside,
         batch_shape=(est.batch_size, est.seq_len),
-        pattern=pattern,
+        pattern=layout.pattern,
     )
 
 

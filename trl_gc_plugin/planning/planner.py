@@ -29,15 +29,13 @@ torch and transformers are imported inside the functions only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..core.decisions import Decision
+from ..core.layout import SELECTIVE, Kind, Layout
 from ..core.settings import format_bytes
-from ..model import ckpt, probe
-from ..model.ckpt import is_lean, is_selective, offload_checkpoint
-from ..model.policies import selective_context
+from ..model import ckpt
 from .memory import ActivationEstimate
 
 RULE_ID = "memory-plan"
@@ -55,90 +53,81 @@ OP_OVERHEAD = {"cpu": 1e6, "cuda": 3e9}
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to checkpoint, with what it is predicted to cost.
+    """One way to checkpoint (`layout`, block by block), with what it is predicted to cost.
 
     Args:
         name (`str`): `none`, `every-2`, `3-of-8`, `full`, `selective`, `selective-lean`, `offload`, `mixed`.
-        pattern (`tuple[bool, ...]`): per block, whether it is checkpointed.
-        every_n (`int`, *optional*): n when the pattern is transformers' `every_n_layers=n` (block `i` checkpointed
-            when `i % n == 0`).
-        selective (`bool`): checkpointed blocks keep matmul and attention outputs (`policies.selective_policy`); in a
-            mixed plan, some of them do (`selective_blocks`).
-        offload (`bool`): checkpointed blocks keep their inputs in (pinned) host memory.
+        layout (`Layout`): what each block runs.
         saved_bytes (`int`): bytes kept for the backward at the end of the forward, on the device.
         peak_bytes (`int`): predicted peak above the weights and optimizer state.
         peak_at (`str`): where the peak is (`loss head`, `block 3`, `end`).
         recompute (`float`): predicted recomputed share of the model's forward cost.
-        recompute_blocks (`float`): share of the block forwards run again (checkpointed blocks / blocks).
-        allowed (`bool`): whether the rules allow it here.
-        why_not (`str`): why not, when not allowed.
-        selective_blocks (`tuple[bool, ...]`): per block, selective or not, for a mixed plan (`mixed_candidate`);
-            empty when `selective` says it for every checkpointed block.
-        lean_blocks (`tuple[bool, ...]`): per block, whether its selective checkpoint runs the lean policy
-            (`policies.lean_policy`: the outputs of widening matmuls recomputed too); empty when none does.
+        allowed (`bool`): whether the rules allow it here; `why_not`: why not.
     """
 
     name: str
-    pattern: tuple[bool, ...]
-    every_n: int | None
-    selective: bool
-    offload: bool
+    layout: Layout
     saved_bytes: int
     peak_bytes: int
     peak_at: str
     recompute: float
-    recompute_blocks: float
     allowed: bool = True
     why_not: str = ""
-    selective_blocks: tuple[bool, ...] = ()
-    lean_blocks: tuple[bool, ...] = ()
+
+    @property
+    def pattern(self) -> tuple[bool, ...]:
+        return self.layout.pattern
 
     @property
     def checkpointed(self) -> int:
-        return sum(self.pattern)
+        return self.layout.checkpointed
 
     @property
-    def layout(self) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...], bool]:
-        """What the candidate runs, block by block: (pattern, selective, lean, offload); equal for equal plans."""
-        return self.pattern, self.per_block_selective, self.per_block_lean, self.offload
+    def every_n(self) -> int | None:
+        return self.layout.every_n
 
     @property
-    def per_block_lean(self) -> tuple[bool, ...]:
-        """Per block, whether it runs the lean selective policy."""
-        return self.lean_blocks or (False,) * len(self.pattern)
-
-    @property
-    def per_block_selective(self) -> tuple[bool, ...]:
-        """Per block, whether it runs the selective policy."""
-        return self.selective_blocks or tuple(on and self.selective for on in self.pattern)
+    def offload(self) -> bool:
+        return any(self.layout.offload)
 
     def summary(self) -> str:
         """`every-2 (4 of 8 blocks)`, `selective (every block, matmul and attention outputs kept)`, ..."""
+        layout, uniform, count = self.layout, self.layout.uniform_kind, self.layout.count()
         if self.name == "none":
             return "none (no block checkpointed)"
-        if self.selective_blocks:
-            sel, lean = sum(self.selective_blocks), sum(self.lean_blocks)
-            leaner = f", {lean} lean selective" if lean else ""
+        if uniform is None or (uniform != "full" and count["none"]):
+            leaner = f", {count['lean']} lean selective" if count["lean"] else ""
             return (
-                f"{self.name} ({len(self.pattern) - self.checkpointed} blocks not checkpointed, {sel - lean} selective"
-                f"{leaner}, {self.checkpointed - sel} full)"
+                f"{self.name} ({count['none']} blocks not checkpointed, {count['selective']} selective{leaner}, "
+                f"{count['full']} full)"
             )
-        if self.lean_blocks:
-            return f"{self.name} (every block, attention outputs and those of matmuls that do not widen kept)"
-        if self.selective:
-            return f"{self.name} (every block, matmul and attention outputs kept)"
-        if self.offload:
-            return f"{self.name} (every block, inputs offloaded to host memory)"
-        return f"{self.name} ({self.checkpointed} of {len(self.pattern)} blocks)"
+        what = {
+            "lean": "attention outputs and those of matmuls that do not widen kept",
+            "selective": "matmul and attention outputs kept",
+            "offload": "inputs offloaded to host memory",
+        }
+        if uniform in what:
+            return f"{self.name} (every block, {what[uniform]})"
+        return f"{self.name} ({self.checkpointed} of {len(layout)} blocks)"
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["pattern"] = [int(x) for x in self.pattern]
-        data["selective_blocks"] = [int(x) for x in self.selective_blocks]
-        data["lean_blocks"] = [int(x) for x in self.lean_blocks]
-        data["recompute"] = round(self.recompute, 4)
-        data["recompute_blocks"] = round(self.recompute_blocks, 4)
-        return data
+        layout, mixed = self.layout, self.layout.uniform_kind is None
+        return {
+            "name": self.name,
+            "pattern": [int(x) for x in layout.pattern],
+            "every_n": self.every_n,
+            "selective": any(layout.selective),
+            "offload": self.offload,
+            "saved_bytes": self.saved_bytes,
+            "peak_bytes": self.peak_bytes,
+            "peak_at": self.peak_at,
+            "recompute": round(self.recompute, 4),
+            "recompute_blocks": round(self.checkpointed / len(layout), 4) if len(layout) else 0.0,
+            "allowed": self.allowed,
+            "why_not": self.why_not,
+            "selective_blocks": [int(x) for x in layout.selective] if mixed and any(layout.selective) else [],
+            "lean_blocks": [int(x) for x in layout.lean] if any(layout.lean) else [],
+        }
 
 
 @dataclass(frozen=True)
@@ -184,14 +173,6 @@ def spread(k: int, n: int) -> tuple[bool, ...]:
     """`k` of `n` blocks checkpointed, evenly spread, block 0 first: transformers' `every_n_layers=m` pattern
     (`i % m == 0`) whenever `k = ceil(n / m)` divides evenly."""
     return tuple((i * k) % n < k for i in range(n))
-
-
-def _every_n(pattern: tuple[bool, ...]) -> int | None:
-    n = len(pattern)
-    for m in range(1, n + 1):
-        if pattern == tuple(i % m == 0 for i in range(n)):
-            return m
-    return None
 
 
 def gathered_bytes(blocks: list[int], head: int, held: int = 0) -> int:
@@ -244,26 +225,16 @@ def _itemsize(dtype: str) -> int:
 
 
 def predict_peak(
-    est: ActivationEstimate,
-    pattern: tuple[bool, ...],
-    selective: bool | Sequence[bool] = False,
-    offload: bool = False,
-    grads_preallocated: bool = False,
-    grad_fraction: float = 1.0,
-    lean: Sequence[bool] = (),
+    est: ActivationEstimate, layout: Layout, grads_preallocated: bool = False, grad_fraction: float = 1.0
 ) -> tuple[int, str, dict[str, int]]:
-    """Predicted peak above the weights and optimizer state for one forward and backward (see the module docstring);
-    `lean`: per block, whether a selective block runs the lean policy.
+    """Predicted peak above the weights and optimizer state for one forward and backward under `layout` (see the
+    module docstring).
 
     Returns:
         (peak bytes, where, the bytes of every phase).
     """
-    est._check(pattern)
-    n = est.num_blocks
-    sel = est.per_block(selective)
-    lean = list(lean) or [False] * n
-    kept = est.kept(pattern, sel, lean, offload)
-    shared = est.shared if not all(pattern) else 0
+    kept = est.kept(layout)
+    shared = est.shared if not all(layout.pattern) else 0
     saved = est.outside + shared + sum(kept)
     alive = est.kwargs_bytes - shared  # keyword tensors of the blocks not counted as saved are alive all the same
     scale = 0.0 if grads_preallocated else grad_fraction
@@ -272,40 +243,26 @@ def predict_peak(
     phases = {"loss head": saved + alive + 2 * est.loss_buffer_bytes + est.gathered_bytes}
     below = sum(kept)
     grads_after = head
-    for i in reversed(range(n)):
+    for i in reversed(range(est.num_blocks)):
         grads_after += grads[i]
-        if pattern[i]:
-            rebuilt = est.saved[i] - est.input_saved[i] - est.policy_bytes(i, sel[i], lean[i])
-            if offload:
-                rebuilt += est.inputs[i]
-        else:
-            rebuilt = 0
+        kind = layout.kinds[i]
+        rebuilt = 0 if kind == "none" else est.saved[i] - est.input_saved[i] - est.policy_bytes(i, kind)
+        if kind == "offload":
+            rebuilt += est.inputs[i]
         phases[f"block {i}"] = (
             below + rebuilt + est.kwargs_bytes + grads_after + est.transient_bytes + est.gathered_bytes
         )
         below -= kept[i]
-    phases["end"] = grads_after + round(est.embedding_grad_bytes * (0.0 if grads_preallocated else grad_fraction))
+    phases["end"] = grads_after + round(est.embedding_grad_bytes * scale)
     where = max(phases, key=lambda k: phases[k])
     return phases[where], where, phases
 
 
-def recompute_cost(
-    est: ActivationEstimate,
-    pattern: tuple[bool, ...],
-    selective: bool | Sequence[bool],
-    balance: float,
-    op_overhead: float = 0.0,
-    lean: Sequence[bool] = (),
-) -> float:
-    """Recomputed share of the forward cost (matmul FLOPs plus `balance` per byte written by the other ops; selective
-    adds `op_overhead` per op), `selective` for every block or per block, `lean` per block."""
+def recompute_cost(est: ActivationEstimate, layout: Layout, balance: float, op_overhead: float = 0.0) -> float:
+    """Recomputed share of the forward cost under `layout` (matmul FLOPs plus `balance` per byte written by the other
+    ops; selective adds `op_overhead` per op)."""
     total = forward_cost(est, balance)
-    lean = list(lean) or [False] * est.num_blocks
-    again = sum(
-        _block_cost(est, i, sel, balance, op_overhead, lean[i])
-        for i, (on, sel) in enumerate(zip(pattern, est.per_block(selective), strict=True))
-        if on
-    )
+    again = sum(_block_cost(est, i, k, balance, op_overhead) for i, k in enumerate(layout.kinds) if k != "none")
     return again / total if total > 0 else 0.0
 
 
@@ -314,13 +271,13 @@ def forward_cost(est: ActivationEstimate, balance: float) -> float:
     return est.outside_flops + sum(f + balance * b for f, b in zip(est.block_flops, est.other_bytes, strict=True))
 
 
-def _block_cost(
-    est: ActivationEstimate, i: int, selective: bool, balance: float, op_overhead: float, lean: bool = False
-) -> float:
-    """What recomputing block `i` costs (full, or selective: the ops its policy did not keep, and the policy)."""
-    kept = (est.lean_matmul_flops[i] if lean and est.lean_matmul_flops else est.matmul_flops[i]) if selective else 0
-    flops = est.block_flops[i] - kept
-    return flops + balance * est.other_bytes[i] + (op_overhead * est.ops[i] if selective else 0.0)
+def _block_cost(est: ActivationEstimate, i: int, kind: Kind, balance: float, op_overhead: float) -> float:
+    """What recomputing block `i` costs when it runs `kind` (full or offloaded: all of it; selective: the ops its policy
+    did not keep, and the policy)."""
+    selective = kind in SELECTIVE
+    lean = kind == "lean" and est.lean_matmul_flops
+    kept = (est.lean_matmul_flops[i] if lean else est.matmul_flops[i]) if selective else 0
+    return est.block_flops[i] - kept + balance * est.other_bytes[i] + (op_overhead * est.ops[i] if selective else 0.0)
 
 
 def candidates(
@@ -335,47 +292,42 @@ def candidates(
     selective_why_not: str = "needs use_reentrant=False (torch accepts context_fn only for non-reentrant checkpointing)",
     offload_why_not: str = "needs an accelerator (save_on_cpu pins host memory; it fails on a CPU-only machine)",
 ) -> list[Candidate]:
-    """Every candidate for `est`, cheapest first (predicted recompute cost, then predicted peak)."""
+    """Every uniform candidate for `est`, cheapest first (predicted recompute cost, then predicted peak)."""
     n = est.num_blocks
     balance = BALANCE["cpu"] if balance is None else balance
     op_overhead = OP_OVERHEAD["cpu"] if op_overhead is None else op_overhead
-    shapes: list[tuple[str, tuple[bool, ...], bool, bool, bool, str]] = [("none", (False,) * n, False, False, True, "")]
+    shapes: list[tuple[str, Layout, bool, str]] = [("none", Layout.uniform("none", n), True, "")]
     for k in range(1, n):
-        pattern = spread(k, n)
-        m = _every_n(pattern)
-        shapes.append((f"every-{m}" if m else f"{k}-of-{n}", pattern, False, False, True, ""))
-    full = (True,) * n
-    shapes.append(("full", full, False, False, True, ""))
-    shapes.append(("selective", full, True, False, allow_selective, "" if allow_selective else selective_why_not))
+        layout = Layout.from_pattern(spread(k, n))
+        shapes.append((f"every-{layout.every_n}" if layout.every_n else f"{k}-of-{n}", layout, True, ""))
+    selective_why = "" if allow_selective else selective_why_not
+    shapes.append(("full", Layout.uniform("full", n), True, ""))
+    shapes.append(("selective", Layout.uniform("selective", n), allow_selective, selective_why))
     if est.has_lean:
-        why = "" if allow_selective else selective_why_not
-        shapes.append(("selective-lean", full, True, False, allow_selective, why))
-    shapes.append(("offload", full, False, True, allow_offload, "" if allow_offload else offload_why_not))
-    out = []
-    for name, pattern, sel, off, allowed, why in shapes:
-        lean = full if name == "selective-lean" else ()
-        peak, where, _ = predict_peak(est, pattern, sel, off, grads_preallocated, grad_fraction, lean)
-        saved = est.saved_bytes(pattern, sel, lean, off)
-        cost = recompute_cost(est, pattern, sel, balance, op_overhead, lean)
-        out.append(
-            Candidate(
-                name=name,
-                pattern=pattern,
-                every_n=_every_n(pattern) if any(pattern) else None,
-                selective=sel,
-                offload=off,
-                saved_bytes=saved,
-                peak_bytes=peak,
-                peak_at=where,
-                recompute=cost,
-                recompute_blocks=sum(pattern) / n if n else 0.0,
-                allowed=allowed,
-                why_not=why,
-                lean_blocks=lean,
-            )
-        )
+        shapes.append(("selective-lean", Layout.uniform("lean", n), allow_selective, selective_why))
+    shapes.append(("offload", Layout.uniform("offload", n), allow_offload, "" if allow_offload else offload_why_not))
+    out = [
+        _candidate(est, name, layout, balance, op_overhead, grads_preallocated, grad_fraction, allowed, why)
+        for name, layout, allowed, why in shapes
+    ]
     out.sort(key=_cheapest_first)
     return out
+
+
+def _candidate(
+    est: ActivationEstimate,
+    name: str,
+    layout: Layout,
+    balance: float,
+    op_overhead: float,
+    grads_preallocated: bool,
+    grad_fraction: float,
+    allowed: bool = True,
+    why_not: str = "",
+) -> Candidate:
+    peak, where, _ = predict_peak(est, layout, grads_preallocated, grad_fraction)
+    cost = recompute_cost(est, layout, balance, op_overhead)
+    return Candidate(name, layout, est.saved_bytes(layout), peak, where, cost, allowed, why_not)
 
 
 def _cheapest_first(c: Candidate) -> tuple[float, int]:
@@ -411,30 +363,14 @@ def mixed_candidate(
     n = est.num_blocks
     if n == 0:
         return None
-    kinds = ("none", "full", "selective", "lean")[: (4 if est.has_lean else 3) if allow_selective else 2]
+    options: tuple[Kind, ...] = ("none", "full", "selective", "lean")
+    options = options[: (4 if est.has_lean else 3) if allow_selective else 2]
     kept = np.array(
-        [
-            [
-                est.saved[i],
-                est.inputs[i],
-                est.inputs[i] + est.selective[i],
-                est.inputs[i] + est.policy_bytes(i, True, True),
-            ][: len(kinds)]
-            for i in range(n)
-        ],
+        [[est.saved[i] if k == "none" else est.inputs[i] + est.policy_bytes(i, k) for k in options] for i in range(n)],
         dtype=np.float64,
     )
     cost = np.array(
-        [
-            [
-                0.0,
-                *(
-                    _block_cost(est, i, k != "full", balance, op_overhead, k == "lean")
-                    for k in ("full", "selective", "lean")
-                ),
-            ][: len(kinds)]
-            for i in range(n)
-        ]
+        [[0.0 if k == "none" else _block_cost(est, i, k, balance, op_overhead) for k in options] for i in range(n)]
     )
     # the loss head besides the blocks (and the parameters ZeRO-3 / FSDP2 hold gathered there)
     fixed = est.outside + est.kwargs_bytes + 2 * est.loss_buffer_bytes + est.gathered_bytes
@@ -445,27 +381,11 @@ def mixed_candidate(
         choice = _knapsack(kept, cost, room)
         if choice is None:
             return None
-        pattern = tuple(kinds[k] != "none" for k in choice)
-        selective = tuple(kinds[k] in ("selective", "lean") for k in choice)
-        lean = tuple(kinds[k] == "lean" for k in choice)
-        peak, where, _ = predict_peak(est, pattern, selective, False, grads_preallocated, grad_fraction, lean)
-        if peak <= budget_bytes:
-            saved = est.saved_bytes(pattern, selective, lean)
-            return Candidate(
-                name="mixed",
-                pattern=pattern,
-                every_n=None,
-                selective=any(selective),
-                offload=False,
-                saved_bytes=saved,
-                peak_bytes=peak,
-                peak_at=where,
-                recompute=recompute_cost(est, pattern, selective, balance, op_overhead, lean),
-                recompute_blocks=sum(pattern) / n,
-                selective_blocks=selective if any(selective) else (),
-                lean_blocks=lean if any(lean) else (),
-            )
-        room -= peak - budget_bytes
+        layout = Layout(tuple(options[k] for k in choice))
+        mixed = _candidate(est, "mixed", layout, balance, op_overhead, grads_preallocated, grad_fraction)
+        if mixed.peak_bytes <= budget_bytes:
+            return mixed
+        room -= mixed.peak_bytes - budget_bytes
     return None
 
 
@@ -575,13 +495,14 @@ def plan(
 def _cost(c: Candidate) -> str:
     if c.name == "none":
         return "recomputes nothing"
-    blocks = f"{c.checkpointed} of {len(c.pattern)} blocks"
-    kind = "their elementwise ops" if c.selective else "them"
-    if c.lean_blocks:
+    blocks = f"{c.checkpointed} of {len(c.layout)} blocks"
+    count, uniform = c.layout.count(), c.layout.uniform_kind
+    kind = "their elementwise ops" if uniform == "selective" else "them"
+    if uniform == "lean":
         kind = "their elementwise ops and widening matmuls"
-    if c.selective_blocks:
+    if uniform is None:
         kind = "them (the selective ones only their elementwise ops"
-        kind += ", the lean ones their widening matmuls too)" if c.lean_blocks else ")"
+        kind += ", the lean ones their widening matmuls too)" if count["lean"] else ")"
     return f"recomputes {kind} ({blocks}, about {c.recompute:.0%} of the forward cost)"
 
 
@@ -645,84 +566,9 @@ def plan_decisions(
 
 
 def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
-    """Apply `candidate` to the live model through `ckpt.apply` (its arguments, idempotence and errors): each block's
-    `gradient_checkpointing` flag, and its checkpoint function (`use_reentrant`, selective's `context_fn`,
-    offloading), on transformers 4.x and 5.x. Other keywords (a user's `preserve_rng_state`, ...) are kept; a
-    `context_fn` that is not the planner's is kept unless the candidate is selective.
-
-    Args:
-        candidate: from `plan()`.
-        use_reentrant (`bool`): the `use_reentrant` the blocks run with.
-    """
-    ckpt.apply(
-        model,
-        ckpt.Spec(
-            pattern=candidate.pattern,
-            use_reentrant=use_reentrant,
-            keywords={"every_n_layers": None, "offload": None},  # transformers' own keys never reach torch's checkpoint
-            selective=candidate.per_block_selective if candidate.selective_blocks else candidate.selective,
-            offload=candidate.offload,
-            lean=candidate.per_block_lean,
-        ),
-    )
-
-
-def pattern_of(model: Any) -> tuple[bool, ...]:
-    """The live per-block `gradient_checkpointing` flags (`probe.block_pattern`), beside `selective_of` / `offload_of`."""
-    return probe.block_pattern(model)
-
-
-def selective_of(model: Any) -> tuple[bool, ...]:
-    """Per block, whether its checkpoint function runs the planner's selective policy."""
-    return tuple(is_selective(ckpt.function_of(b)) for b in ckpt.blocks(ckpt.unwrap(model)))
-
-
-def lean_of(model: Any) -> tuple[bool, ...]:
-    """Per block, whether its checkpoint function runs the planner's lean selective policy."""
-    return tuple(is_lean(ckpt.function_of(b)) for b in ckpt.blocks(ckpt.unwrap(model)))
-
-
-def offload_of(model: Any) -> tuple[bool, ...]:
-    """Per block, whether its checkpoint function offloads (the planner's `offload_checkpoint`)."""
-    functions = (ckpt.real(ckpt.function_of(b)) for b in ckpt.blocks(ckpt.unwrap(model)))
-    return tuple(getattr(f, "func", None) is offload_checkpoint for f in functions)
-
-
-def drift(model: Any, candidate: Candidate) -> list[str]:
-    """How the live model differs from `candidate` (empty: it runs the plan). For the per-step drift check: TRL's
-    per-step re-enable sets every block's flag and function again."""
-    found = []
-    if pattern_of(model) != candidate.pattern:
-        found.append("pattern")
-    on = [i for i, x in enumerate(candidate.pattern) if x]
-    sel, off, want = selective_of(model), offload_of(model), candidate.per_block_selective
-    lean, want_lean = lean_of(model), candidate.per_block_lean
-    if any(sel[i] != want[i] or lean[i] != want_lean[i] for i in on):
-        found.append("selective")
-    if any(off[i] != candidate.offload for i in on):
-        found.append("offload")
-    return found
-
-
-__all__ = [
-    "BALANCE",
-    "OP_OVERHEAD",
-    "Candidate",
-    "Plan",
-    "apply_plan",
-    "candidates",
-    "drift",
-    "forward_cost",
-    "is_selective",
-    "lean_of",
-    "offload_checkpoint",
-    "offload_of",
-    "pattern_of",
-    "plan",
-    "plan_decisions",
-    "predict_peak",
-    "recompute_cost",
-    "selective_context",
-    "selective_of",
-    "spread",
-]
+    """Apply `candidate.layout` to the live model (`ckpt.apply`: each block's flag and checkpoint function, on
+    transformers 4.x and 5.x), with `use_reentrant`. Other keywords (a user's `preserve_rng_state`, ...) are kept; a
+    `context_fn` that is not the planner's is kept unless the block runs selective; transformers' own layer keys never
+    reach torch's checkpoint."""
+    keywords = {"every_n_layers": None, "offload": None}
+    ckpt.apply(model, ckpt.Spec(layout=candidate.layout, use_reentrant=use_reentrant, keywords=keywords))

@@ -10,15 +10,14 @@ from transformers import TrainerCallback
 
 from .._base import report
 from .._base.weak import WeakIdMap
-from ..core import settings
 from ..core.decisions import Decision
-from ..core.errors import GCConfigError
+from ..core.errors import GCConfigError, contained
 from ..core.modes import Mode
+from ..core.settings import GCSettings
 from ..model import probe
 from ..model.observe import Call
 from ..runtime.run import Run
-from . import model_route as loop
-from . import tracker
+from . import model_route, tracker
 
 _OWNERS: WeakIdMap[SafeGCCallback] = WeakIdMap()
 """Which callback acts for a Trainer, keyed by the Trainer's `TrainerState` (kept off the state object itself)."""
@@ -27,27 +26,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _guarded(event: F) -> F:
-    """A plugin bug never stops training: anything but a deliberate `GCConfigError` is logged once and the callback
-    stands down for the rest of the run."""
+    """A plugin bug never stops training (`errors.contained`): the callback stands down for the rest of the run and
+    every hook of the run goes; a deliberate `GCConfigError` stops the run."""
 
     @functools.wraps(event)
     def wrapper(self: SafeGCCallback, *args: Any, **kwargs: Any) -> Any:
         if self._broken:
             return None
-        try:
+        with contained(event.__name__, functools.partial(self._stand_down, event.__name__)):
             return event(self, *args, **kwargs)
-        except GCConfigError:
-            raise
-        except Exception as exc:
-            self._broken = True
-            self._active = False
-            self._stop_watching()
-            report.note(
-                f"internal error in {event.__name__} ({type(exc).__name__}: {exc}); training goes on without the "
-                "plugin's checks. Please report it.",
-                "warning",
-            )
-            return None
+        return None
 
     return wrapper  # type: ignore[return-value]
 
@@ -138,18 +126,8 @@ class SafeGCCallback(TrainerCallback):
         parity_check: bool | None = None,
         memory_budget: str | int | None = None,
     ) -> None:
-        from .post_init import installed_settings
-
-        resolved = settings.GCSettings.resolve(
-            {
-                "mode": mode,
-                "write_json": write_json,
-                "audit": audit,
-                "parity_check": parity_check,
-                "memory_budget": memory_budget,
-            },
-            installed_settings(),
-        )
+        given = {"mode": mode, "write_json": write_json, "audit": audit, "parity_check": parity_check}
+        resolved = GCSettings.resolve({**given, "memory_budget": memory_budget})
         self.settings = resolved
         self.mode: Mode = resolved.mode
         self.memory_budget = resolved.memory_budget
@@ -161,8 +139,6 @@ class SafeGCCallback(TrainerCallback):
         self._broken = False
         self._reset_run()
         report.setup()
-        for line in resolved.problems:
-            report.note(f"{line}; using the default.", "warning")
 
     def register(self, cfg: Any = None) -> None:
         """Axolotl calls `register` on what its `plugins:` list names; this class is a Trainer callback, not an
@@ -176,11 +152,7 @@ class SafeGCCallback(TrainerCallback):
     def decisions(self) -> list[Decision]:
         """The decisions for the last Trainer this callback saw (those of the acting callback when this one stood
         by)."""
-        return self._owner.decisions if self._owner is not None else self._run.session.decisions
-
-    @decisions.setter
-    def decisions(self, value: list[Decision]) -> None:
-        self._run.session.decisions = value
+        return self._owner.decisions if self._owner is not None else self._run.decisions
 
     @property
     def observed(self) -> dict[str, Call]:
@@ -208,14 +180,14 @@ class SafeGCCallback(TrainerCallback):
             return
         self._active, self._owner = True, None
         self._reset_run()
-        self._run.session.args = args
+        self._run.args = args
         report.follow_trainer(args)
         tracker.move_before_reporters(self)  # a callback passed to the Trainer comes after the reporters
         if model is None:
             return
-        loop.claim(model)  # the Trainer route owns this model: the model route stays silent
+        model_route.claim(model)  # the Trainer route owns this model: the model route stays silent
         record = probe.get_record(args)  # what the patched __post_init__ decided, when it ran
-        self._run.init(args, model, list(record.decisions) if record is not None else [])
+        self._run.decide(args, model, list(record.decisions) if record is not None else [])
 
     @_guarded
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
@@ -227,14 +199,16 @@ class SafeGCCallback(TrainerCallback):
         if not getattr(state, "is_world_process_zero", True):
             return
         text = bool(set(tracker.reporters(args)) & tracker.TEXT_REPORTERS)
-        logs.update(tracker.summary(self.decisions, *self._run.session.final, self.mode, self.plan_check, text))
+        run = self._run
+        logs.update(tracker.summary(self.decisions, run.use_reentrant, run.source, self.mode, self.plan_check, text))
 
     @_guarded
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         """Checkpointing is live now: check the model runs what was decided; repair it when it does not. Then install
         the first step's checks."""
         if self._active and model is not None:
-            self._run.begin(args, model, self._asked(args))
+            facts = self._run.begin(args, model, self._asked(args))
+            self._run.arm_first_step(facts, model)
 
     @_guarded
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -253,15 +227,16 @@ class SafeGCCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if not self._active:
             return
-        self._stop_watching()
-        self._run.say_repeats(report.is_main_process(args))
+        self._run.finish("the Trainer took no optimizer step")
 
     @staticmethod
     def _asked(args: Any) -> bool:
         return bool(getattr(args, probe.flag_field(args), False))
 
-    def _stop_watching(self) -> None:
-        self._run.stop()
+    def _stand_down(self, event: str, exc: Exception) -> None:
+        """After a plugin bug: said once, every hook of the run goes, the callback does nothing more for this run."""
+        self._broken, self._active = True, False
+        self._run.fail(exc, event)
 
     # --- two callbacks for one Trainer ---------------------------------------------------------------------------
 
@@ -278,7 +253,6 @@ class SafeGCCallback(TrainerCallback):
     def _become_passive(self, owner: SafeGCCallback) -> None:
         """Registered twice (explicitly and through TRL_GC_PLUGIN / install()): one instance acts."""
         self._active = False
-        self._run.session.watch = None
         self._owner = owner
         if owner.mode != self.mode:
             report.note(

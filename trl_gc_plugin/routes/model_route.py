@@ -1,5 +1,5 @@
 """The model route: the plugin for training loops without a `Trainer` (OpenRLHF, verl, `accelerate` and plain PyTorch
-loops), through the same `runtime.Run` the Trainer route drives.
+loops), through the same `runtime.run.Run` the Trainer route drives.
 
 Such a loop turns checkpointing on with `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)`
 (`activation_checkpointing_enable` on transformers >= 5.23) and has no `TrainingArguments` and no callback events.
@@ -9,35 +9,41 @@ The route stands in for both:
   user's, as a value written in `TrainingArguments` is), and the launch facts the process shows (the world size of
   `torch.distributed` or the launcher's environment, a DeepSpeed config transformers holds for ZeRO-3, accelerate's
   environment);
-- the events are the model's first training forward (decide, refuse or repair, install the first step's checks: a
-  refusal comes before any backward) and the first optimizer step (`torch.optim`'s global step hooks: the gradient
-  audit and the parity probe before any parameter update, then the first step's checks go).
+- the events are the model's first training forward (seen at the model's class, `hooks.Hooks.method`: decide, refuse
+  or repair, install the first step's checks: a refusal comes before any backward), its first optimizer step (torch's
+  process-wide optimizer pre-hook: the gradient audit and the parity probe before any parameter update; then the first
+  step's checks go) and its re-enables (the enable guard: what drifted is put back, said once).
 
-Two ways in: `guard(model, ...)` after the enable call (decides at once, returns the decisions), and, under
-`install()` / `TRL_GC_PLUGIN=1`, the patched enable methods of `PreTrainedModel`, which arm the route for the model's
-first training forward. A model a Trainer manages (`claim`, called by `SafeGCCallback`) is the Trainer route's: the
-model route stays silent for it. Undoing the patch restores the methods exactly; a route leaves no hook behind once
-its first step is over.
+Two ways in: `guard(model, ...)` after the enable call (settings resolved and decided at once, the decisions
+returned), and, under `install()` / `TRL_GC_PLUGIN=1`, the patched enable methods of `PreTrainedModel` (settings
+resolved at the enable call, which raises a strict refusal; decided at the first training forward). A model a Trainer
+manages (`claim`, called by `SafeGCCallback`) is the Trainer route's: the model route stays silent for it.
+
+One lifecycle, every exit path: the run's hooks (`Run.hooks`) go when its first step is over (the enable guard stays
+with the model, dispatched by identity, and leaves with it or with `uninstall()`), on a refusal, when the model is
+updated without a torch optimizer step (said once: the first-step checks did not run), on `uninstall()`, and at the
+end of the process (said once for a route whose first training step never came). While it waits, a route holds the
+model weakly and nothing of it runs on other models' forwards.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._base import report
 from .._base.weak import WeakIdMap
 from ..core.decisions import Decision
-from ..core.errors import GCConfigError
+from ..core.errors import contained
 from ..core.settings import GCSettings
 from ..model import ckpt, probe
-
-if TYPE_CHECKING:
-    from ..runtime.run import Run
+from ..model.hooks import Handle
+from ..runtime.run import Run
 
 ENABLE_METHODS = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
 """The `PreTrainedModel` methods a loop turns checkpointing on with (the second exists from transformers 5.23)."""
@@ -51,7 +57,7 @@ _patched_class: list[Any] = []
 _CLAIMED: WeakIdMap[bool] = WeakIdMap()
 """Models a Trainer route owns (keyed by the transformers model under any wrapper)."""
 _ROUTES: WeakIdMap[ModelRoute] = WeakIdMap()
-"""The route armed or running for each model."""
+"""The route of each model (armed, in its first step, or done)."""
 _inside = threading.local()
 
 
@@ -119,81 +125,41 @@ Trainer's step events, so the `use-cache-off` rule has nothing to do here."""
 
 
 class ModelRoute:
-    """The plugin for one model trained without a Trainer.
+    """The plugin for one model trained without a Trainer: a `Run` driven by the model's own events.
 
     Args:
         model: the transformers model (or a wrapper of it) whose checkpointing the loop enabled.
-        settings (`GCSettings`): the resolved settings.
+        settings (`GCSettings`): the settings, resolved before the route was armed.
         kwargs: what the loop passed to the enable call (None: nothing), or None with `known=False` when the route
             only sees the model (its checkpoint function's keywords: their author is unknown, so a value there is
             treated as set explicitly).
-        output_dir: where `gc_decisions.json` goes, or None.
     """
 
-    def __init__(
-        self, model: Any, settings: GCSettings, kwargs: dict[str, Any] | None, known: bool, output_dir: str | None
-    ) -> None:
+    def __init__(self, model: Any, settings: GCSettings, kwargs: dict[str, Any] | None, known: bool) -> None:
         self.model_ref = weakref.ref(model)
-        self.settings = settings
         self.kwargs = dict(kwargs) if kwargs is not None else None
         self.known = known
-        self.output_dir = output_dir
-        self.run: Run | None = None
-        self._arming: list[Any] = []
-        self._step_hooks = _StepHooks([])
-        self._ids: set[int] | None = None
-        self.broken = False
-        self.done = False
+        self.run = Run(settings, cache_switch=False, route_facts=ROUTE_FACTS)
+        self.state = "new"
+        """`new`, `decided`, `first step` (its checks armed), `done` (its first step checked) or `ended`."""
+        self._call: Any = None
+        self._step: Any = None
+        self._tracked: tuple[weakref.ref[Any], int] | None = None
 
-    # --- arming: the first training forward ------------------------------------------------------------------
+    @property
+    def waiting(self) -> bool:
+        """Its first step's checks have not run yet (and will not, if it ends now)."""
+        return self.state in ("new", "decided", "first step")
 
-    def arm(self) -> None:
-        """Start at the model's first training forward (grad enabled, training mode): a one-shot pre-hook on the input
-        embeddings (called first in every forward, under any wrapper) and on the model itself."""
+    # --- the run's stages, from the model's events --------------------------------------------------------------
+
+    def decide(self) -> list[Decision]:
+        """Decide for the model and what the loop asked (refuse before anything runs, or apply). Returns the
+        decisions."""
         model = self.model_ref()
         if model is None:
-            return
-        route = weakref.ref(self)
-        targets = _entry_modules(model)
-        ids = {id(t) for t in targets}
-
-        def on_forward(module: Any, args: Any) -> None:
-            import torch
-
-            current = route()
-            # a copy of the model (`copy.deepcopy` copies its hooks) is not this route's model
-            if current is None or id(module) not in ids or not torch.is_grad_enabled() or not module.training:
-                return
-            current.start_guarded()
-
-        self._arming = [t.register_forward_pre_hook(on_forward) for t in targets]
-
-    def disarm(self) -> None:
-        hooks, self._arming = self._arming, []
-        for hook in hooks:
-            hook.remove()
-
-    def start_guarded(self) -> None:
-        """`start()`, where a plugin bug never stops the loop: only a deliberate `GCConfigError` does."""
-        try:
-            self.start()
-        except GCConfigError:
-            raise
-        except Exception as exc:
-            self.fail(exc, "start")
-
-    # --- the run -------------------------------------------------------------------------------------------------
-
-    def start(self) -> list[Decision]:
-        """Decide for the model and what the loop asked (refuse before anything runs, or apply), repair what the
-        model runs, install the first step's checks and the optimizer-step hooks. Returns the decisions."""
-        self.disarm()
-        model = self.model_ref()
-        if model is None or self.run is not None:
-            return self.run.decisions if self.run is not None else []
-        if not probe.checkpointing_on(model):  # turned off again before training: nothing to guard
             return []
-        args = LoopConfig(output_dir=self.output_dir, deepspeed=_zero3_partitions(model))
+        args = LoopConfig(output_dir=self.run.settings.output_dir, deepspeed=_zero3_partitions(model))
         args.gradient_checkpointing = True
         args.gradient_checkpointing_kwargs = dict(self.kwargs) if self.kwargs is not None else None
         if self.known:
@@ -205,139 +171,131 @@ class ModelRoute:
             args.gradient_checkpointing_kwargs = dict(running) if running else None
             if "use_reentrant" in running:
                 probe.remember(args, running["use_reentrant"], "unknown")
-        from ..runtime.run import Run
-
-        run = self.run = Run(self.settings, cache_switch=False, route_facts=ROUTE_FACTS)
         before = dict(args.gradient_checkpointing_kwargs or {})
-        run.init(args, model)
-        self._sync_model(model, before, args.gradient_checkpointing_kwargs or {})
-        run.begin(args, model, asked=True)
-        self._install_step_hooks()
-        return run.decisions
+        self.state = "decided"
+        decisions = self.run.decide(args, model)
+        _sync_model(model, before, args.gradient_checkpointing_kwargs or {})
+        return decisions
 
-    @staticmethod
-    def _sync_model(model: Any, before: dict[str, Any], after: dict[str, Any]) -> None:
-        """What the decisions changed in the loop's kwargs, onto the model's checkpoint function (a Trainer would
-        enable again with its arguments; a loop enabled once, before the plugin decided)."""
-        for key in sorted(set(before) | set(after)):
-            if key in ("every_n_layers", "offload"):
-                continue  # layer arguments: transformers applied them at the enable call
-            if before.get(key, _MISSING) != after.get(key, _MISSING):
-                ckpt.set_keyword(model, key, after.get(key))
-
-    def _install_step_hooks(self) -> None:
-        """The first optimizer step's checks, from torch's global optimizer hooks (every optimizer a loop steps:
-        `torch.optim`, accelerate's and DeepSpeed's wrap one); removed after that step."""
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        route = weakref.ref(self)
-
-        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-            current = route()
-            if current is not None and current.steps(optimizer):
-                current.before_step()
-
-        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
-            current = route()
-            if current is not None and current.steps(optimizer):
-                current.after_step()
-
-        self._step_hooks = _StepHooks([register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)])
-        if self.run is not None:  # a refusal in the first forward (the session's stop) removes them with the checks
-            self.run.session.checks.append(self._step_hooks)
-
-    def steps(self, optimizer: Any) -> bool:
-        """Whether `optimizer` steps this route's model: it holds one of its parameters, or (an optimizer over
-        copies: DeepSpeed's partitions) some of them hold a gradient now. An optimizer of another model (a critic, a
-        reward model) waits for nothing."""
+    def arm(self) -> None:
+        """Wait for the model's first training forward, at its class: by identity, so neither another model nor a copy
+        of this one is hooked, and the route holds the model weakly until then."""
         model = self.model_ref()
-        if self.done or model is None or self.run is None or self.run.session.stopped:
-            return False
-        ids = self._ids
-        if ids is None:
-            ids = self._ids = {id(p) for p in model.parameters() if p.requires_grad}
-        groups = getattr(optimizer, "param_groups", None) or []
-        if any(id(p) in ids for group in groups for p in group.get("params", ())):
-            return True
-        return any(p.grad is not None for p in model.parameters() if p.requires_grad)
+        if model is not None:
+            self._call = self.run.hooks.method(ckpt.unwrap(model), "__call__", self._on_call, lasting=True)
+            ends = weakref.finalize(model, _collected, weakref.ref(self))  # the model collected: the route ends
+            self.run.hooks.add(Handle(ends.detach, lasting=True))
 
-    def before_step(self) -> None:
+    def _on_call(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        with contained("the model route", self._fail):
+            self._see_call()
+        return original(*args, **kwargs)
+
+    def _see_call(self) -> None:
+        import torch
+
         model = self.model_ref()
-        if self.run is None or model is None or self.broken:
+        if self.run.stopped:  # refused, or failed: the run removed its hooks itself
+            self.state = "ended"
+        if self.state in ("done", "ended") or model is None:  # the first step is over: nothing more to see here
+            if self._call is not None:
+                self.run.hooks.discard(self._call)
+                self._call = None
             return
-        try:
+        if not (torch.is_grad_enabled() and ckpt.unwrap(model).training):
+            return
+        if self.state == "first step":
+            if self._updated_without_a_step():
+                self.end("the model's parameters changed without a torch optimizer step (an update by hand?)")
+            return
+        if not probe.checkpointing_on(model):  # turned off again before training: nothing to guard
+            self.end()
+            return
+        if self.state == "new":
+            self.decide()
+        facts = self.run.begin(self.run.args, model, asked=True)
+        self.run.arm_first_step(facts, model)
+        self._step = self.run.hooks.optimizer_step(self._on_step)
+        self._tracked = _version_of(model)
+        self.state = "first step"
+
+    def _on_step(self, optimizer: Any) -> None:
+        model = self.model_ref()
+        if self.state != "first step" or self.run.stopped or model is None or not _steps(optimizer, model):
+            return
+        with contained("the model route", self._fail):
             self.run.before_optimizer_step(model)
-        except GCConfigError:
-            self.stop()
-            raise
-        except Exception as exc:
-            self.fail(exc, "the first optimizer step")
+            self.run.step_end(asked=True)
+            self.state = "done"
+            self.run.hooks.remove(keep_lasting=True)  # the enable guard stays; `__call__` goes at the next forward
 
-    def after_step(self) -> None:
-        """The first step is over: its checks go. torch is iterating its step hooks now, so they are removed at the
-        next forward (until then they return at once); the loop's later steps cost nothing."""
-        if self.done:
-            return
-        self.done = True
-        if self.run is not None and not self.broken:
-            try:
-                self.run.step_end(asked=True)
-            except Exception as exc:
-                self.fail(exc, "the end of the first step")
-        self.stop(now=False, keep_repairs=True)
+    def _updated_without_a_step(self) -> bool:
+        """The tracked parameter changed in place although no optimizer step of this model was seen."""
+        if self._tracked is None:
+            return False
+        ref, version = self._tracked
+        param = ref()
+        return param is not None and param._version != version
 
-    def stop(self, now: bool = True, keep_repairs: bool = False) -> None:
-        """Remove every trace of the route from the model and from torch's global hooks (`now=False`: the step hooks
-        at the model's next forward, from a one-shot pre-hook: torch may be iterating them now). `keep_repairs`: the
-        first step is over and the loop goes on with what the route repaired on the model (an input hook)."""
-        self.disarm()
-        if self.run is not None:
-            checks = self.run.session.checks
-            if self._step_hooks in checks:  # not removed by the session's stop, which may run inside a step hook
-                checks.remove(self._step_hooks)
-            self.run.stop(keep_repairs)
-        if now:
-            self._remove_step_hooks()
-            return
-        model = self.model_ref()
-        if model is None or not self._step_hooks.handles:
-            return
-        route = weakref.ref(self)
+    # --- the way out ----------------------------------------------------------------------------------------------
 
-        def cleanup(module: Any, args: Any) -> None:
-            current = route()
-            if current is not None:
-                current._remove_step_hooks()
+    def end(self, why: str | None = None) -> None:
+        """Take the route off the model (what it repaired on the model stays: the loop goes on); `why` its first
+        step's checks did not run, said once when they had not."""
+        if why and self.waiting and self.run.settings.audit:
+            report.note(f"{_name(self.model_ref())}: the first-step checks did not run: {why}.", "info")
+        self.state = "ended"
+        self._call = None
+        self.run.stop(keep_repairs=True)
 
-        self._arming = [t.register_forward_pre_hook(cleanup) for t in _entry_modules(model)]
+    def _fail(self, exc: Exception) -> None:
+        self.state = "ended"
+        self._call = None
+        self.run.fail(exc, "the model route")
 
-    def _remove_step_hooks(self) -> None:
-        self.disarm()
-        self._step_hooks.remove()
 
-    def fail(self, exc: BaseException, where: str) -> None:
-        self.broken = True
-        self.stop(now=False)
-        report.note(
-            f"internal error in the model route at {where} ({type(exc).__name__}: {exc}); training goes on without "
-            "the plugin's checks. Please report it.",
-            "warning",
-        )
+def _collected(route: weakref.ref[ModelRoute]) -> None:
+    current = route()
+    if current is not None and current.state != "ended":
+        current.end()
+
+
+def _sync_model(model: Any, before: dict[str, Any], after: dict[str, Any]) -> None:
+    """What the decisions changed in the loop's kwargs, onto the model's checkpoint function (a Trainer would enable
+    again with its arguments; a loop enabled once, before the plugin decided)."""
+    for key in sorted(set(before) | set(after)):
+        if key in ("every_n_layers", "offload"):
+            continue  # layer arguments: transformers applied them at the enable call
+        if before.get(key, _MISSING) != after.get(key, _MISSING):
+            ckpt.set_keyword(model, key, after.get(key))
+
+
+def _steps(optimizer: Any, model: Any) -> bool:
+    """Whether `optimizer` steps `model`: it holds one of its trainable parameters, or (an optimizer over copies:
+    DeepSpeed's partitions) some of them hold a gradient now. An optimizer of another model (a critic, a reward model)
+    waits for nothing."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ids = {id(p) for p in trainable}
+    groups = getattr(optimizer, "param_groups", None) or []
+    if any(id(p) in ids for group in groups for p in group.get("params", ())):
+        return True
+    return any(p.grad is not None for p in trainable)
+
+
+def _version_of(model: Any) -> tuple[weakref.ref[Any], int] | None:
+    """The first trainable parameter and its version counter (an update bumps it; a forward, a backward and
+    gradient accumulation do not); None under DeepSpeed ZeRO-3, whose partitions are swapped in and out."""
+    for param in model.parameters():
+        if param.requires_grad:
+            return None if hasattr(param, "ds_id") else (weakref.ref(param), param._version)
+    return None
+
+
+def _name(model: Any) -> str:
+    return type(ckpt.unwrap(model)).__name__ if model is not None else "a collected model"
 
 
 _MISSING = object()
-
-
-class _StepHooks:
-    """A route's two torch optimizer-step hooks, as a runtime check of its session (`remove`)."""
-
-    def __init__(self, handles: list[Any]) -> None:
-        self.handles = handles
-
-    def remove(self) -> None:
-        handles, self.handles = self.handles, []
-        for handle in handles:
-            handle.remove()
 
 
 def _zero3_partitions(model: Any) -> dict[str, Any] | None:
@@ -345,13 +303,6 @@ def _zero3_partitions(model: Any) -> dict[str, Any] | None:
     `ds_id`); the first parameter tells (zero.Init partitions every parameter)."""
     first = next(iter(model.parameters()), None)
     return {"zero_optimization": {"stage": 3}} if first is not None and hasattr(first, "ds_id") else None
-
-
-def _entry_modules(model: Any) -> list[Any]:
-    """The modules every forward of `model` calls first: its input embeddings (under any wrapper, whatever calls
-    `forward` directly) and the transformers model itself (a forward from `inputs_embeds`)."""
-    base, emb = ckpt.unwrap(model), probe.embeddings(model)
-    return [emb, base] if emb is not None else [base]
 
 
 # --- the public call ---------------------------------------------------------------------------------------------
@@ -396,8 +347,6 @@ def guard(
             optimizer.step()
         ```
     """
-    from .post_init import installed_settings
-
     given = {
         "mode": mode,
         "audit": audit,
@@ -405,24 +354,23 @@ def guard(
         "memory_budget": memory_budget,
         "output_dir": output_dir,
     }
-    settings = GCSettings.resolve(given, installed_settings(), caller="guard")
+    settings = GCSettings.resolve(given, caller="guard")
     report.setup()
-    for line in settings.problems:
-        report.note(f"{line}; using the default.", "warning")
     base = ckpt.unwrap(model)
-    old = _ROUTES.get(base)
+    old = _ROUTES.pop(base)
     if old is not None:
-        old.stop()
+        old.end()
     if not probe.checkpointing_on(base):
         report.note(
             "guard(): the model does not checkpoint; call model.gradient_checkpointing_enable(...) first.", "warning"
         )
         return []
     enabled = _ENABLED.get(base)
-    known = enabled is not None
-    route = ModelRoute(model, settings, enabled[0] if enabled else None, known, settings.output_dir)
+    route = ModelRoute(model, settings, enabled[0] if enabled else None, enabled is not None)
     _ROUTES.set(base, route)
-    return route.start()
+    decisions = route.decide()
+    route.arm()
+    return decisions
 
 
 # --- the patched enable methods ----------------------------------------------------------------------------------
@@ -435,10 +383,9 @@ def claim(model: Any) -> None:
     """A Trainer route owns `model` from now on: a route armed for it goes, and later enable calls arm none."""
     base = ckpt.unwrap(model)
     _CLAIMED.set(base, True)
-    route = _ROUTES.get(base)
+    route = _ROUTES.pop(base)
     if route is not None:
-        route.stop()
-        _ROUTES.pop(base)
+        route.end()
 
 
 def _loop_kwargs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -467,10 +414,8 @@ def _wrap(name: str, original: Any) -> Any:
             if outer:
                 _inside.active = False
         if outer:
-            try:
+            with contained("the model route"):  # a strict refusal of a setting stops here, the enable call raises it
                 _after_enable(self, _loop_kwargs(name, args, kwargs))
-            except Exception as exc:  # never let the plugin fail an enable call
-                report.note(f"internal error in the model route ({type(exc).__name__}: {exc}); no checks", "warning")
         return result
 
     setattr(enable, _MARK, True)
@@ -486,14 +431,12 @@ def _after_enable(model: Any, kwargs: dict[str, Any] | None) -> None:
     if not _patched:
         return
     old = _ROUTES.get(base)
-    if old is not None and old.run is not None:
-        return  # the route runs already (a re-enable mid-loop is not watched: a loop has no step events)
+    if old is not None and old.state in ("first step", "done"):
+        return  # the route runs: its enable guard sees this re-enable
+    settings = GCSettings.resolve({}, caller="TRL_GC_PLUGIN")  # before anything is armed: a refusal raises here
     if old is not None:
-        old.disarm()
-    from .post_init import installed_settings
-
-    settings = GCSettings.resolve({}, installed_settings(), caller="TRL_GC_PLUGIN")
-    route = ModelRoute(model, settings, kwargs, True, settings.output_dir)
+        old.end()
+    route = ModelRoute(model, settings, kwargs, True)
     _ROUTES.set(base, route)
     route.arm()
 
@@ -524,10 +467,19 @@ def unpatch_enable() -> None:
             else:
                 report.note(f"PreTrainedModel.{name} was re-patched by someone else; left as it is.", "warning")
         _patched.clear()
-    for route in list(_ROUTES.values()):
-        if route.run is None:
-            route.stop()
+    end_all("uninstall() was called")
 
 
 def is_patched() -> bool:
     return bool(_patched)
+
+
+def end_all(when: str) -> None:
+    """Every model route ends (`uninstall()`, the end of the process, `when`), saying so for those whose first step
+    had not come."""
+    for route in list(_ROUTES.values()):
+        waited_for = "a training forward" if route.state in ("new", "decided") else "an optimizer step of the model"
+        route.end(f"{when} before {waited_for}")
+
+
+atexit.register(end_all, "the process ended")

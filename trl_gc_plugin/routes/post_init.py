@@ -1,4 +1,5 @@
-"""Patches, all reversible: `TrainingArguments.__post_init__`, and the callback in `DEFAULT_CALLBACKS`.
+"""The post-init route and `install()`: patches, all reversible: `TrainingArguments.__post_init__`, the callback in
+`DEFAULT_CALLBACKS`, and (through `model_route`) the enable methods of loops without a Trainer.
 
 `install()` wraps `TrainingArguments.__post_init__` (every subclass - `SFTConfig`, `DPOConfig`, `GRPOConfig`... -
 runs it through `super().__post_init__()` or inherits it), so the safe `use_reentrant` is in the arguments from
@@ -20,17 +21,18 @@ from typing import Any
 
 from .._base import report
 from .._base.flags import parse_flag
-from ..core.engine import decide
 from ..core.errors import GCConfigError
 from ..core.modes import Mode
-from ..model import probe
-from ..runtime.session import Session
+from ..core.settings import BOOL_FORMS, BY_NAME, INSTALLED, GCSettings, parse_bool
+from ..model import hooks, probe
+from ..runtime.run import Run
 
 logger = logging.getLogger("trl_gc_plugin")
 
 _MARK = "__trl_gc_plugin_wrapper__"
 _lock = threading.RLock()
-_state: dict[str, Any] = {"original": None, "mode": None, "callback": None, "budget": None}
+_state: dict[str, Any] = {"original": None, "callback": None}
+"""What the patches replaced; what `install()` was given is `settings.INSTALLED`."""
 
 
 def _user_use_reentrant(args: Any) -> tuple[bool, Any]:
@@ -47,20 +49,17 @@ def _user_use_reentrant(args: Any) -> tuple[bool, Any]:
     return (False, None)
 
 
-def post_init_decide(args: Any, mode: Mode, user_given: bool, user_value: Any) -> list[Any]:
-    """What the patched `__post_init__` runs once the original has: a `Session` on the arguments alone (stage
+def post_init_decide(args: Any, settings: GCSettings, user_given: bool, user_value: Any) -> list[Any]:
+    """What the patched `__post_init__` runs once the original has: a `Run` on the arguments alone (stage
     `post_init`) decides, refuses or applies and logs, as the callback's stages do; its decisions stay in the
     arguments' record (`probe.PostInitRecord`, outside the object) for the callback to carry on from."""
     record = probe.start_record(args, user_given, user_value)
-    facts = probe.facts_from_args(args, stage="post_init")
-    if not facts.gc_enabled:
+    if not probe.facts_from_args(args, stage="post_init").gc_enabled:
         return []
     report.follow_trainer(args)
     # the distributed state is not read here (`args.process_index` would set it up): the launcher's rank decides
-    session = Session(mode, write_json=False, main_process=report.is_main_process())
-    session.args, session.final = args, (facts.use_reentrant, facts.use_reentrant_source)
-    decisions = decide(facts, mode)
-    session.take(decisions, None)
+    run = Run(settings, main_process=report.is_main_process(), write_json=False)
+    decisions = run.decide(args, None, stage="post_init")
     record.decisions.extend(decisions)
     return decisions
 
@@ -70,9 +69,8 @@ def _wrap(original: Any) -> Any:
     def __post_init__(self: Any, *a: Any, **kw: Any) -> Any:
         user_given, user_value = _user_use_reentrant(self)
         result = original(self, *a, **kw)
-        mode = _state["mode"]
-        if mode is not None:  # uninstalled while an old reference was still around: behave as the original
-            post_init_decide(self, mode, user_given, user_value)
+        if is_installed():  # uninstalled while an old reference was still around: behave as the original
+            post_init_decide(self, _settings(), user_given, user_value)
         return result
 
     setattr(__post_init__, _MARK, True)
@@ -81,22 +79,22 @@ def _wrap(original: Any) -> Any:
 
 def patch_training_args(cls: Any, mode: Mode | None = None) -> None:
     """Wrap `cls.__post_init__` (`transformers.TrainingArguments`); a second call only updates the mode. Without a
-    mode (the `TRL_GC_PLUGIN=1` route), the settings layer reads `$TRL_GC_PLUGIN_MODE` alone: a bad value is said
-    once, by the main process (the launcher's rank), and `strict` used."""
+    mode (the `TRL_GC_PLUGIN=1` route, patched while transformers is imported) the variables are read when a run
+    starts; a bad `TRL_GC_PLUGIN_MODE` is said now, once, by the main process, and `strict` used."""
     if mode is None:
-        from ..core.settings import BY_NAME, GCSettings
-
         env = BY_NAME["mode"].env
-        resolved = GCSettings.resolve({}, environ={env: os.environ.get(env, "")}, caller="TRL_GC_PLUGIN=1")
-        for line in resolved.problems:
-            report.note(f"{line}; using the default.", "warning", report.is_main_process())
-        mode = resolved.mode
+        GCSettings.resolve({}, installed={}, environ={env: os.environ.get(env, "")}, caller="TRL_GC_PLUGIN=1")
     with _lock:
-        _state["mode"] = mode
         current = cls.__dict__["__post_init__"]
         if not getattr(current, _MARK, False):
             _state["original"] = (cls, current)
             cls.__post_init__ = _wrap(current)
+
+
+def _settings() -> GCSettings:
+    """The settings of a run this route starts: `install()`'s, else the variables (a strict refusal of a bad value
+    refuses the arguments, as the callback refuses it when the Trainer is built)."""
+    return GCSettings.resolve({}, caller="TRL_GC_PLUGIN=1")
 
 
 TRACEBACK_ENV = "TRL_GC_PLUGIN_TRACEBACK"
@@ -169,29 +167,27 @@ def install(mode: str | None = None, callback: bool = True, memory_budget: str |
     """
     from transformers import TrainingArguments
 
-    from ..core.settings import BOOL_FORMS, GCSettings, parse_bool
-
     try:
         callback = parse_bool(callback)
     except ValueError:
         raise GCConfigError(f"install(callback=...): got {callback!r}; callback accepts {BOOL_FORMS}") from None
-    resolved = GCSettings.resolve({"mode": mode, "memory_budget": memory_budget}, caller="install")
-    for line in resolved.problems:
-        report.note(f"{line}; using the default.", "warning")
+    resolved = GCSettings.resolve({"mode": mode, "memory_budget": memory_budget}, installed={}, caller="install")
     with _lock:
+        INSTALLED["mode"] = resolved.mode
         if memory_budget is not None:
-            _state["budget"] = resolved.memory_budget
+            INSTALLED["memory_budget"] = resolved.memory_budget
         patch_training_args(TrainingArguments, resolved.mode)
     if callback:
         register_callback()
         from .model_route import patch_enable
 
-        patch_enable()  # loops without a Trainer: the model route (`loop.py`)
+        patch_enable()  # loops without a Trainer: the model route
 
 
 def uninstall() -> None:
-    """Undo `install()` (or the `TRL_GC_PLUGIN` start-up hook): restore the original `__post_init__` and remove
-    the callback from `DEFAULT_CALLBACKS`. Safe to call when nothing is installed."""
+    """Undo `install()` (or the `TRL_GC_PLUGIN` start-up hook): restore the original `__post_init__`, remove the
+    callback from `DEFAULT_CALLBACKS`, restore the enable methods, and remove every hook a run still holds. Safe to
+    call when nothing is installed."""
     with _lock:
         if _state["original"] is not None:
             cls, original = _state["original"]
@@ -201,10 +197,12 @@ def uninstall() -> None:
                 logger.warning("TrainingArguments.__post_init__ was re-patched by someone else; left as it is.")
         _remove_callback()
         _remove_refusal_hook()
-        _state.update(original=None, mode=None, budget=None)
+        _state["original"] = None
+        INSTALLED.clear()
     from .model_route import unpatch_enable
 
     unpatch_enable()
+    hooks.remove_all()
 
 
 def _remove_callback() -> None:
@@ -216,11 +214,6 @@ def _remove_callback() -> None:
         _state["callback"] = None
 
 
-def installed_settings() -> dict[str, Any]:
-    """What `install()` was given (the mode and the budget), for `GCSettings.resolve`; empty when not installed."""
-    return {"mode": _state["mode"], "memory_budget": _state["budget"]} if is_installed() else {}
-
-
 def is_installed() -> bool:
     """Whether the `__post_init__` patch is in place."""
     return _state["original"] is not None
@@ -229,7 +222,7 @@ def is_installed() -> bool:
 @contextlib.contextmanager
 def installed(mode: str | None = None, callback: bool = True, memory_budget: str | int | None = None) -> Iterator[None]:
     """`install()` for the duration of a `with` block (tests, notebooks); restores the previous state."""
-    was, old_mode, old_callback, old_budget = is_installed(), _state["mode"], _state["callback"], _state["budget"]
+    was, old_settings, old_callback = is_installed(), dict(INSTALLED), _state["callback"]
     install(mode, callback=callback, memory_budget=memory_budget)
     try:
         yield
@@ -237,7 +230,8 @@ def installed(mode: str | None = None, callback: bool = True, memory_budget: str
         if not was:
             uninstall()
         else:
-            _state["mode"], _state["budget"] = old_mode, old_budget
+            INSTALLED.clear()
+            INSTALLED.update(old_settings)
             if old_callback is None and _state["callback"] is not None:
                 _remove_callback()
                 from .model_route import unpatch_enable

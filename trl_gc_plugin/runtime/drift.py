@@ -1,6 +1,6 @@
-"""The check at every step end: the arguments and the model still hold the decision (TRL's DPO and GRPO re-enable
-checkpointing every step), and the input embeddings carry one input-require-grad hook, not a pile. A few attribute
-reads per step."""
+"""The check at every step end and at every re-enable of the model's checkpointing: the arguments and the model
+still hold the decision (TRL's DPO and GRPO re-enable checkpointing every step; a loop may), and the input embeddings
+carry one input-require-grad hook, not a pile. A few attribute reads."""
 
 from __future__ import annotations
 
@@ -8,51 +8,52 @@ from typing import Any
 
 from ..core.policy import action_for
 from ..core.rules import get_rule
-from .session import Session, runtime_decision
+from .record import Record, runtime_decision
 
 
-def check(session: Session) -> None:
-    """Repair (or, in warn mode and when the plugin stands back, report) what drifted since the last step."""
-    watch = session.watch
+def check(run: Record, cause: str = "mid-training") -> None:
+    """Repair (or, in warn mode and when the plugin stands back, report) what drifted since the last look."""
+    watch = run.watch
     if watch is None:
         return
-    drifted = watch.drift() + (session.guard.drifted() if session.guard is not None else [])
+    drifted = watch.drift(run.use_reentrant) + (run.guard.drifted() if run.guard is not None else [])
     if drifted:
-        _repair(session, drifted)
+        _repair(run, drifted, cause)
     if watch.embeddings is not None and watch.input_hooks() > 1:
-        _dedupe_hooks(session)
+        _dedupe_hooks(run)
 
 
-def _repair(session: Session, drifted: list[tuple[str, Any]]) -> None:
-    assert session.watch is not None
-    rule, value = get_rule("checkpointing-drift"), session.watch.value
-    report_only = action_for(session.mode, "repair", stands_back=session.stands_back()) == "warn"
+def _repair(run: Record, drifted: list[tuple[str, Any]], cause: str) -> None:
+    assert run.watch is not None
+    rule = get_rule("checkpointing-drift")
+    value = run.use_reentrant if isinstance(run.use_reentrant, bool) else run.watch.baseline
+    report_only = action_for(run.mode, "repair", stands_back=run.stands_back()) == "warn"
     verdicts = []
     for setting, found in drifted:
-        if session.count(f"drift:{setting}") > 1:
+        if run.count(f"drift:{setting}") > 1:
             continue
-        if setting in ("layer_pattern", "checkpoint_function") and session.guard is not None:
-            expected: Any = session.guard.pattern if setting == "layer_pattern" else "as enabled at train begin"
-            reason = f"{setting} drifted to {found!r} mid-training; restored to {expected!r}."
+        if setting in ("layer_pattern", "checkpoint_function") and run.guard is not None:
+            expected: Any = run.guard.layout.pattern if setting == "layer_pattern" else "as enabled at train begin"
+            reason = f"{setting} drifted to {found!r} {cause}; restored to {expected!r}."
         else:
-            expected, reason = value, f"{setting} drifted to {found!r} mid-training; decided {value!r}."
+            expected, reason = value, f"{setting} drifted to {found!r} {cause}; decided {value!r}."
         action = "warn" if report_only else "repair"
         verdicts.append(runtime_decision(rule, action, found, expected, reason, setting=setting))
-    if not report_only:
-        session.switch(value)
-        if session.guard is not None:
-            session.guard.reapply()
-    session.record(verdicts)
+    if not report_only and isinstance(value, bool):
+        run.switch(value)
+        if run.guard is not None:
+            run.guard.reapply()
+    run.record(verdicts)
 
 
-def _dedupe_hooks(session: Session) -> None:
-    watch = session.watch
+def _dedupe_hooks(run: Record) -> None:
+    watch = run.watch
     assert watch is not None
     rule = get_rule("input-hook-pileup")
     before = watch.input_hooks()
-    action = action_for(session.mode, "repair")
+    action = action_for(run.mode, "repair")
     if action == "repair":
         watch.dedupe_input_hooks()
-    if session.count("hooks") == 1:
+    if run.count("hooks") == 1:
         reason = f"{before} input-require-grad hooks on the input embeddings; kept one."
-        session.record([runtime_decision(rule, action, before, watch.input_hooks(), reason, level="info")])
+        run.record([runtime_decision(rule, action, before, watch.input_hooks(), reason, level="info")])

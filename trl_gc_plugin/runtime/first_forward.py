@@ -10,19 +10,18 @@ from ..core.decisions import Action
 from ..core.policy import action_for
 from ..core.rules import Rule, get_rule
 from ..model import ckpt
-from ..model import hooks as _hooks
 from ..model.observe import Call, Observation, Verdict
-from .session import Session, runtime_decision
+from .record import Record, runtime_decision
 
 _VERDICT: dict[str, Verdict] = {"warn": "report", "error": "raise"}
 """The first-forward verdict for an action (`repair` / `override`: repair)."""
 
 
-def not_running(session: Session, why: str) -> None:
+def not_running(run: Record, why: str) -> None:
     """Checkpointing is asked for but does not run: the memory the user expects is not saved."""
     rule = get_rule("checkpointing-not-running")
     reason = f"Checkpointing is asked for but {why}. " + rule.message
-    session.record([runtime_decision(rule, "warn", True, False, reason)])
+    run.record([runtime_decision(rule, "warn", True, False, reason)])
 
 
 class FirstForward:
@@ -30,13 +29,13 @@ class FirstForward:
     parameters with inputs that do not require grad under reentrant checkpointing (no gradient), and tensors that
     require grad passed as keyword arguments to reentrant blocks (a second backward through one graph)."""
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    def __init__(self, run: Record) -> None:
+        self.run = run
         self.observation: Observation | None = None
         self.observed: dict[str, Call] = {}
 
     def install(self, model: Any) -> None:
-        self.observation = Observation(model, self.on_frozen_inputs, self.on_keyword_inputs)
+        self.observation = Observation(model, self.run.hooks, self.on_frozen_inputs, self.on_keyword_inputs)
         self.observation.install()
 
     def remove(self) -> None:
@@ -53,15 +52,15 @@ class FirstForward:
         self.remove()
         self.observed = dict(observation.calls)
         if asked and not self.observed and observation.eval_forwards:
-            not_running(self.session, "the first training step's forwards ran in eval mode, so no block checkpointed")
+            not_running(self.run, "the first training step's forwards ran in eval mode, so no block checkpointed")
 
     def on_frozen_inputs(self, call: Call) -> Verdict:
         """A block ran reentrant with trainable parameters and inputs that do not require grad."""
-        session = self.session
+        run = self.run
         rule = get_rule("frozen-inputs-observed")
-        explicit, source = session.explicit()
-        action = action_for(session.mode, explicit=explicit, stands_back=session.stands_back())
-        if action == "warn" and session.count("frozen-inputs") > 1:  # said once; the audit lists every block
+        explicit, source = run.explicit()
+        action = action_for(run.mode, explicit=explicit, stands_back=run.stands_back())
+        if action == "warn" and run.count("frozen-inputs") > 1:  # said once; the audit lists every block
             return "report"
         verdict: Verdict = _VERDICT.get(action, "repair")
         what = {
@@ -78,11 +77,11 @@ class FirstForward:
     def on_keyword_inputs(self, call: Call, shared_with: str | None) -> Verdict:
         """A reentrant block got a tensor that requires grad as a keyword argument. Certain failure once a second
         block gets the same tensor: both backpropagate into its graph from inside their own backward."""
-        session = self.session
+        run = self.run
         rule = get_rule("reentrant-keyword-inputs")
-        explicit, source = session.explicit()
+        explicit, source = run.explicit()
         names = ", ".join(call.keyword_inputs)
-        action = action_for(session.mode, explicit=explicit, stands_back=session.stands_back())
+        action = action_for(run.mode, explicit=explicit, stands_back=run.stands_back())
         verdict: Verdict = _VERDICT.get(action, "repair")
         if shared_with is None:  # not certain yet
             if action in ("warn", "error"):  # reported or refused once certain
@@ -97,20 +96,17 @@ class FirstForward:
             "inputs and backpropagates into their graph from inside its own backward, so the second block fails with "
             "'Trying to backward through the graph a second time'. " + rule.message
         )
-        if session.count("keyword-inputs") > 1:
+        if run.count("keyword-inputs") > 1:
             return verdict if verdict != "raise" else "keep"
         return self._found(rule, action, verdict, reason)
 
     def _found(self, rule: Rule, action: Action, verdict: Verdict, reason: str) -> Verdict:
         """Record a finding; raise for a refusal, switch to non-reentrant for a repair."""
-        session = self.session
+        run = self.run
         decision = runtime_decision(rule, action, True, verdict != "repair", reason)
-        session.record([decision])
-        if verdict == "raise":
-            session.stop()
-            session.raise_for_errors([decision], session.mode)
+        run.conclude([decision])
         if verdict == "repair":
-            session.switch(False)
+            run.switch(False)
         return verdict
 
 
@@ -119,8 +115,8 @@ class TwoForwards:
     and a wrapper that reduces each parameter's gradient as soon as it is computed (ZeRO-1 with overlap_comm,
     ZeRO-2/3, DDP): the reduction fires twice for one parameter."""
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    def __init__(self, run: Record) -> None:
+        self.run = run
         self._handles: list[Any] = []
 
     def install(self, model: Any) -> None:
@@ -144,25 +140,23 @@ class TwoForwards:
                 return
             tensor.register_hook(lambda grad: state.update(pending=False))
 
-        self._handles = [_hooks.on_forward_pre(base, before), _hooks.on_forward(base, after)]
+        self._handles = [self.run.hooks.forward_pre(base, before), self.run.hooks.forward(base, after)]
 
     def remove(self) -> None:
         for handle in self._handles:
-            handle.remove()
+            self.run.hooks.discard(handle)
         self._handles = []
 
     def _found(self) -> None:
-        session = self.session
+        run = self.run
         rule = get_rule("two-forwards-before-backward")
-        action = action_for(session.mode, explicit=True, stands_back=session.stands_back(), can_fix=False)
+        action = action_for(run.mode, explicit=True, stands_back=run.stands_back(), can_fix=False)
         reason = (
             "A second grad-enabled forward of the model ran before the first backward, with reentrant checkpointing, "
             "under a wrapper that reduces each parameter's gradient once per backward. " + rule.message
         )
         decision = runtime_decision(rule, action, True, False, reason)
-        session.record([decision])
-        if action == "error":
-            session.raise_for_errors([decision], "strict")  # nothing to switch: fix mode refuses as strict does
+        run.conclude([decision], "strict")  # nothing to switch: fix mode refuses as strict does
 
 
 def grad_output(output: Any) -> Any:

@@ -11,26 +11,26 @@ from ..core.policy import action_for, refused
 from ..core.rules import get_rule
 from ..model import ckpt, probe, verify
 from . import parity
-from .session import Session, runtime_decision
+from .record import Record, runtime_decision
 
 
-def gradients(session: Session, model: Any, observation: Any) -> verify.AuditResult | None:
+def gradients(run: Record, model: Any, observation: Any) -> verify.AuditResult | None:
     """Read the first step's gradients per checkpointed block (`verify.audit_gradients`); None, recorded as
     skipped, where they cannot be read per rank (sharded)."""
-    sharded = verify.gradients_are_sharded(session.args, model)
+    sharded = verify.gradients_are_sharded(run.args, model)
     if sharded:
-        session.record([runtime_decision(get_rule("gradient-audit"), "none", None, None, f"Skipped: {sharded}.")])
+        run.record([runtime_decision(get_rule("gradient-audit"), "none", None, None, f"Skipped: {sharded}.")])
         return None
     return verify.audit_gradients(model, observation)
 
 
-def audit(session: Session, result: verify.AuditResult, probe_follows: bool) -> None:
+def audit(run: Record, result: verify.AuditResult, probe_follows: bool) -> None:
     """Judge the first step's gradients per checkpointed block: a block the first forward saw run reentrant with
     inputs that do not require grad is refused / switched / reported; one without a gradient that ran with inputs
     requiring grad, or with only zeros, is said, and compared with no checkpointing by the parity probe when
     `probe_follows`; one not observed is a warning."""
     rule = get_rule("gradient-audit")
-    value = session.watch.value if session.watch is not None else None
+    value = run.use_reentrant
     verdicts: list[Decision] = []
     if result.ok and result.checked == 0:
         reason = (
@@ -50,7 +50,7 @@ def audit(session: Session, result: verify.AuditResult, probe_follows: bool) -> 
             + rule.message
             + " Switch the audit off with SafeGCCallback(audit=False) or TRL_GC_PLUGIN_AUDIT=0."
         )
-        refusal: Action = refused(session.mode)
+        refusal: Action = refused(run.mode)
         if refusal == "override" and value is not True:
             refusal = "warn"  # nothing the plugin can switch: report it
         verdicts.append(runtime_decision(rule, refusal, value, False if refusal == "override" else value, reason))
@@ -86,13 +86,12 @@ def audit(session: Session, result: verify.AuditResult, probe_follows: bool) -> 
             f"Non-finite gradients in {len(result.nonfinite_params)} parameter(s), e.g. {result.nonfinite_params[0]}."
         )
         verdicts.append(runtime_decision(rule, "warn", None, None, reason))
-    session.record(verdicts)
+    run.conclude(verdicts)
     if any(v.action == "override" for v in verdicts):
-        session.switch(False)
-    session.raise_for_errors(verdicts, session.mode)
+        run.switch(False)
 
 
-def ddp_unused(session: Session, model: Any) -> None:
+def ddp_unused(run: Record, model: Any) -> None:
     """Under DDP without `find_unused_parameters` or a static graph: trainable parameters that got no gradient at the
     first optimizer step leave their buckets unreduced (this step's update differs across ranks) and DDP stops the
     next forward. Refused (strict and fix: DDP's arguments are fixed once the model is wrapped), said in warn mode."""
@@ -100,22 +99,20 @@ def ddp_unused(session: Session, model: Any) -> None:
     if not names:
         return
     rule = get_rule("ddp-unused-parameters")
-    action = action_for(session.mode, explicit=True, stands_back=False, can_fix=False)
+    action = action_for(run.mode, explicit=True, stands_back=False, can_fix=False)
     reason = (
         f"{len(names)} trainable parameter(s) got no gradient at the first optimizer step ({names_of(names)}) under "
         "DDP without find_unused_parameters: " + rule.message
     )
-    decision = runtime_decision(rule, action, False, True, reason)
-    session.record([decision])
-    session.raise_for_errors([decision], "strict")
+    run.conclude([runtime_decision(rule, action, False, True, reason)], "strict")
 
 
 class Parity:
     """The parity probe: keeps the first training forward's inputs (`parity.FirstInputs`) until the first optimizer
     step, then compares gradients with and without checkpointing on them (`parity.parity_probe`, bounded memory)."""
 
-    def __init__(self, session: Session, forced: bool = True) -> None:
-        self.session = session
+    def __init__(self, run: Record, forced: bool = True) -> None:
+        self.owner = run
         self.forced = forced
         self.first: parity.FirstInputs | None = None
 
@@ -138,7 +135,7 @@ class Parity:
 
     def install(self, model: Any) -> None:
         self.first = parity.FirstInputs(model)
-        self.first.install()
+        self.first.install(self.owner.hooks)
 
     def remove(self) -> None:
         if self.first is not None:  # the probe ran at the step's optimizer step, or never will
@@ -146,18 +143,18 @@ class Parity:
             self.first = None
 
     def run(self, model: Any) -> None:
-        session, args = self.session, self.session.args
+        run, args = self.owner, self.owner.args
         rule = get_rule("parity-check")
         first = self.first
         self.remove()
         if verify.gradients_are_sharded(args, model):
-            session.record([runtime_decision(rule, "none", None, None, "Skipped: sharded parameters.")])
+            run.record([runtime_decision(rule, "none", None, None, "Skipped: sharded parameters.")])
             return
         inputs, batch = (first.inputs, first.batch) if first is not None else (None, None)
         target = ckpt.unwrap(model) if first is not None and first.for_base else model
         result = parity.parity_probe(target, inputs, batch)
         if result.skipped:
-            session.record([runtime_decision(rule, "none", None, None, f"Skipped: {result.skipped}.", level="info")])
+            run.record([runtime_decision(rule, "none", None, None, f"Skipped: {result.skipped}.", level="info")])
             return
         summary = (
             f"{result.compared} trainable parameters compared on the {result.batch}: max difference "
@@ -171,14 +168,10 @@ class Parity:
         if result.outside:
             summary += f"; {len(result.outside)} differ beyond it, most {result.outside[0]}"
         action: Action = (
-            "none"
-            if result.ok
-            else ("error" if result.missing_with_checkpointing and session.mode == "strict" else "warn")
+            "none" if result.ok else ("error" if result.missing_with_checkpointing and run.mode == "strict" else "warn")
         )
         after = {"max_abs": result.max_abs, "max_rel": result.max_rel, "compared": result.compared}
-        verdict = runtime_decision(rule, action, None, after, summary + ".")
-        session.record([verdict])
-        session.raise_for_errors([verdict], session.mode)
+        run.conclude([runtime_decision(rule, action, None, after, summary + ".")])
 
 
 def names_of(found: list[str], limit: int = 6) -> str:

@@ -4,18 +4,16 @@ live model (`planner.apply_plan`), and checked against what that forward saved (
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 from .._base import report
 from ..core.decisions import Decision, first_sentence
-from ..core.errors import GCConfigError
+from ..core.errors import GCConfigError, contained
 from ..core.rules import get_rule
 from ..core.settings import format_bytes
 from ..model import ckpt, probe, verify
-from ..model import hooks as _hooks
 from ..planning import sharding
-from .session import Session, runtime_decision
+from .record import Record, runtime_decision
 
 
 def no_plan(why: str) -> Decision:
@@ -29,7 +27,7 @@ class MemoryPlan:
     batch shape.
 
     Args:
-        session (`Session`): the run.
+        run (`Record`): the run.
         budget (`str` or `int`): bytes, or `"auto"` (`budget_bytes`).
 
     Attributes:
@@ -37,8 +35,8 @@ class MemoryPlan:
             training forward saved (None until then, or when not compared).
     """
 
-    def __init__(self, session: Session, budget: str | int) -> None:
-        self.session = session
+    def __init__(self, run: Record, budget: str | int) -> None:
+        self.run = run
         self.budget = budget
         self.comparison: Any = None
         self._hook: Any = None
@@ -50,7 +48,7 @@ class MemoryPlan:
         with (TRL's fused LM head); the sequence length is the longest the arguments allow (`max_length`), so a later,
         longer batch fits too. That forward is then measured and checked against the prediction (`_check`).
         Without a readable input shape, the arguments' `per_device_train_batch_size` x `max_length` is planned."""
-        base, args = ckpt.unwrap(model), self.session.args
+        base, args = ckpt.unwrap(model), self.run.args
 
         def first_forward(module: Any, f_args: tuple[Any, ...], f_kwargs: dict[str, Any]) -> None:
             import torch
@@ -59,12 +57,12 @@ class MemoryPlan:
                 return
             self.remove()
             shape = _input_shape(f_args, f_kwargs)
-            try:
+            with contained("the memory plan", lambda exc: self.run.record([no_plan(f"{type(exc).__name__}: {exc}")])):
                 if shape is None:
                     seq = planned_sequence_length(args)
                     batch = int(getattr(args, "per_device_train_batch_size", 0) or 0)
                     if not (seq and batch):
-                        self.session.record([no_plan("the first forward's input shape could not be read")])
+                        self.run.record([no_plan("the first forward's input shape could not be read")])
                         return
                     planned = self._plan(model, batch, seq)
                     if planned is not None:
@@ -75,21 +73,17 @@ class MemoryPlan:
                 if planned is not None:
                     self._advise_safely(model, *planned)
                     self._start_check(model, base, planned, shape, keywords)
-            except GCConfigError:
-                raise
-            except Exception as exc:  # a plugin bug never stops training
-                self.session.record([no_plan(f"{type(exc).__name__}: {exc}")])
 
         # outside the module where torch allows it (a copy of the model made before the first forward carries
         # nothing of the plugin); else a module hook, gone after the first training forward
-        handle = _hooks.on_forward_pre_with_kwargs(base, first_forward)
+        handle = self.run.hooks.forward_pre_with_kwargs(base, first_forward)
         if handle is None:
-            handle = base.register_forward_pre_hook(first_forward, with_kwargs=True, prepend=True)
+            handle = self.run.hooks.add(base.register_forward_pre_hook(first_forward, with_kwargs=True, prepend=True))
         self._hook = handle
 
     def remove(self) -> None:
         if self._hook is not None:
-            self._hook.remove()
+            self.run.hooks.discard(self._hook)
             self._hook = None
 
     def _plan(self, model: Any, batch: int, seq: int, forward_kwargs: dict[str, Any] | None = None) -> Any:
@@ -101,10 +95,12 @@ class MemoryPlan:
             return None
         self._grad_share = grad_fraction
         use_reentrant = ckpt.model_use_reentrant(model)
-        try:
+        planned: list[Any] = []
+        failed = lambda exc: self.run.record([no_plan(f"the estimate failed ({type(exc).__name__}: {exc})")])  # noqa: E731
+        with contained("the memory plan's estimate", failed):  # a model the estimate cannot run: as asked
             budget = budget_bytes(self.budget, model)
             estimate = memory.estimate(model, batch, seq, forward_kwargs=forward_kwargs)
-            gathered = sharding.gathered_parameter_bytes(model, sharding.zero3_window(self.session.args))
+            gathered = sharding.gathered_parameter_bytes(model, sharding.zero3_window(self.run.args))
             if gathered:
                 estimate = dataclasses.replace(estimate, gathered_bytes=gathered)
             plan = planner.plan(
@@ -114,12 +110,10 @@ class MemoryPlan:
                 allow_offload=probe.accelerator_available(),
                 grad_fraction=grad_fraction,
             )
-            decisions = planner.plan_decisions(plan, self.session.mode)
-        except GCConfigError:
-            raise
-        except Exception as exc:  # a model the estimate cannot run: checkpointing stays as asked
-            self.session.record([no_plan(f"the estimate failed ({type(exc).__name__}: {exc})")])
+            planned = [estimate, plan, planner.plan_decisions(plan, self.run.mode)]
+        if not planned:
             return None
+        estimate, plan, decisions = planned
         if not self._apply_plan(model, plan, decisions, use_reentrant):
             return None
         return estimate, plan
@@ -129,8 +123,13 @@ class MemoryPlan:
         batch size and accumulation, or the planned rows are not a multiple of the batch size (packed rows)."""
         from ..planning import throughput
 
-        args = self.session.args
-        try:
+        args = self.run.args
+
+        def no_advice(exc: Exception) -> None:
+            why = f"No batch advice ({type(exc).__name__}: {exc}); the memory plan stands."
+            self.run.record([runtime_decision(get_rule("batch-advice"), "none", None, None, why, level="warning")])
+
+        with contained("the batch advice", no_advice):
             decision = throughput.advice_decision(
                 estimate,
                 plan.budget,
@@ -142,10 +141,7 @@ class MemoryPlan:
                 grad_fraction=self._grad_share,
             )
             if decision is not None:
-                self.session.record([decision])
-        except Exception as exc:  # a plugin bug never stops training; the plan stands
-            why = f"No batch advice ({type(exc).__name__}: {exc}); the memory plan stands."
-            self.session.record([runtime_decision(get_rule("batch-advice"), "none", None, None, why, level="warning")])
+                self.run.record([decision])
 
     def _grad_fraction(self, model: Any) -> float | None:
         """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 and ZeRO-3, and
@@ -153,16 +149,16 @@ class MemoryPlan:
         adds the parameters gathered while a block computes, `gathered_parameter_bytes`). None, with a skipped
         decision, under tensor parallelism (DTensor parameters without FSDP2: activations are sharded too, which the
         estimate does not model) and any other sharding it cannot read."""
-        args = self.session.args
+        args = self.run.args
         try:
             fsdp2 = sharding.fsdp2_layout(model)
         except AttributeError as exc:  # another torch's FSDP2 internals
-            self.session.record([no_plan(f"FSDP2's state could not be read ({exc})")])
+            self.run.record([no_plan(f"FSDP2's state could not be read ({exc})")])
             return None
         if fsdp2 is not None:
             return fsdp2.grad_fraction
         if any(sharding.is_dtensor(p) for p in ckpt.unwrap(model).parameters()):
-            self.session.record([no_plan("not planned under tensor parallelism (DTensor parameters, no FSDP2)")])
+            self.run.record([no_plan("not planned under tensor parallelism (DTensor parameters, no FSDP2)")])
             return None
         fsdp1 = sharding.fsdp1_layout(model)
         if fsdp1 is not None:
@@ -173,7 +169,7 @@ class MemoryPlan:
         stage = probe.zero_stage(args)
         if stage in (1, 2, 3) and probe.deepspeed_facts(args) is not None:
             return 1.0 / probe.world_size(args) if stage in (2, 3) else 1.0
-        self.session.record([no_plan(f"not planned under sharding ({sharded})")])
+        self.run.record([no_plan(f"not planned under sharding ({sharded})")])
         return None
 
     def _apply_plan(self, model: Any, plan: Any, decisions: list[Decision], use_reentrant: Any) -> bool:
@@ -181,22 +177,21 @@ class MemoryPlan:
         be applied."""
         from ..planning import planner
 
-        if self.session.mode == "warn":  # warn mode changes nothing: say what would run
+        if self.run.mode == "warn":  # warn mode changes nothing: say what would run
             decisions = [dataclasses.replace(d, action="warn", applied=False) for d in decisions]
-        self.session.record(decisions)
-        self.session.raise_for_errors(decisions, self.session.mode)
+        self.run.conclude(decisions)
         chosen = plan.chosen or plan.lowest
-        if self.session.mode != "warn" and chosen is not None:
+        if self.run.mode != "warn" and chosen is not None:
             try:
                 planner.apply_plan(model, chosen, bool(use_reentrant))
             except ValueError as exc:  # e.g. blocks the estimate did not count: checkpointing stays as asked
-                self.session.record([no_plan(f"it could not be applied ({exc})")])
+                self.run.record([no_plan(f"it could not be applied ({exc})")])
                 return False
-            self.session.ensure_guard(probe.capabilities.installed().layer_kwargs()).record()
+            self.run.ensure_guard(probe.capabilities.installed().layer_kwargs()).record()
         report.note(
             f"memory plan: {first_sentence(decisions[0].reason)}",
             decisions[0].level,
-            report.is_main_process(self.session.args),
+            report.is_main_process(self.run.args),
         )
         return True
 
@@ -219,28 +214,24 @@ class MemoryPlan:
         held, stop_held = sharding.watch_held(model, sample) if sample is not None else (None, lambda: None)
 
         def finish() -> None:
-            hook.remove()
-            self._hook = None
             stop_held()
             metering.__exit__(None, None, None)
 
         def after(module: Any, f_args: Any, output: Any) -> None:
-            finish()
+            self.remove()
+            self.run.hooks.discard(metered)  # the meter and the watch go now
             if output is None:  # the forward raised: nothing to compare
                 return
-            try:
+            failed = lambda exc: self.run.record([no_plan(f"the check failed ({type(exc).__name__}: {exc})")])  # noqa: E731
+            with contained("the memory plan's check", failed):
                 self._check(model, planned, measured, shape, keywords)
                 miss = plan_check.held_miss(planned[0].gathered_bytes, held) if held is not None else None
                 if miss is not None:
                     rule = get_rule("memory-plan")
-                    self.session.record([runtime_decision(rule, "warn", None, None, miss, setting="memory_plan_check")])
-            except GCConfigError:
-                raise
-            except Exception as exc:  # a plugin bug never stops training
-                self.session.record([no_plan(f"the check failed ({type(exc).__name__}: {exc})")])
+                    self.run.record([runtime_decision(rule, "warn", None, None, miss, setting="memory_plan_check")])
 
-        hook = _hooks.on_forward(base, after)
-        self._hook = _Once(finish)
+        metered = self.run.hooks.undo(finish)  # at the run's stop, if that forward never ends
+        self._hook = self.run.hooks.forward(base, after)
 
     def _check(
         self,
@@ -266,7 +257,7 @@ class MemoryPlan:
             return
         rows, tokens = comparison.batch_shape
         replan = None
-        if self.session.mode == "fix":
+        if self.run.mode == "fix":
             fixed = plan_check.corrected(estimate, comparison)
             replan = planner.plan(
                 fixed,
@@ -296,9 +287,9 @@ class MemoryPlan:
         )
         rule = get_rule("memory-plan")
         decision = runtime_decision(rule, "warn", "prediction", "measurement", reason, setting="memory_plan_check")
-        self.session.record([dataclasses.replace(decision, before=comparison.predicted, after=after)])
+        self.run.record([dataclasses.replace(decision, before=comparison.predicted, after=after)])
         if replan is not None:
-            decisions = planner.plan_decisions(replan, self.session.mode)
+            decisions = planner.plan_decisions(replan, self.run.mode)
             self._apply_plan(model, replan, decisions, ckpt.model_use_reentrant(model))
 
     def _selective_allowed(self, model: Any) -> bool:
@@ -307,13 +298,13 @@ class MemoryPlan:
         if ckpt.model_use_reentrant(model) is not False:
             return False
         unsafe = probe.selective_unsafe_adapters(model)
-        if unsafe and self.session.count("selective-unsafe-adapters") == 1:
+        if unsafe and self.run.count("selective-unsafe-adapters") == 1:
             rule = get_rule("memory-plan")
             why = (
                 f"The selective candidate is left out: the model's PEFT adapters ({', '.join(unsafe)}) are not known "
                 "to give exact gradients under selective per-op saving (BD-LoRA measured 0.59 off, aLoRA 1.61)."
             )
-            self.session.record([runtime_decision(rule, "none", None, None, why, level="info")])
+            self.run.record([runtime_decision(rule, "none", None, None, why, level="info")])
         return not unsafe
 
 
@@ -383,18 +374,6 @@ def _device_kind(model: Any) -> str:
     for parameter in model.parameters():
         return "cpu" if parameter.device.type == "cpu" else "cuda"
     return "cpu"
-
-
-class _Once:
-    """A handle whose `remove()` runs a cleanup once (the plan check's meter and hook)."""
-
-    def __init__(self, cleanup: Callable[[], None]) -> None:
-        self._cleanup: Callable[[], None] | None = cleanup
-
-    def remove(self) -> None:
-        cleanup, self._cleanup = self._cleanup, None
-        if cleanup is not None:
-            cleanup()
 
 
 def _input_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..model import ckpt
+from ..model.hooks import Hooks
 
 PROJECTIONS = 8
 COLUMNS = 512
@@ -207,12 +208,14 @@ class FirstInputs:
         self.batch: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.for_base = False
         self._handle: Any = None
+        self._hooks: Hooks | None = None
 
-    def install(self) -> None:
+    def install(self, hooks: Hooks) -> None:
         from torch.nn.modules.module import register_module_forward_hook
 
+        self._hooks = hooks
         try:
-            self._handle = register_module_forward_hook(self._seen, with_kwargs=True)
+            self._handle = hooks.add(register_module_forward_hook(self._seen, with_kwargs=True))
         except TypeError:  # a torch whose process-wide hooks get no keyword arguments: the synthetic batch serves
             self._handle = None
 
@@ -234,7 +237,7 @@ class FirstInputs:
 
     def remove(self) -> None:
         if self._handle is not None:
-            self._handle.remove()
+            self._hooks.discard(self._handle)
             self._handle = None
 
 

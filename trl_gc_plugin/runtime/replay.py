@@ -17,11 +17,11 @@ import numbers
 from typing import Any
 
 from .._base import report
+from ..core.errors import contained
 from ..core.rules import get_rule
 from ..model import ckpt
-from ..model import hooks as _hooks
 from .first_forward import grad_output
-from .session import Session, runtime_decision
+from .record import Record, runtime_decision
 
 State = dict[str, Any]
 
@@ -76,8 +76,8 @@ class Replay:
     """The runtime check of rule `forward-state-replayed`: installed at train begin on a model that checkpoints,
     it watches the first grad-enabled training forward and its backward, then removes itself."""
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    def __init__(self, run: Record) -> None:
+        self.run = run
         self.found: list[str] | None = None
         self._handle: Any = None
 
@@ -94,28 +94,26 @@ class Replay:
             if tensor is None:  # the loss is computed elsewhere: no backward to wait for
                 return
             try:
-                before = read_state(base)
+                before = read_state(module)
             except Exception:  # an unreadable module: no check rather than a failed step
                 return
             if not before:
                 return
 
             def at_backward_end() -> None:
-                try:
-                    self._judge(changed(before, read_state(base)))
-                except Exception as exc:  # a plugin bug never stops training
-                    report.note(f"the replayed-state check failed ({type(exc).__name__}: {exc}); skipped", "info")
+                with contained("the replayed-state check", skipped):
+                    self._judge(changed(before, read_state(module)))
 
             def on_grad(grad: Any) -> None:
                 torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
 
             tensor.register_hook(on_grad)
 
-        self._handle = _hooks.on_forward(base, after_forward)
+        self._handle = self.run.hooks.forward(base, after_forward)
 
     def remove(self) -> None:
         if self._handle is not None:
-            self._handle.remove()
+            self.run.hooks.discard(self._handle)
             self._handle = None
 
     def _judge(self, names: list[str]) -> None:
@@ -128,4 +126,8 @@ class Replay:
             f"{len(names)} value(s) written by a checkpointed block's forward were written again by its recompute in "
             f"the first backward ({shown}): every batch updates them twice. " + rule.message
         )
-        self.session.record([runtime_decision(rule, "warn", None, names[:20], reason)])
+        self.run.record([runtime_decision(rule, "warn", None, names[:20], reason)])
+
+
+def skipped(exc: Exception) -> None:
+    report.note(f"the replayed-state check failed ({type(exc).__name__}: {exc}); skipped", "info")

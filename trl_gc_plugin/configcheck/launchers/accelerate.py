@@ -60,25 +60,11 @@ DISTRIBUTED_TYPES = frozenset(
 
 @dataclass(frozen=True)
 class AccelerateConfig:
-    """The launch facts of an accelerate config.
-
-    Args:
-        path: the file read.
-        distributed_type: `NO`, `MULTI_GPU`, `DEEPSPEED`, `FSDP`, ...
-        num_processes: the total process count (None when the file does not say).
-        zero_stage: the ZeRO stage under DeepSpeed, else None.
-        deepspeed_activation_checkpointing: the `activation_checkpointing` block of the DeepSpeed config
-            file it names asks for something (`_deepspeed`).
-        fsdp: FSDP is used.
-        fsdp_version: 1 or 2 under FSDP.
-        fsdp_activation_checkpointing: FSDP's own activation checkpointing is on.
-        fsdp_sharding: under FSDP, how it shards, as an FSDP1 strategy name (`FSDP_SHARDING_STRATEGIES`); FSDP2's
-            `reshard_after_forward` true is `FULL_SHARD`, false `SHARD_GRAD_OP`.
-        num_machines: the machines the processes are spread over (1 when the file does not say).
-        cp_size: the context-parallel size of its `parallelism_config` block (1 without one).
-        dynamo_backend: `dynamo_config.dynamo_backend` when it compiles (exported as `ACCELERATE_DYNAMO_BACKEND`),
-            None for `no` or no block.
-    """
+    """The launch facts of an accelerate config (None, or 1 for `num_machines` and `cp_size`: the file does not
+    say). `deepspeed_activation_checkpointing`: the `activation_checkpointing` block of the DeepSpeed config file it
+    names asks for something. `fsdp_sharding`: under FSDP, how it shards, as an FSDP1 strategy name
+    (`FSDP_SHARDING_STRATEGIES`); FSDP2's `reshard_after_forward` true is `FULL_SHARD`, false `SHARD_GRAD_OP`.
+    `dynamo_backend`: `dynamo_config.dynamo_backend` when it compiles (exported as `ACCELERATE_DYNAMO_BACKEND`)."""
 
     path: str
     distributed_type: str

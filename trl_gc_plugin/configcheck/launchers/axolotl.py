@@ -25,18 +25,21 @@ sources; every step cites the file and lines, `SRC`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ..._base.flags import pydantic_bool
 from ...core.context_parallel import KEY as CP_KEY
 from ...core.context_parallel import cp_size_of
 from .common import (
+    KWARGS_CHANGES,
     ConfigError,
     Context,
     LauncherRule,
     Origin,
     Reading,
     expect_mapping,
+    line_link,
     release,
     short,
     type_name,
@@ -54,9 +57,7 @@ PLUGIN = "trl_gc_plugin.integrations.axolotl.SafeGCPlugin"
 SRC = f"https://github.com/axolotl-ai-cloud/axolotl/blob/{COMMIT}/src/axolotl/"
 VALIDATION = SRC + "utils/schemas/validation.py"
 
-
-def _src(file: str, first: int, last: int, what: str) -> str:
-    return f"{SRC}{file}#L{first}-L{last} ({what})"
+_src = partial(line_link, SRC)
 
 
 SOURCES = {
@@ -519,10 +520,10 @@ FORCED_REENTRANT_CHANGE = (
 )
 
 
-def _bool_field(raw: dict[str, Any], key: str, config: Config, default: bool = False) -> bool:
+def _bool_field(raw: dict[str, Any], key: str, config: Config) -> bool:
     value = raw.get(key)
     if value is None:
-        return default
+        return False
     parsed = pydantic_bool(value)
     if parsed is None:
         raise ConfigError(
@@ -588,7 +589,6 @@ class _Validated:
 
 
 def _base_model(config: Config) -> str:
-    """`base_model`: required, a model id or path."""
     base_model = config.values.get("base_model")
     if not isinstance(base_model, str) or not base_model:
         raise ConfigError(
@@ -721,7 +721,6 @@ def _schema(config: Config) -> _Schema:
 
 
 def _world_size(ctx: Context, reading: Reading) -> int:
-    """The number of processes (`--nproc`, else 1), and a note when `--trainer` is given."""
     if ctx.nproc is not None:
         reading.set("world_size", ctx.nproc, "option", "--nproc (Axolotl reads WORLD_SIZE)")
     else:
@@ -846,7 +845,6 @@ def _builders(s: _Schema, v: _Validated, kw: _Reentrant, ctx: Context, reading: 
 
 
 def _gc_facts(raw: dict[str, Any], v: _Validated, kw: _Reentrant, offload: bool, reading: Reading) -> None:
-    """The checkpointing facts: enabled, use_reentrant and its source, kwargs, offloading."""
     reentrant = kw.value
     reading.set(
         "gc_enabled", bool(v.gc), "file" if "gradient_checkpointing" in raw else "launcher default", v.gc_detail
@@ -880,7 +878,6 @@ def _gc_facts(raw: dict[str, Any], v: _Validated, kw: _Reentrant, offload: bool,
 
 
 def _model_facts(raw: dict[str, Any], s: _Schema, ctx: Context, reading: Reading) -> None:
-    """The model and adapter facts: PEFT, quantization, frozen parameters, inputs that require grad."""
     peft = bool(s.adapter)
     quant = "bitsandbytes_4bit" if s.four else "bitsandbytes_8bit" if s.eight else "gptq" if s.gptq else None
     reading.set(
@@ -934,7 +931,6 @@ def _trainer_facts(rl: str | None, reading: Reading) -> None:
 
 
 def _parallel_facts(config: Config, s: _Schema, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
-    """The DeepSpeed, FSDP and DDP facts."""
     path, lines, raw = config.path, config.lines, config.values
     ds_value = raw.get("deepspeed")
     if ds_value is not None and not isinstance(ds_value, (str, dict)):
@@ -1019,10 +1015,7 @@ def read(config: Config, ctx: Context) -> Reading:
     reading = Reading(
         format="axolotl",
         parser=f"the plugin's model of {VERSION_MODELLED} (Axolotl is not imported)",
-        changes={
-            "use_reentrant": "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}",
-            "activation_checkpointing": "gradient_checkpointing: {value}",
-        },
+        changes=dict(KWARGS_CHANGES),
     )
     s = _schema(config)
     world = _world_size(ctx, reading)

@@ -33,6 +33,11 @@ command-line option of the check; the packages installed where the check runs; o
 says (an unknown version, an unknown process count)."""
 
 
+def line_link(src: str, file: str, first: int, last: int, what: str) -> str:
+    """A link to lines `first`-`last` of `file` under the source tree `src`, with what they show."""
+    return f"{src}{file}#L{first}-L{last} ({what})"
+
+
 def release(version: str | None) -> tuple[int, int]:
     """(major, minor) of a version string; a part that is not a number counts 0 (`5.10.0.dev0` -> (5, 10))."""
     major, minor, *_ = [int(p) if p.isdigit() else 0 for p in (version or "0").split(".")[:2]] + [0]
@@ -46,15 +51,9 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Config:
-    """A config file as the check sees it.
-
-    Args:
-        path: the path as given.
-        values: the values of the top-level keys the check reads (every key, for JSON and small YAML files).
-        keys: every top-level key, in file order.
-        lines: the 1-based line of each top-level key (YAML only).
-        kind: `yaml`, `json`, or `command` (an OpenRLHF command line's flags).
-    """
+    """A config file as the check sees it: `values` of the top-level keys the check reads (every key for JSON),
+    every key in file order, the 1-based line of each (YAML only); `kind` is `yaml`, `json`, or `command` (an
+    OpenRLHF command line's flags)."""
 
     path: str
     values: dict[str, Any]
@@ -75,13 +74,8 @@ class Config:
 
 @dataclass(frozen=True)
 class Fact:
-    """One fact read for the rule engine, and where it came from.
-
-    Args:
-        value: the value (as the engine sees it: a `Facts` field).
-        origin: one of `Origin`.
-        detail: the key, file, option or source location behind it, in words.
-    """
+    """One fact read for the rule engine (a `Facts` field), where it came from, and the key, file, option or source
+    location behind it, in words."""
 
     value: Any
     origin: Origin
@@ -95,18 +89,12 @@ class Fact:
 class LauncherRule:
     """A verdict of a launcher's own code about a config, kept as data like the plugin's rules.
 
-    Args:
-        id: `<launcher>:<name>` (`trl:`, `axolotl:`, `llamafactory:`, `training-args:`), the decision's rule id.
-        action: `error` when the launcher refuses to start on the config, `warn` when it starts but warns or reads
-            the config differently from what it seems to say, `none` for information (e.g. where the plugin
-            disagrees with the launcher on purpose).
-        setting: the setting it is about (`use_reentrant`, `gradient_checkpointing`, ...).
-        condition: when it applies, in words.
-        message: what the launcher does, in one or two sentences.
-        change: the one change to make in the file when it applies ("" when nothing needs changing).
-        evidence: links to the launcher's source at the version modelled.
-        when: predicate on the launcher module's view of the config.
-        disagreement: where the plugin decides otherwise on purpose, why ("" when it agrees).
+    `id` is `<launcher>:<name>` (`trl:`, `axolotl:`, `llamafactory:`, `training-args:`). `action` is `error` when the
+    launcher refuses to start on the config, `warn` when it starts but warns or reads the config differently from
+    what it seems to say, `none` for information (e.g. where the plugin disagrees with the launcher on purpose).
+    `change` is the one change to make in the file ("" when nothing needs changing), `evidence` links to the
+    launcher's source at the version modelled, `when` a predicate on the launcher module's view of the config, and
+    `disagreement` why the plugin decides otherwise on purpose ("" when it agrees).
     """
 
     id: str
@@ -144,15 +132,9 @@ class LauncherRule:
 
 @dataclass(frozen=True)
 class Context:
-    """What the check's options and the machine say beside the file.
-
-    Args:
-        nproc: `--nproc` (None when not given: the launcher module takes the file's or assumes 1).
-        trainer: `--trainer` (None when not given).
-        accelerate_config: `--accelerate-config` (None when not given).
-        versions: the versions the rules are evaluated for (installed, `--<package>-version`, or assumed).
-        version_origins: where each of them comes from: `installed`, `option` or `assumed`.
-    """
+    """What the check's options and the machine say beside the file (None: the option is not given; without
+    `--nproc` the launcher module takes the file's or assumes 1). `versions` are those the rules are evaluated for,
+    `version_origins` where each comes from: `installed`, `option` or `assumed`."""
 
     nproc: int | None = None
     trainer: str | None = None
@@ -165,20 +147,14 @@ class Context:
 class Reading:
     """What one launcher module read from one config file.
 
-    Args:
-        format: `trl`, `axolotl`, `llamafactory` or `training-args`.
-        parser: who read it: the launcher's own code (`TRL 1.16.0 TrlParser (trl sft)`) or the plugin's model of it
-            (`the plugin's model of Axolotl main@067b021c`).
-        facts: `Facts` field -> `Fact`.
-        decisions: the launcher's own verdicts (`LauncherRule.decision`).
-        notes: what the reader wants said (ignored keys, assumptions, fallbacks); one line each.
-        changes: how to spell a setting in this format, for the "change:" line (`use_reentrant` ->
-            `gradient_checkpointing_kwargs: {{use_reentrant: {value}}}`, a `str.format` template: `{value}` is the
-            value in YAML spelling, `{not_value}` its negation; a command-line switch starts with `{switch}`: `add` or
-            `remove`).
-        training: False for a config that trains nothing (LLaMA-Factory chat / export configs).
-        changes_for: `LauncherRule.change` by rule id, for the launcher decisions.
-        extra: values a launcher module keeps between reading and finishing (not facts).
+    `parser` says who read it: the launcher's own code (`TRL 1.16.0 TrlParser (trl sft)`) or the plugin's model of
+    it (`the plugin's model of Axolotl main@067b021c`). `notes` are what the reader wants said (ignored keys,
+    assumptions, fallbacks), one line each. `changes` spell a setting in this format, for the "change:" line
+    (`use_reentrant` -> `gradient_checkpointing_kwargs: {{use_reentrant: {value}}}`, a `str.format` template: `{value}`
+    is the value in YAML spelling, `{not_value}` its negation; a command-line switch starts with `{switch}`: `add` or
+    `remove`). `training` is False for a config that trains nothing (LLaMA-Factory chat / export configs);
+    `changes_for` holds `LauncherRule.change` by rule id; `extra` values a launcher module keeps between reading and
+    finishing (not facts).
     """
 
     format: str
@@ -263,6 +239,12 @@ def json_object_or_mapping(
     return expect_mapping(value, path, key, lines, example)
 
 
+KWARGS_CHANGES = {
+    "use_reentrant": "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}",
+    "activation_checkpointing": "gradient_checkpointing: {value}",
+}
+"""`Reading.changes` of the YAML formats that take transformers' `gradient_checkpointing_kwargs` (copy it)."""
+
 TRUE_WORDS = frozenset({"yes", "true", "t", "y", "1"})
 FALSE_WORDS = frozenset({"no", "false", "f", "n", "0"})
 
@@ -279,5 +261,4 @@ def string_to_bool(text: str) -> bool | None:
 
 
 def yaml_bool(value: bool) -> str:
-    """`true` / `false`, as a YAML file spells them."""
     return "true" if value else "false"

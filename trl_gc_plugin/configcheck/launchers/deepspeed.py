@@ -21,18 +21,12 @@ from .load import load_json_file
 
 @dataclass(frozen=True)
 class DeepSpeedConfig:
-    """What the check needs from a DeepSpeed config.
-
-    Args:
-        stage: the ZeRO stage (0 when the config has no `zero_optimization.stage`, as DeepSpeed defaults; `"auto"`
-            is accelerate's 2).
-        activation_checkpointing: the `activation_checkpointing` block sets one of DeepSpeed's keys to a truthy value.
-        overlap_comm: `zero_optimization.overlap_comm` as DeepSpeed resolves it (unset or `auto`: True at stage 3,
-            else False); None for a shipped config that was not read.
-        origin: `deepspeed config` (read) or `launcher default` (a config the launcher ships, not found on disk).
-        detail: which file, and how it was found.
-        note: something the output must say (found next to the config rather than in the launch directory).
-    """
+    """What the check needs from a DeepSpeed config: the ZeRO stage (0 when the config has no
+    `zero_optimization.stage`, as DeepSpeed defaults; `"auto"` is accelerate's 2); whether the
+    `activation_checkpointing` block sets one of DeepSpeed's keys to a truthy value; `overlap_comm` as DeepSpeed
+    resolves it (unset or `auto`: True at stage 3, else False; None for a shipped config that was not read). `origin`
+    is `deepspeed config` (read) or `launcher default` (a config the launcher ships, not found on disk); `note` is
+    what the output must say (found next to the config rather than in the launch directory)."""
 
     stage: int
     activation_checkpointing: bool
@@ -42,7 +36,6 @@ class DeepSpeedConfig:
     overlap_comm: bool | None = None
 
     def set_facts(self, reading: Reading) -> None:
-        """Record the facts this config gives (stage, activation_checkpointing block, overlap_comm), with where from."""
         reading.set("zero_stage", self.stage, self.origin, f"{self.detail}: zero_optimization.stage")
         reading.set(
             "deepspeed_activation_checkpointing",
@@ -66,17 +59,11 @@ def read_deepspeed(
     bundled_where: str,
     lines: Mapping[str, int] | None = None,
 ) -> DeepSpeedConfig:
-    """The DeepSpeed config `value` (a mapping or a path) that `key` of the config at `path` holds.
-
-    Args:
-        value: the key's value (a non-empty string or a mapping; launcher modules check the type first).
-        path / key / lines: for messages.
-        base_dir: the config file's directory (the second place a relative path is looked for).
-        bundled: the launcher's shipped configs, file name -> ZeRO stage.
-        bundled_where: where the launcher ships them, for the message.
-    """
+    """The DeepSpeed config `value` (a mapping or a non-empty path) that `key` of the config at `path` holds. A
+    relative path is looked for in the current directory, then in `base_dir` (the config file's); `bundled` maps the
+    launcher's shipped configs to their ZeRO stage, `bundled_where` says where it ships them."""
     if isinstance(value, dict):
-        return _parse(value, f"{key} (inline)", path, key, lines, f"key {key!r} (inline mapping)")
+        return _parse(value, f"{key} (inline)", path, key, f"key {key!r} (inline mapping)")
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(
             f"{where(path, key, lines)}: expected a path to a DeepSpeed JSON file or a mapping, got {type_name(value)} {short(value)}"
@@ -91,7 +78,7 @@ def read_deepspeed(
                     f"{key}: {value!r} is not in the current directory {os.getcwd()!r}; read it next to the config "
                     f"({file}). The launcher reads it relative to the directory you launch from."
                 )
-            return _parse(data, file, path, key, lines, file, note)
+            return _parse(data, file, path, key, file, note)
         if os.path.exists(file):
             raise ConfigError(f"{where(path, key, lines)}: {file} is not a regular file")
     name = os.path.basename(value)
@@ -113,15 +100,7 @@ def read_deepspeed(
     )
 
 
-def _parse(
-    data: Any,
-    label: str,
-    path: str,
-    key: str,
-    lines: Mapping[str, int] | None,
-    detail: str,
-    note: str = "",
-) -> DeepSpeedConfig:
+def _parse(data: Any, label: str, path: str, key: str, detail: str, note: str = "") -> DeepSpeedConfig:
     if not isinstance(data, dict):
         raise ConfigError(
             f"DeepSpeed config {label} ({path}, key {key!r}): must be a JSON object, not {type_name(data)}"

@@ -22,6 +22,7 @@ its sources (`SRC`); `_worker.py` runs LLaMA-Factory's own `get_train_args` inst
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from .accelerate import read_accelerate, set_accelerate_facts
@@ -32,6 +33,7 @@ from .common import (
     Origin,
     Reading,
     json_object_or_mapping,
+    line_link,
     release,
     short,
     type_name,
@@ -46,9 +48,7 @@ COMMIT = "ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30"
 VERSION_MODELLED = "LLaMA-Factory main@ff6d4d12 (= 0.9.5 for these keys)"
 SRC = f"https://github.com/hiyouga/LLaMA-Factory/blob/{COMMIT}/src/llamafactory/"
 
-
-def _src(file: str, first: int, last: int, what: str) -> str:
-    return f"{SRC}{file}#L{first}-L{last} ({what})"
+_src = partial(line_link, SRC)
 
 
 SOURCES = {
@@ -64,7 +64,8 @@ SOURCES = {
         "model/model_utils/checkpointing.py",
         163,
         204,
-        "prepare_model_for_training: FSDP2 -> use_reentrant_gc False; {use_reentrant: use_reentrant_gc}; use_cache False",
+        "prepare_model_for_training: FSDP2 -> "
+        "use_reentrant_gc False; {use_reentrant: use_reentrant_gc}; use_cache False",
     ),
     "wrapper": _src(
         "model/model_utils/checkpointing.py",
@@ -292,13 +293,19 @@ class Reentrant:
     source: str
 
     def rewrite(self, value: Any, origin: Origin, detail: str, source: str) -> None:
-        """Replace the value, its origin, detail and source at once."""
         self.value, self.origin, self.detail, self.source = value, origin, detail, source
 
 
 def read(config: Config, ctx: Context) -> Reading:
     """The plugin's model of how LLaMA-Factory reads `config` (see the module docstring)."""
-    reading = _new_reading()
+    reading = Reading(
+        format="llamafactory",
+        parser=f"the plugin's model of {VERSION_MODELLED}",
+        changes={
+            "use_reentrant": "use_reentrant_gc: {value}",
+            "activation_checkpointing": "disable_gradient_checkpointing: {not_value}",
+        },
+    )
     if ctx.trainer is not None:
         reading.notes.append(f"--trainer {ctx.trainer} is ignored: a LLaMA-Factory config says its stage itself")
     parsed = _parse(config)
@@ -317,18 +324,6 @@ def read(config: Config, ctx: Context) -> Reading:
     world = _read_launch(config, ctx, parsed, reading, accel)
     _apply_rules(ctx, parsed, reading, reentrant, hf_override=hf_override, fsdp2=fsdp2, world=world)
     return reading
-
-
-def _new_reading() -> Reading:
-    """An empty reading, with LLaMA-Factory's spellings of the settings."""
-    return Reading(
-        format="llamafactory",
-        parser=f"the plugin's model of {VERSION_MODELLED}",
-        changes={
-            "use_reentrant": "use_reentrant_gc: {value}",
-            "activation_checkpointing": "disable_gradient_checkpointing: {not_value}",
-        },
-    )
 
 
 def _parse(config: Config) -> Parsed:
@@ -544,7 +539,6 @@ def _read_model(parsed: Parsed, reading: Reading) -> None:
 
 
 def _read_launch(config: Config, ctx: Context, parsed: Parsed, reading: Reading, accel: Any) -> int:
-    """The launch: process count, DeepSpeed, FSDP; returns the process count."""
     if ctx.nproc is not None:
         reading.set("world_size", ctx.nproc, "option", "--nproc")
     elif accel is not None and accel.num_processes is not None:
@@ -598,7 +592,6 @@ def _read_ddp(parsed: Parsed, reading: Reading, distributed: bool) -> None:
 def _apply_rules(
     ctx: Context, parsed: Parsed, reading: Reading, reentrant: Reentrant, *, hf_override: bool, fsdp2: bool, world: int
 ) -> None:
-    """LLaMA-Factory's own verdicts (`RULES`) on what was read."""
     raw = parsed.raw
     gc_on = bool(reading.value("gc_enabled"))
     tf = ctx.versions.get("transformers")

@@ -210,7 +210,7 @@ def _load_yaml(path: str, text: str, wanted: frozenset[str] | None) -> Config:
         try:
             if wanted is None:
                 raise _WholeDocument
-            values, keys, lines = _split_top_level(text, wanted, path)
+            values, keys, lines = _split_top_level(text, wanted)
             return Config(path=path, values=values, keys=keys, lines=lines)
         except _WholeDocument:
             data = yaml.load(text, Loader=_loader_class())
@@ -230,9 +230,7 @@ def _load_yaml(path: str, text: str, wanted: frozenset[str] | None) -> Config:
         raise ConfigError(f"{path}: cannot read a value: {type(exc).__name__}: {short(str(exc), 120)}") from None
 
 
-def _split_top_level(
-    text: str, wanted: frozenset[str], path: str
-) -> tuple[dict[str, Any], tuple[str, ...], dict[str, int]]:
+def _split_top_level(text: str, wanted: frozenset[str]) -> tuple[dict[str, Any], tuple[str, ...], dict[str, int]]:
     """The fast path for a block mapping at column 0 (what every launcher's config is): split the text at the
     lines that start a top-level key, check the syntax of every part with libyaml's C parser (no Python objects),
     and build only the parts whose key is wanted. Anything unusual (flow or list top level, directives or document

@@ -79,7 +79,6 @@ RULES: tuple[LauncherRule, ...] = (
 
 
 def read(config: Config, ctx: Context) -> Reading:
-    """Facts of a plain `TrainingArguments` JSON file."""
     path, lines = config.path, config.lines
     reading = Reading(
         format="training-args",

@@ -40,6 +40,7 @@ from .accelerate import (
     whole_number,
 )
 from .common import (
+    KWARGS_CHANGES,
     ConfigError,
     Context,
     LauncherRule,
@@ -218,7 +219,9 @@ def trl_bool(config: Config, key: str, reading: Reading) -> bool | None:
 
 def read(config: Config, ctx: Context) -> Reading:
     """The plugin's model of how `trl <command> --config` reads `config` (see the module docstring)."""
-    reading = _new_reading()
+    reading = Reading(
+        format="trl", parser=f"the plugin's model of TRL {VERSION_MODELLED}'s TrlParser", changes=dict(KWARGS_CHANGES)
+    )
     _check_env(config)
     _read_checkpointing(config, reading)
     _read_model(config, reading)
@@ -229,20 +232,7 @@ def read(config: Config, ctx: Context) -> Reading:
     return reading
 
 
-def _new_reading() -> Reading:
-    """An empty reading, with TRL's spellings of the settings."""
-    return Reading(
-        format="trl",
-        parser=f"the plugin's model of TRL {VERSION_MODELLED}'s TrlParser",
-        changes={
-            "use_reentrant": "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}",
-            "activation_checkpointing": "gradient_checkpointing: {value}",
-        },
-    )
-
-
 def _check_env(config: Config) -> None:
-    """`env`: TRL requires a mapping of environment variables."""
     env = config.get("env")
     if "env" in config.values and not isinstance(env, dict):
         raise ConfigError(
@@ -274,7 +264,6 @@ def _read_checkpointing(config: Config, reading: Reading) -> None:
 
 
 def _read_model(config: Config, reading: Reading) -> None:
-    """The model: adapter (`use_peft`), quantization (`load_in_4bit` / `load_in_8bit`)."""
     peft = trl_bool(config, "use_peft", reading)
     four = bool(trl_bool(config, "load_in_4bit", reading))
     eight = bool(trl_bool(config, "load_in_8bit", reading))

@@ -1,0 +1,182 @@
+"""A run's record: its settings, every decision taken for it, the `use_reentrant` in force and who set it, and every
+hook the run added (`model.hooks.Hooks`); how a finding is recorded, refused, repaired and how the run leaves.
+
+`run.Run` is this record with the stages of a run; the runtime checks take the run as a `Record`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .._base import report
+from ..core.decisions import Action, Decision, Level, write_decisions
+from ..core.errors import GCConfigError, raise_for_errors
+from ..core.rules import RULES, Rule
+from ..core.settings import GCSettings
+from ..model import ckpt, probe
+from ..model.enable_guard import EnableGuard
+from ..model.hooks import Hooks
+from ..model.verify import Watch
+from ..model.write import CacheSwitch, set_args_kwarg
+
+STAND_BACK = frozenset(r.id for r in RULES if r.stand_back)
+"""Rules that hand checkpointing to another library or the model's own code: the plugin then decides nothing."""
+
+
+def runtime_decision(
+    rule: Rule,
+    action: Action,
+    before: Any,
+    after: Any,
+    reason: str,
+    setting: str | None = None,
+    level: Level | None = None,
+) -> Decision:
+    """A decision taken while the run trains (source `runtime`, stage `train`)."""
+    return rule.decision(action, before, after, "runtime", reason, "train", setting, level)
+
+
+class Record:
+    """What the plugin knows and did about one run, on any route.
+
+    Args:
+        settings (`GCSettings`): the settings, resolved once before the run was armed.
+        main_process (`bool`, *optional*): whether this process logs and writes files, when the arguments must not
+            be asked (in `__post_init__`, before the distributed state is set up); else read from the arguments.
+        write_json (`bool`): write `gc_decisions.json` (the setting, unless the route writes none: `__post_init__`).
+    """
+
+    def __init__(self, settings: GCSettings, main_process: bool | None = None, write_json: bool = True) -> None:
+        self.settings = settings
+        self.mode = settings.mode
+        self.main_process = main_process
+        self.write_json = write_json and settings.write_json
+        self.args: Any = None
+        self._model: Callable[[], Any] = lambda: None
+        self.decisions: list[Decision] = []
+        self.use_reentrant: Any = None
+        """The `use_reentrant` in force (the one holder of it)."""
+        self.source = "unset"
+        """Who set it: `user`, `plugin`, `trainer`, a launcher, `unknown` or `unset`."""
+        self.json_path: str | None = None
+        self.reported: dict[str, int] = {}
+        self.hooks = Hooks()
+        self.watch: Watch | None = None
+        self.guard: EnableGuard | None = None
+        self.cache: CacheSwitch | None = None
+        self.stopped = False
+
+    @property
+    def model(self) -> Any:
+        """The model, held weakly: a run never keeps a model alive."""
+        return self._model()
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        try:
+            self._model = weakref.ref(model) if model is not None else lambda: None
+        except TypeError:  # not weakly referable
+            self._model = lambda: model
+
+    # --- what the run is -----------------------------------------------------------------------------------------
+
+    def stands_back(self) -> bool:
+        """Another library or the model's own code owns checkpointing (a `stand_back` rule applied): the plugin
+        decides nothing and only reports what its checks see."""
+        return any(d.rule_id in STAND_BACK for d in self.decisions)
+
+    def explicit(self) -> tuple[bool, str]:
+        """Whether the running `use_reentrant=True` is the user's own choice (or of unknown origin), and its source."""
+        return self.use_reentrant is True and self.source in ("user", "unknown"), self.source
+
+    def count(self, key: str) -> int:
+        """How many times `key` has been seen this run, this time included (a finding is said once)."""
+        self.reported[key] = self.reported.get(key, 0) + 1
+        return self.reported[key]
+
+    def set_use_reentrant(self, value: Any, source: str) -> None:
+        self.use_reentrant, self.source = value, source
+        if self.args is not None:
+            probe.remember(self.args, value, source)
+
+    def is_main(self) -> bool:
+        return self.main_process if self.main_process is not None else report.is_main_process(self.args)
+
+    # --- recording and refusing ----------------------------------------------------------------------------------
+
+    def record(self, new: list[Decision]) -> None:
+        if new:
+            self.decisions.extend(new)
+            self.publish(new)
+
+    def conclude(self, new: list[Decision], mode: str | None = None) -> None:
+        """Record a check's findings and refuse for its `error` ones (in `mode`, the run's by default), after
+        removing every trace of the run: a refused run never reaches its end."""
+        self.record(new)
+        self.refuse(new, mode, recorded=True)
+
+    def refuse(self, decisions: list[Decision], mode: str | None = None, recorded: bool = False) -> None:
+        """Raise `GCConfigError` for the `error` decisions (not in warn mode), after removing the run's hooks."""
+        mode = mode or self.mode
+        if mode == "warn" or not any(d.action == "error" for d in decisions):
+            return
+        if not recorded:
+            self.publish(decisions)
+        try:
+            raise_for_errors(decisions, mode)
+        except GCConfigError:
+            self.stop()
+            raise
+
+    def publish(self, new: list[Decision]) -> None:
+        """Log the new decisions (main process) and rewrite `gc_decisions.json` when checkpointing is involved."""
+        main = self.is_main()
+        report.log_decisions(new, main)
+        if not (main and self.write_json and any(d.rule_id != "checkpointing-off" for d in self.decisions)):
+            return
+        output_dir = getattr(self.args, "output_dir", None)
+        self.json_path = write_decisions(self.decisions, output_dir) or self.json_path
+        if self.json_path is None and output_dir and output_dir == self.settings.output_dir:
+            where = self.settings.origin("output_dir")
+            report.note(
+                f"gc_decisions.json not written: {where} names {str(output_dir)!r}, which is not an existing directory "
+                "(the plugin creates none); the decisions are in the log.",
+                "warning",
+            )
+
+    # --- acting on the model -------------------------------------------------------------------------------------
+
+    def switch(self, value: bool) -> None:
+        """Run `use_reentrant=value` from now on: the arguments, the model, the drift watch and the record."""
+        set_args_kwarg(self.args, "use_reentrant", value)
+        if self.model is not None:
+            ckpt.set_keyword(self.model, "use_reentrant", value)
+        if self.watch is not None:
+            self.watch.args_value = value
+        self.set_use_reentrant(value, "plugin")
+
+    def ensure_guard(self, layer_kwargs: Any, keep: bool = True) -> EnableGuard:
+        """The enable guard, installed once: it reports every re-enable to `reenabled`, and with `keep` keeps what
+        the plugin enabled across them."""
+        if self.guard is None:
+            self.guard = EnableGuard(self.model, layer_kwargs, keep, after=self.reenabled)
+            self.guard.install(self.hooks)
+        self.guard.keep = self.guard.keep or keep
+        return self.guard
+
+    def reenabled(self) -> None:
+        """The model's checkpointing was enabled again (`Run` checks what drifted)."""
+
+    def stop(self, keep_lasting: bool = False, keep_repairs: bool = False) -> None:
+        """Remove every trace of the run: its hooks (the checks', the enable guard's, the loop's) and the repairs made
+        on the model, and the `use_cache` switch; `keep_lasting` / `keep_repairs` as `Hooks.remove`'s (a loop goes on
+        after the route)."""
+        self.stopped = True
+        self.hooks.remove(keep_lasting, keep_repairs)
+        self.guard = None
+        if self.cache is not None:
+            self.cache.restore()
+            self.cache = None
+        self.watch = None
