@@ -63,7 +63,7 @@ def test_layer_kwargs_are_taken_out_only_where_transformers_cannot_read_them(tf,
 
 @pytest.mark.parametrize("tf", RELEASES)
 def test_offload_without_an_accelerator_is_refused_where_transformers_offloads(tf):
-    f = facts(tf, kwargs_keys=("offload",), offload=True, accelerator=False)
+    f = facts(tf, kwargs_keys=("offload",), offload=True, accelerator_built=False)
     refused = [d.rule_id for d in errors(decide(f))]
     # 5.17-5.22 fail on CPU in the first forward as 5.23 does: refused; before 5.17 the plugin takes offload out
     assert refused == (["offload-needs-accelerator"] if EXPECTED[tf]["offload"] else [])
@@ -199,3 +199,106 @@ def test_check_cli_layer_kwargs(tmp_path, capsys, tf):
 def test_check_cli_never_refuses_a_plain_config(tmp_path, capsys, tf):
     code, out = _check(tmp_path, capsys, tf, "{use_reentrant: false}")
     assert code == 0 and "verdict: fine" in out, out
+
+
+# --- TRL's activation offloading: its stream fixes read in its source ---------------------------------------------
+
+
+def _trl_offloading_source() -> str | None:
+    trl_dir = capabilities._package_dir("trl")
+    source = trl_dir / "models" / "activation_offloading.py" if trl_dir else None
+    return source.read_text() if source is not None and source.is_file() else None
+
+
+def test_trl_offload_detection_matches_its_release():
+    """Read in the installed TRL's source, the fixes are where the wheels have them (1.14+; this matrix runs TRL
+    0.20.0 and 0.26.2 without them, 1.16.0 with them)."""
+    try:
+        trl = metadata.version("trl")
+    except metadata.PackageNotFoundError:
+        assert capabilities.detect_trl_offload() is None
+        return
+    expected = for_versions({"trl": trl}).trl_offload_stream_fixes
+    assert capabilities.detect_trl_offload() is (expected if _trl_offloading_source() is not None else None)
+
+
+def test_trl_offload_detection_sees_each_fix_undone(tmp_path):
+    """The installed source with one fix undone at a time (as the released source before it): not detected."""
+    text = _trl_offloading_source()
+    if text is None or not capabilities.detect_trl_offload():
+        pytest.skip("this TRL's offloading lacks the fixes (the release test covers it)")
+    undone = {
+        "compute stream cached": text.replace("@property\n    def s0(", "def s0("),
+        "clone after the wait": text.replace("activation.clone(memory_format", "activation.contiguous(memory_format")
+        + "\n# activation.clone(memory_format=...) on the transfer stream\n",
+        "no sync at exit": text.replace(".synchronize()", ".query()"),
+    }
+    for name, source in undone.items():
+        models = tmp_path / name / "models"
+        models.mkdir(parents=True)
+        (models / "activation_offloading.py").write_text(source)
+        assert capabilities.detect_trl_offload(models.parent) is False, name
+
+
+@pytest.mark.parametrize(("trl", "fires"), [("0.26.2", True), ("1.13.0", True), ("1.14.0", False), ("1.16.0", False)])
+def test_trl_offloading_without_the_stream_fixes_is_said(trl, fires):
+    for tf, alternative in (("5.23.0", "gradient_checkpointing_kwargs={'offload': True}"), ("4.57.6", "Upgrade TRL")):
+        f = facts(tf, extra={"trl": trl}, trl_activation_offloading=True, accelerator=True)
+        found = [d for d in decide(f) if d.rule_id == "trl-activation-offloading-stream-races"]
+        assert bool(found) is fires
+        if fires:
+            assert found[0].action == "warn" and alternative in found[0].reason
+    # Without offloading, or on a machine without an accelerator (another rule refuses there), nothing is said.
+    for f in (facts("5.23.0", extra={"trl": trl}, accelerator=True),
+              facts("5.23.0", extra={"trl": trl}, trl_activation_offloading=True, accelerator=False)):
+        assert "trl-activation-offloading-stream-races" not in {d.rule_id for d in decide(f)}
+
+
+def test_check_cli_reads_trls_activation_offloading(tmp_path, capsys):
+    from trl_gc_plugin.__main__ import check_main
+
+    path = tmp_path / "sft.yaml"
+    path.write_text("model_name_or_path: Qwen/Qwen2-0.5B\ndataset_name: trl-lib/Capybara\noutput_dir: out\nactivation_offloading: true\n")
+    for trl, said in (("1.13.0", True), ("1.16.0", False)):
+        capsys.readouterr()
+        code = check_main([str(path), "--parser", "model", "--trl-version", trl])
+        out = capsys.readouterr().out
+        assert code == 0 and "activation offloading (TRL)" in out
+        assert ("[trl-activation-offloading-stream-races]" in out) is said, out
+
+
+# --- FSDP2 mixed precision and the recompute's casts (torch's source) -------------------------------------------
+
+
+def test_fsdp2_recompute_casts_read_in_torchs_source(tmp_path):
+    """The installed torch (2.13+ in every environment here) casts the recompute; its source with the PRE_BACKWARD
+    branch as torch before 2.13 wrote it (`return args, kwargs`) does not."""
+    torch_dir = capabilities._package_dir("torch")
+    source = torch_dir / "distributed" / "fsdp" / "_fully_shard" / "_fsdp_state.py"
+    text = source.read_text()
+    assert capabilities.detect_fsdp2_recompute_casts() is True
+    assert capabilities.detect_fsdp2_recompute_casts() is for_versions({"torch": metadata.version("torch")}).fsdp2_recompute_casts
+    old = tmp_path / "torch" / "distributed" / "fsdp" / "_fully_shard"
+    old.mkdir(parents=True)
+    before = text.replace("return self._cast_forward_inputs(args, kwargs)\n", "return args, kwargs\n", 1)
+    assert before != text
+    (old / "_fsdp_state.py").write_text(before)
+    assert capabilities.detect_fsdp2_recompute_casts(tmp_path / "torch") is False
+
+
+@pytest.mark.parametrize(("torch_version", "fires"), [("2.12.1", True), ("2.13.0", False), ("2.15.0", False)])
+def test_fsdp2_mixed_precision_on_a_torch_that_recomputes_in_another_dtype(torch_version, fires):
+    base = dict(fsdp=True, fsdp_version=2, world_size=2, mixed_precision=True)
+    cases = {
+        "trainer's checkpointing": (dict(base), fires),
+        "FSDP's own with dropout (fix switches)": (dict(base, gc_enabled=False, fsdp_activation_checkpointing=True, dropout=True), fires),
+        "FSDP's own without dropout": (dict(base, gc_enabled=False, fsdp_activation_checkpointing=True, dropout=False), False),
+        "no mixed precision": (dict(base, mixed_precision=False), False),
+        "FSDP1": (dict(base, fsdp_version=1), False),
+    }
+    for name, (kw, expected) in cases.items():
+        gc = kw.pop("gc_enabled", True)
+        f = facts("5.23.0", extra={"torch": torch_version}, gc_enabled=gc, **kw)
+        found = [d for d in decide(f) if d.rule_id == "fsdp2-mixed-precision-recompute"]
+        assert bool(found) is expected, name
+        assert all(d.action == "warn" for d in found)

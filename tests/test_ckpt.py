@@ -177,3 +177,35 @@ def test_snapshot_narrowed() -> None:
     ckpt.restore(first_only)
     assert ckpt.use_reentrant(ckpt.function_of(blocks[0])) is False
     assert ckpt.use_reentrant(ckpt.function_of(blocks[1])) is True
+
+
+@pytest.mark.parametrize("kind", ["selective", "lean"])
+def test_the_plugins_selective_blocks_inside_saved_tensor_hooks_warn_nothing_and_keep_their_result(kind) -> None:
+    """torch 2.14+ warns (FutureWarning: a saved_tensors_hooks context is active around a selective checkpoint region)
+    when `respect_saved_tensors_hooks` is left unset, and has announced that the unset setting becomes an error, then
+    flips. The plugin's own selective blocks say `False` (today's behaviour) where the installed torch has the key:
+    no warning, the gradients of full checkpointing."""
+    import warnings
+
+    from trl_gc_plugin.core.capabilities import torch_checkpoint_keywords
+
+    model = _model()
+    ids = torch.randint(3, 64, (2, 8))
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad()
+        with torch.autograd.graph.save_on_cpu(pin_memory=False):
+            model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    full = grads()
+    ckpt.apply(model, ckpt.Spec(layout=Layout.uniform(kind, LAYERS)))
+    keywords = ckpt.keywords(ckpt.function_of(ckpt.blocks(model)[0]))
+    assert keywords.get("respect_saved_tensors_hooks", "absent") == (
+        False if "respect_saved_tensors_hooks" in torch_checkpoint_keywords() else "absent"
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = grads()
+    assert not [w for w in seen if "saved_tensors_hooks" in str(w.message)], [str(w.message) for w in seen]
+    assert all(torch.equal(a, b) for a, b in zip(got, full, strict=True))

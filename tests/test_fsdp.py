@@ -335,3 +335,24 @@ def test_the_first_step_says_when_more_parameters_are_held_whole_than_planned(re
         assert "sharded parameters held whole" in warning, warning
         assert f"({predicted} bytes)" in warning and f"({rank['model_bytes']} bytes) at once" in warning, warning
         assert predicted < rank["model_bytes"], (predicted, rank["model_bytes"])
+
+
+def test_selective_around_an_fsdp2_unit_inside_the_block(tmp_path):
+    """Upstream, selective checkpointing around an FSDP2 unit inside the checkpointed block failed at the first
+    backward (torchtitan #3427, with expert parallelism). Here, each decoder layer's MLP a unit of its own: the
+    plugin reads the inner units, and selective and lean train with the gradients of full checkpointing, so the
+    planner keeps offering them (the memory plan says so, once per run)."""
+    scenarios = ["full-flat", "full-inner", "selective-inner", "lean-inner"]
+    results = run_scenarios("fsdp2_inner_unit.py", tmp_path, scenarios)
+    for scenario in scenarios:
+        for rank in (0, 1):
+            got = results[scenario][rank]
+            assert got["outcome"] == "ok", (scenario, got)
+            assert bool(got["inside"]) is scenario.endswith("inner")
+    assert results["full-inner"][0]["inside"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    for scenario, notes in (("full-inner", 1), ("full-flat", 0)):
+        got = results[scenario][0]
+        assert got["selective_offered"] == [True, True]
+        assert len(got["notes"]) == notes and all("model.layers.0.mlp" in n for n in got["notes"])
+    sums = {results[s][r]["grad_sum"] for s in scenarios for r in (0, 1)}
+    assert len(sums) == 1, sums

@@ -85,3 +85,40 @@ def test_grouped_expert_matmuls_are_kept_and_counted(arch):
     assert would.matmul_flops[0] >= flops and would.block_flops[0] >= flops, (would.matmul_flops[0], flops)
     assert would.selective[0] >= nbytes
     assert would.lean[0] <= would.selective[0] - grouped[0][1]  # the first (gate and up, fused) widens: recomputed
+
+
+@pytest.mark.parametrize("arch", [a for a in zoo.ZOO if a.kind == "moe"], ids=lambda a: a.name)
+def test_both_policies_keep_the_routers_logits(arch):
+    """MoE routing recomputed differently from the forward (torchtitan #3146) cannot happen under the plugin's
+    policies: both keep the router's gate matmul, so the recompute's softmax and top-k read the forward's logits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trl_gc_plugin.model import policies
+
+    torch.manual_seed(0)
+    model = arch.build()
+    model.train()
+    experts = next(getattr(model.config, k) for k in ("num_local_experts", "num_experts") if hasattr(model.config, k))
+    routers = [m for m in model.modules() if getattr(getattr(m, "weight", None), "shape", (None,))[0] == experts
+               and m.weight.dim() == 2]
+    assert routers, arch.name
+    logits = []
+    for router in routers:
+        router.register_forward_hook(lambda m, a, out: logits.append(out[0] if isinstance(out, tuple) else out))
+    state = policies.policy_state()
+    kept: dict[str, set] = {"selective": set(), "lean": set()}
+
+    class Keeps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for name, keeps in (("selective", policies.keeps), ("lean", policies.lean_keeps)):
+                if keeps(func, args, state):
+                    kept[name].update(t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves(out)
+                                      if isinstance(t, torch.Tensor))
+            return out
+
+    with Keeps():
+        model(**arch.batch(0))
+    assert len(logits) == len(routers)
+    for name in ("selective", "lean"):
+        assert all(t.untyped_storage().data_ptr() in kept[name] for t in logits), (arch.name, name)

@@ -239,3 +239,41 @@ def test_a_failing_held_reading_never_stops_the_forward():
     model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
     remove()
     assert len(calls) == 1 and record["failed"] == "KeyError: 'x'" and record["max"] == 0
+
+
+class UserHooks:
+    """A user's own saved-tensor hooks around each training step's loss (what TRL's activation offloading, `save_on_cpu`
+    or a memory meter of one's own puts there): the bytes they see per step."""
+
+    def __init__(self):
+        self.per_step = []
+
+    def compute_loss(self, original):
+        def wrapped(*args, **kwargs):
+            seen = [0]
+
+            def pack(tensor):
+                seen[0] += tensor.numel() * tensor.element_size()
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                loss = original(*args, **kwargs)
+            self.per_step.append(seen[0])
+            return loss
+
+        return wrapped
+
+
+def test_the_first_step_meter_never_hides_a_users_saved_tensor_hooks(tmp_path):
+    """With a memory budget the plan is checked against what the first training forward saved, measured with
+    saved-tensor hooks; hooks are innermost-wins, so a user's own hooks around that forward saw nothing of it (0
+    bytes on the first step, the right figure on the next, measured before the fix). The meter now counts and hands
+    every tensor on to the hooks it found in scope: theirs see the first step as they see every other."""
+    user = UserHooks()
+    callback = SafeGCCallback(memory_budget="1GiB")
+    trainer = make_trainer("trainer", model(), str(tmp_path), callbacks=[callback], max_steps=2)
+    trainer.compute_loss = user.compute_loss(trainer.compute_loss)
+    trainer.train()
+    assert plans(callback) and callback.plan_check is not None  # the plan was made and checked on the first step
+    first, second = user.per_step
+    assert first > 0 and first == second, user.per_step

@@ -53,6 +53,9 @@ def test_a_plan_between_none_and_full_is_chosen_applied_and_gradient_exact(tmp_p
     # the pick, from the plan's own table (a per-block pick is made for this budget)
     chosen = next(c for c in decision.after["candidates"] if c["name"] == decision.after["plan"])
     assert decision.action == "default" and chosen["name"] not in ("none", "full") and chosen["peak_bytes"] <= budget
+    # offloading is not offered on the CPU, and the table says why (the model's activations are in host memory)
+    (offload,) = [c for c in decision.after["candidates"] if c["name"] == "offload"]
+    assert not offload["allowed"] and "the model is on the CPU" in offload["why_not"]
     pattern = tuple(bool(x) for x in chosen["pattern"])
     assert seen.seen and all(p == pattern for p in seen.seen)  # planned at the first forward, applied there
     full = model()

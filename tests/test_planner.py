@@ -414,3 +414,71 @@ def test_a_kernel_fake_tensors_cannot_run_leaves_no_traceback_in_the_log(caplog)
             pytest.skip("this transformers runs Mixtral's experts on fake tensors")
         assert logger.level == logging.DEBUG  # restored
     assert failed and not [r for r in caplog.records if r.name == logger.name], failed
+
+
+# --- in-place writes to what a policy keeps (issue 38, item 5) ---------------------------------------------------
+
+
+class _ScaledUpMLP(torch.nn.Module):
+    """A Llama MLP whose up projection's output is scaled in place, as custom model code does. On the tokens flattened
+    to 2-D, the write lands on `mm`'s own output, and torch's selective checkpointing fails at the first backward
+    (NeMo Automodel #3274: `Tensor cached during selective activation checkpoint has been mutated`); on 3-D hidden
+    states it lands on an `_unsafe_view` of it, which torch's check does not see: the recompute reads the scaled cache
+    and scales it again, and the gradients are wrong, silently."""
+
+    def __init__(self, mlp: torch.nn.Module, flat: bool) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+        self.flat = flat
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1]) if self.flat else x
+        up = self.up_proj(x)
+        up.mul_(0.5)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * up).reshape(shape)
+
+
+def scaled_up_model(flat: bool):
+    model = build()
+    for layer in model.model.layers:
+        layer.mlp = _ScaledUpMLP(layer.mlp, flat)
+    return model
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["crash", "silent"])
+def test_a_block_that_writes_in_place_to_a_kept_output_gets_no_plan_with_that_policy(flat):
+    from functools import partial
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    inputs = batch(make_config().vocab_size)
+    model = scaled_up_model(flat)
+    reference = gradients(model, inputs)  # full checkpointing (equal to none: checked in the zoo tests)
+    # Without the plugin: selective checkpointing that keeps the matmuls crashes, or trains on wrong gradients.
+    keep_matmuls = partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": keep_matmuls})
+    if flat:
+        with pytest.raises(RuntimeError, match="has been mutated"):
+            gradients(model, inputs)
+    else:
+        got = gradients(model, inputs)
+        assert not all(torch.equal(got[k], reference[k]) for k in reference)
+    # The planner's estimate sees the write: selective is not offered, lean (which recomputes the widening up
+    # projection) still is, and no mixed plan runs a selective block.
+    model = scaled_up_model(flat)
+    est = memory.estimate(model, BATCH, SEQ)
+    assert "mul_" in est.selective_unsafe and "mm" in est.selective_unsafe and est.lean_unsafe == ""
+    table = {c.name: c for c in planner.candidates(est, allow_selective=True, allow_offload=False)}
+    assert not table["selective"].allowed and "writes in place" in table["selective"].why_not
+    assert table["selective-lean"].allowed
+    for budget in (table["full"].peak_bytes, table["selective"].peak_bytes, table["none"].peak_bytes):
+        mixed = planner.mixed_candidate(est, budget, allow_selective=True, balance=1.0, op_overhead=0.0)
+        assert mixed is None or "selective" not in mixed.layout.kinds
+    # What it offers trains, with the gradients of full checkpointing.
+    ckpt.apply(model, ckpt.Spec(layout=Layout.uniform("lean", LAYERS)))
+    got = gradients(model, inputs)
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
+    # The unmodified model: both policies offered.
+    est = memory.estimate(build(), BATCH, SEQ)
+    assert (est.selective_unsafe, est.lean_unsafe) == ("", "")

@@ -65,3 +65,45 @@ def test_the_state_read_holds_no_tensor():
     assert state and all(not isinstance(v, torch.Tensor) and not any(isinstance(x, torch.Tensor) for x in
                                                                       (v if isinstance(v, tuple) else (v,)))
                          for v in state.values())
+
+
+def _gradients(model, batch, checkpointing: bool) -> dict[str, torch.Tensor]:
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+    model.zero_grad(set_to_none=True)
+    model(**batch).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ("llama", "gpt2"))
+def test_replayed_state_the_output_reads_is_refused_in_strict_on_the_parity_probes_evidence(arch):
+    # Without the plugin: the recompute reads the count its forward already advanced, so the gradients differ from
+    # training without checkpointing (the same initial weights and counts).
+    batch = BY_NAME[arch].batch(0)
+    grads = {}
+    for checkpointing in (False, True):
+        model = build(BY_NAME[arch], "full")
+        count_in_blocks(model, "buffer", reads=True)
+        grads[checkpointing] = _gradients(model, batch, checkpointing)
+    worst = max(float((grads[True][k] - grads[False][k]).abs().max() / grads[False][k].abs().max().clamp_min(1e-12))
+                for k in grads[False])
+    assert worst > 1e-3, worst
+    for reentrant in (True, False):
+        # strict: refused at the first optimizer step, before any update, naming the state and the evidence
+        model = build(BY_NAME[arch], "full")
+        count_in_blocks(model, "buffer", reads=True)
+        outcome = run(arch, "full", reentrant, plugin="strict", model=model)
+        assert outcome.refused and not outcome.changed_at_error
+        refusal = [d for d in outcome.decisions if d.action == "error"]
+        assert [d.rule_id for d in refusal] == ["forward-state-replayed"] and "tokens_seen" in refusal[0].reason
+        # fix and warn: said, with the evidence, and the run goes on (nothing the plugin can switch repairs it)
+        for mode in ("fix", "warn"):
+            model = build(BY_NAME[arch], "full")
+            count_in_blocks(model, "buffer", reads=True)
+            outcome = run(arch, "full", reentrant, plugin=mode, model=model)
+            assert outcome.error is None
+            found = [d for d in outcome.decisions if d.rule_id == "forward-state-replayed"]
+            assert [d.action for d in found] == ["warn", "warn"] and "changes the gradients" in found[1].reason

@@ -13,6 +13,7 @@ from zoo_run import run
 
 from trl_gc_plugin import GCConfigError, SafeGCCallback
 from trl_gc_plugin.core import capabilities
+from trl_gc_plugin.model import probe
 from trl_gc_plugin.model.probe import block_pattern
 from trl_gc_plugin.testing import make_model, make_tokenizer, tokenized_dataset
 
@@ -107,11 +108,18 @@ def test_every_n_layers_before_5_16_without_and_with_the_plugin(tmp_path):
 
 
 @pytest.mark.skipif(
-    "offload" not in READS or torch.cuda.is_available(), reason="transformers >= 5.17 on a CPU-only machine"
+    "offload" not in READS or probe.accelerator_usable(), reason="transformers >= 5.17 on a machine without a GPU"
 )
 def test_offload_without_an_accelerator(tmp_path):
+    """transformers' `offload=True` pins its saved inputs: torch built without an accelerator backend refuses that in
+    the first forward; a CUDA build on a machine without a GPU pins nothing and trains, and the plugin leaves it."""
     kwargs = {"use_reentrant": False, "offload": True}
     bare = make_trainer("trainer", make_model(), str(tmp_path / "bare"), gc_kwargs=kwargs)
+    if probe.accelerator_built():
+        bare.train()
+        make_trainer("trainer", make_model(), str(tmp_path / "plugin"), gc_kwargs=kwargs,
+                     callbacks=[SafeGCCallback()]).train()
+        return
     with pytest.raises(RuntimeError, match="pin_memory"):
         bare.train()
     with pytest.raises(GCConfigError, match="offload-needs-accelerator"):
@@ -431,3 +439,32 @@ def test_under_unsloth_the_runtime_checks_still_run(tmp_path, monkeypatch):
     trainer.train()
     assert [d.action for d in callback.decisions if d.rule_id == "gradient-audit"] == ["none"]  # the audit ran
     assert callback.observed  # the first forward was observed
+
+
+# --- 13. torch's newer keyword: respect_saved_tensors_hooks (2.14+), non-reentrant only ---------------------------
+
+
+@pytest.mark.parametrize("mode", ["strict", "fix"])
+def test_respect_saved_tensors_hooks_with_reentrant(mode, tmp_path):
+    """`respect_saved_tensors_hooks` with `use_reentrant=True` ends in torch's ValueError at the first forward without
+    the plugin, on every torch (2.13: an unknown keyword; 2.14+: one only non-reentrant checkpointing takes, which the
+    unknown-key rules stayed silent on once torch's signature had it). With the plugin, strict refuses before any
+    update and fix trains: on 2.14+ it switches to non-reentrant and keeps the key (`non-reentrant-only-kwargs`), on
+    2.13 it removes the key nothing reads (`checkpointing-kwargs-unknown-reentrant`)."""
+    kwargs = {"use_reentrant": True, "respect_saved_tensors_hooks": False}
+    known = "respect_saved_tensors_hooks" in capabilities.torch_checkpoint_keywords()
+    rule = "non-reentrant-only-kwargs" if known else "checkpointing-kwargs-unknown-reentrant"
+    with pytest.raises(ValueError, match="respect_saved_tensors_hooks"):
+        make_trainer("trainer", make_model(), str(tmp_path / "bare"), gc_kwargs=dict(kwargs), max_steps=1).train()
+    model = make_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    callback = SafeGCCallback(mode=mode)
+    if mode == "strict":
+        with pytest.raises(GCConfigError, match=rule):
+            make_trainer("trainer", model, str(tmp_path), gc_kwargs=kwargs, callbacks=[callback]).train()
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        return
+    trainer = make_trainer("trainer", model, str(tmp_path), gc_kwargs=kwargs, callbacks=[callback], max_steps=1)
+    trainer.train()
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert [d.action for d in callback.decisions if d.rule_id == rule] == ["override"]

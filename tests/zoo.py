@@ -72,10 +72,12 @@ def _seeded(build: Callable[[], Any]) -> Callable[[], Any]:
     return wrapped
 
 
-def count_in_blocks(model: Any, how: str = "buffer") -> list[Any]:
+def count_in_blocks(model: Any, how: str = "buffer", reads: bool = False) -> list[Any]:
     """Every checkpointable block counts the tokens it sees in its training forward, in a buffer (in place) or in a
     plain int attribute, as MoE tokens-per-expert statistics do: the block's class gets a subclass whose forward
-    counts (transformers 5 checkpoints `forward`, 4.x `__call__`: both recompute it). Returns the blocks."""
+    counts (transformers 5 checkpoints `forward`, 4.x `__call__`: both recompute it). With `reads`, the block's
+    output depends on the count (its input is scaled by it before the block runs), so the recompute computes another
+    function than the forward did. Returns the blocks."""
     from trl_gc_plugin.model import ckpt
 
     blocks = ckpt.blocks(model)
@@ -89,6 +91,10 @@ def count_in_blocks(model: Any, how: str = "buffer") -> list[Any]:
                 hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
                 if self.training:
                     self.tokens_seen += hidden.shape[0] * hidden.shape[1]
+                    if self.reads_count:
+                        scaled = hidden * (1.0 + 0.01 * float(self.tokens_seen))
+                        args, kwargs = ((scaled, *args[1:]), kwargs) if args else (args, {
+                            k: scaled if v is hidden else v for k, v in kwargs.items()})
                 return super(counting[type(self)], self).forward(*args, **kwargs)
 
             counting[cls] = type(f"Counting{cls.__name__}", (cls,), {"forward": forward})
@@ -97,6 +103,7 @@ def count_in_blocks(model: Any, how: str = "buffer") -> list[Any]:
             block.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
         else:
             block.tokens_seen = 0
+        block.reads_count = reads
         block.__class__ = counting[cls]
     return blocks
 

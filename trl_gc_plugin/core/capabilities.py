@@ -56,6 +56,15 @@ TESTED_TRANSFORMERS = ("4.53.2", "4.57.6", "5.15.0", "5.16.0", "5.17.0", "5.22.0
 DEEPSPEED_RECOMPUTE_FIX = "0.19.3"
 """DeepSpeed PR 8148 (`in_checkpoint_recompute` in `partitioned_param_coordinator.py`): absent in 0.19.2."""
 
+FSDP2_RECOMPUTE_CASTS = "2.13.0"
+"""The first torch whose FSDP2 casts a recompute's inputs and outputs as its forward did (pytorch #159359, fixed for
+2.13.0: `FSDPState._pre_forward` returns `_cast_forward_inputs(...)` in its PRE_BACKWARD branch)."""
+
+TRL_OFFLOAD_FIXES = "1.14.0"
+"""The first TRL whose `OffloadActivations` has the stream fixes (trl PR 7195: the compute stream read live, the
+clone of offset views before `wait_stream`; PR 5700: `__exit__` syncs and clears its stashes), read in the wheels of
+0.20.0, 0.26.2, 1.10.0-1.15.0 and 1.16.0: 1.10-1.13 have only PR 5700, 0.26.2 and older neither."""
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -79,6 +88,11 @@ class Capabilities:
             generation passes (`disable_gradient_checkpointing`), re-using the raw kwargs.
         deepspeed_recompute_fix: the installed DeepSpeed keeps frozen ZeRO-3 parameters gathered during a
             non-reentrant recompute (`in_checkpoint_recompute`).
+        fsdp2_recompute_casts: the installed torch's FSDP2 applies its mixed-precision casts when a checkpointed block
+            is recomputed (`detect_fsdp2_recompute_casts`); without them a non-reentrant recompute under FSDP2 mixed
+            precision fails with a dtype `CheckpointError`.
+        trl_offload_stream_fixes: the installed TRL's activation offloading (`OffloadActivations`) has the stream
+            fixes of `TRL_OFFLOAD_FIXES` (read in its source, `detect_trl_offload`).
     """
 
     transformers: str | None = None
@@ -92,6 +106,8 @@ class Capabilities:
     activation_fields: bool | None = None
     trl_reenables_per_step: bool | None = None
     deepspeed_recompute_fix: bool | None = None
+    trl_offload_stream_fixes: bool | None = None
+    fsdp2_recompute_casts: bool | None = None
 
     def layer_kwargs(self) -> frozenset[str]:
         """The checkpointing kwargs this transformers takes out and applies itself (`every_n_layers`, `offload`)."""
@@ -134,8 +150,17 @@ def _transformers_for(version: str | None) -> Capabilities:
 
 def for_versions(versions: Mapping[str, str | None]) -> Capabilities:
     """Capabilities for a set of versions (a `--transformers-version X` of the checker, or a hand-made `Facts`),
-    from `TRANSFORMERS_FIRST`. TRL's per-step re-enable is left unknown; DeepSpeed's fix is `>= 0.19.3`."""
+    from `TRANSFORMERS_FIRST`. TRL's per-step re-enable is left unknown; DeepSpeed's fix is `>= 0.19.3`, TRL's
+    offloading fixes `>= TRL_OFFLOAD_FIXES`."""
     caps = _transformers_for(versions.get("transformers"))
+    trl = versions.get("trl")
+    trl_release = _release(trl) if trl else None
+    if trl_release is not None:
+        caps = caps.replace(trl_offload_stream_fixes=_at_least(trl_release, TRL_OFFLOAD_FIXES))
+    torch = versions.get("torch")
+    torch_release = _release(torch) if torch else None
+    if torch_release is not None:
+        caps = caps.replace(fsdp2_recompute_casts=_at_least(torch_release, FSDP2_RECOMPUTE_CASTS))
     ds = versions.get("deepspeed")
     ds_release = _release(ds) if ds else None
     if ds_release is not None:
@@ -276,6 +301,44 @@ def detect_trl(trl_dir: Path | None = None) -> bool | None:
     return any("disable_gradient_checkpointing(" in _read(p) for p in sorted((trl_dir / "trainer").glob("*.py")))
 
 
+_LIVE_STREAM = re.compile(r"@property\s+def s0\(")
+_EXIT = re.compile(r"def __exit__\(.*?(?=\n    def |\Z)", re.S)
+
+
+def detect_trl_offload(trl_dir: Path | None = None) -> bool | None:
+    """Whether the installed TRL's `OffloadActivations` has the stream fixes (`TRL_OFFLOAD_FIXES`), read in its source:
+    the compute stream is a property (read when packing, not cached at construction), offset views are cloned before
+    the transfer stream waits on the compute stream, and `__exit__` synchronizes the streams. None without TRL's
+    offloading module."""
+    trl_dir = trl_dir or _package_dir("trl")
+    source = trl_dir / "models" / "activation_offloading.py" if trl_dir is not None else None
+    if source is None or not source.is_file():
+        return None
+    text = _read(source)
+    clone, wait = text.find("activation.clone(memory_format"), text.find("self.s1.wait_stream(self.s0)")
+    exit_body = _EXIT.search(text)
+    return bool(
+        _LIVE_STREAM.search(text)
+        and -1 < clone < wait
+        and exit_body is not None
+        and "synchronize()" in exit_body.group(0)
+    )
+
+
+_PRE_BACKWARD = re.compile(r"def _pre_forward\(.*?TrainingState\.PRE_BACKWARD:(.*?)\n        [^\s#]", re.S)
+
+
+def detect_fsdp2_recompute_casts(torch_dir: Path | None = None) -> bool | None:
+    """Whether the installed torch's FSDP2 casts a recompute's inputs (`FSDPState._pre_forward`'s PRE_BACKWARD branch
+    returns `_cast_forward_inputs(...)`), read in its source; None without FSDP2's state module."""
+    torch_dir = torch_dir or _package_dir("torch")
+    source = torch_dir / "distributed" / "fsdp" / "_fully_shard" / "_fsdp_state.py" if torch_dir else None
+    if source is None or not source.is_file():
+        return None
+    branch = _PRE_BACKWARD.search(_read(source))
+    return branch is not None and "_cast_forward_inputs(" in branch.group(1)
+
+
 def detect_deepspeed(ds_dir: Path | None = None) -> bool | None:
     """Whether the installed DeepSpeed has the `in_checkpoint_recompute` guard (PR 8148, 0.19.3)."""
     ds_dir = ds_dir or _package_dir("deepspeed")
@@ -289,7 +352,10 @@ def detect_deepspeed(ds_dir: Path | None = None) -> bool | None:
 def installed() -> Capabilities:
     """The capabilities of the installed stack (cached: read once per process)."""
     return detect_transformers().replace(
-        trl_reenables_per_step=detect_trl(), deepspeed_recompute_fix=detect_deepspeed()
+        trl_reenables_per_step=detect_trl(),
+        deepspeed_recompute_fix=detect_deepspeed(),
+        trl_offload_stream_fixes=detect_trl_offload(),
+        fsdp2_recompute_casts=detect_fsdp2_recompute_casts(),
     )
 
 
@@ -301,8 +367,18 @@ def for_check(versions: Mapping[str, str | None]) -> Capabilities:
         ds = versions.get("deepspeed")
         if ds is not None and ds != installed_version("deepspeed"):
             caps = caps.replace(deepspeed_recompute_fix=for_versions({"deepspeed": ds}).deepspeed_recompute_fix)
+        trl = versions.get("trl")
+        if trl is not None and trl != installed_version("trl"):
+            caps = caps.replace(trl_offload_stream_fixes=for_versions({"trl": trl}).trl_offload_stream_fixes)
+        torch = versions.get("torch")
+        if torch is not None and torch != installed_version("torch"):
+            caps = caps.replace(fsdp2_recompute_casts=for_versions({"torch": torch}).fsdp2_recompute_casts)
         return caps
     table = for_versions(versions)
     if versions.get("deepspeed") == installed_version("deepspeed"):
         table = table.replace(deepspeed_recompute_fix=detect_deepspeed())
+    if versions.get("trl") == installed_version("trl"):
+        table = table.replace(trl_offload_stream_fixes=detect_trl_offload())
+    if versions.get("torch") == installed_version("torch"):
+        table = table.replace(fsdp2_recompute_casts=detect_fsdp2_recompute_casts())
     return table

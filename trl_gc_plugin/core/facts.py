@@ -92,10 +92,16 @@ class Facts:
         preserve_rng_state: the kwargs' `preserve_rng_state` (None: torch's default, True).
         selective: per-op (selective) checkpointing is asked for (a `context_fn` in the kwargs, or a launcher's
             selective mode); only the non-reentrant implementation has it.
-        accelerator: an accelerator (CUDA, XPU, MPS, ...) is available for offloading to copy from; None unknown.
+        accelerator: an accelerator device (CUDA, XPU, MPS, ...) is usable now (a runtime check: TRL's offloading
+            streams need one); None unknown.
+        accelerator_built: the installed torch was built with an accelerator backend (what `pin_memory` needs:
+            transformers' `offload=True` pins its saved inputs; a CUDA build without a GPU pins nothing and trains);
+            None unknown.
         trl_activation_offloading: a TRL config's `activation_offloading=True` (TRL wraps the model in its own
             offloading context in the trainer's `__init__`).
         dropout: some dropout probability of the model is > 0 (None: unknown).
+        mixed_precision: the arguments train in bf16 or fp16 (`bf16` / `fp16`: accelerate's autocast, and FSDP2's
+            `MixedPrecisionPolicy` under FSDP2); None unknown.
         shared_state_layers: some layers read tensors another layer computed outside their inputs (cross-layer KV
             sharing, `num_kv_shared_layers`); None unknown.
         deepspeed_activation_checkpointing: the DeepSpeed config's `activation_checkpointing` block sets one of
@@ -163,8 +169,10 @@ class Facts:
     preserve_rng_state: bool | None = None
     selective: bool = False
     accelerator: bool | None = None
+    accelerator_built: bool | None = None
     trl_activation_offloading: bool = False
     dropout: bool | None = None
+    mixed_precision: bool | None = None
     shared_state_layers: bool | None = None
     deepspeed_activation_checkpointing: bool = False
     fsdp_wrapped: bool | None = None

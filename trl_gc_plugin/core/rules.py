@@ -37,8 +37,8 @@ USE_REENTRANT = "use_reentrant"
 
 TORCH_CHECKPOINT_DOCS = "https://docs.pytorch.org/docs/stable/checkpoint.html"
 
-NON_REENTRANT_ONLY = frozenset({"context_fn", "debug", "determinism_check"})
-"""Checkpointing kwargs only torch's non-reentrant implementation has."""
+NON_REENTRANT_ONLY = frozenset({"context_fn", "debug", "determinism_check", "respect_saved_tensors_hooks"})
+"""Checkpointing kwargs only torch's non-reentrant implementation has (`respect_saved_tensors_hooks`: torch 2.14+)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +148,13 @@ def unread_layer_kwargs(f: Facts) -> tuple[str, ...]:
     reads = f.caps.layer_kwargs()
     unknown = f.caps.every_n_layers is None  # transformers absent or unreadable: nothing to say
     return () if unknown else tuple(k for k in LAYER_KWARGS if k in f.kwargs_keys and k not in reads)
+
+
+def _non_reentrant_only(f: Facts) -> set[str]:
+    """The keys of the kwargs that only non-reentrant checkpointing takes, among those the installed torch reads (a key
+    it does not read, `respect_saved_tensors_hooks` before 2.14, is rule `checkpointing-kwargs-unknown`'s)."""
+    unknown = {key.split(" ")[0] for key in f.kwargs_unknown}
+    return (set(f.kwargs_keys) & NON_REENTRANT_ONLY) - unknown
 
 
 def _frozen_inputs(f: Facts) -> bool:
@@ -448,6 +455,41 @@ RULES: tuple[Rule, ...] = (
         remove_when="TRL checks for an accelerator itself before it builds the offloading context",
     ),
     Rule(
+        id="trl-activation-offloading-stream-races",
+        title="TRL's activation offloading without its stream fixes",
+        kind="check",
+        setting="activation_offloading",
+        when=lambda f: f.trl_activation_offloading and f.accelerator is not False,
+        detail=lambda f: (
+            f"transformers {f.version('transformers') or ''} has its own `offload` (gradient_checkpointing_kwargs="
+            "{'offload': True}: each checkpointed layer's inputs saved on the CPU at layer boundaries, no side "
+            "stream): use it instead, or"
+            if f.caps.offload
+            else "Upgrade TRL to 1.14 or later, or"
+        ),
+        condition=(
+            "a TRL config with `activation_offloading=True` on an accelerator, and the installed TRL's "
+            "`OffloadActivations` lacks the stream fixes (read in its source: the compute stream cached at "
+            "construction, offset views cloned after the transfer stream's wait)"
+        ),
+        message=(
+            "set activation_offloading=False. This TRL's offloading races its copy stream against the compute "
+            "stream: reported as a device-side assert at the first backward (20 of 20 runs) or silently corrupted "
+            "saved tensors such as the loss's shifted labels; TRL 1.14 fixed both races."
+        ),
+        evidence=(
+            "https://github.com/huggingface/trl/pull/7195 (two stream races in OffloadActivations; first in TRL 1.14.0)",
+            "https://github.com/axolotl-ai-cloud/axolotl/pull/3833 (shift_labels cloned on the transfer stream: "
+            "device-side assert in nll_loss backward, 20/20 runs unpatched)",
+            "https://github.com/huggingface/trl/pull/5700 (streams synced and stashes cleared in __exit__: a 5 GB leak)",
+            "read: TRL wheels 0.20.0, 0.26.2, 1.10.0-1.13.0 lack the fixes; 1.14.0, 1.15.0, 1.16.0 have them "
+            "(capabilities.detect_trl_offload)",
+        ),
+        versions={"trl": "<1.14.0"},
+        needs={"trl_offload_stream_fixes": False},
+        remove_when="the plugin's floor TRL is 1.14 or later",
+    ),
+    Rule(
         id="zero3-frozen-needs-reentrant",
         title="ZeRO-3 + frozen params on old DeepSpeed: reentrant",
         kind="require",
@@ -570,23 +612,24 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         id="non-reentrant-only-kwargs",
-        title="context_fn / debug / determinism_check: non-reentrant only",
+        title="context_fn / debug / determinism_check / respect_saved_tensors_hooks: non-reentrant only",
         kind="require",
         setting=USE_REENTRANT,
         value=False,
-        when=lambda f: bool(f.gc_enabled and (f.selective or set(f.kwargs_keys) & NON_REENTRANT_ONLY)),
+        when=lambda f: bool(f.gc_enabled and (f.selective or _non_reentrant_only(f))),
         condition=(
-            "the checkpointing kwargs hold `context_fn` (selective per-op checkpointing), `debug` or "
-            "`determinism_check`, or TRL's `selective: true`"
+            "the checkpointing kwargs hold `context_fn` (selective per-op checkpointing), `debug`, "
+            "`determinism_check` or `respect_saved_tensors_hooks` (torch 2.14+), or TRL's `selective: true`"
         ),
         message=(
-            "Only torch's non-reentrant implementation has them: with use_reentrant=True, `context_fn` and "
-            "`debug=True` raise 'Passing `context_fn` or `debug` is only supported when use_reentrant=False' in the "
-            "first forward, and `determinism_check` is silently ignored. Use use_reentrant=False."
+            "Only torch's non-reentrant implementation has them: with use_reentrant=True, `context_fn`, `debug=True` "
+            "and `respect_saved_tensors_hooks` raise '... is only supported when use_reentrant=False' in the first "
+            "forward, and `determinism_check` is silently ignored. Use use_reentrant=False."
         ),
         evidence=(
             TORCH_CHECKPOINT_DOCS,
             "reproduced: torch 2.13, GPT-2, use_reentrant=True + context_fn -> ValueError in the first forward",
+            "reproduced: torch 2.14.1 and 2.15.0, use_reentrant=True + respect_saved_tensors_hooks -> ValueError",
         ),
         remove_when="torch's reentrant checkpoint accepts these options",
     ),
@@ -690,22 +733,58 @@ RULES: tuple[Rule, ...] = (
         stages=("init_end", "train"),
     ),
     Rule(
+        id="fsdp2-mixed-precision-recompute",
+        title="FSDP2 mixed precision: this torch recomputes in another dtype",
+        kind="check",
+        setting="torch",
+        when=lambda f: bool(
+            f.fsdp
+            and f.fsdp_version == 2
+            and f.mixed_precision
+            and (f.gc_enabled or (f.fsdp_activation_checkpointing and f.dropout))
+        ),
+        condition=(
+            "FSDP2 with mixed precision (bf16 / fp16), the Trainer's checkpointing on (or FSDP's own with dropout, "
+            "which fix mode switches to the Trainer's), and a torch whose FSDP2 skips its casts when a checkpointed "
+            "block is recomputed (read in its source)"
+        ),
+        message=(
+            "This torch's FSDP2 does not cast a recompute's inputs and outputs as it cast the forward's, so "
+            "transformers' checkpointing recomputes in float32 what the forward ran in bfloat16, and the first "
+            "backward stops with a CheckpointError ('Recomputed values for the following tensors have different "
+            "metadata'). Upgrade torch to 2.13 or later, or train without mixed precision."
+        ),
+        evidence=(
+            "https://github.com/pytorch/pytorch/issues/159359 (dtype mismatch in recomputed activations: FSDP2's "
+            "_pre_forward skips the cast in PRE_BACKWARD)",
+            "https://github.com/NVIDIA-NeMo/Automodel/issues/3504 (the same with torch 2.11 / 2.12; fixed in torch "
+            "2.13.0: FSDPState._pre_forward / _post_forward cast in the PRE_BACKWARD branch)",
+            "read: torch 2.13.0, 2.14.1, 2.15.0 have the casts (capabilities.detect_fsdp2_recompute_casts); not "
+            "reproduced here (no torch before 2.13 in this project's environments)",
+        ),
+        versions={"torch": "<2.13"},
+        needs={"fsdp2_recompute_casts": False},
+        remove_when="the plugin's floor torch is 2.13 or later",
+        stages=("init_end", "train"),
+    ),
+    Rule(
         id="offload-needs-accelerator",
         title="activation offloading needs an accelerator",
         kind="require",
         setting="offload",
         value=False,
-        when=lambda f: bool(f.gc_enabled and f.offload and f.accelerator is False),
-        condition="`offload: true` in the checkpointing kwargs and no accelerator (CUDA, XPU, MPS...) on this machine",
+        when=lambda f: bool(f.gc_enabled and f.offload and f.accelerator_built is False),
+        condition="`offload: true` in the checkpointing kwargs and a torch built without an accelerator backend",
         message=(
             "transformers wraps the checkpoint in `save_on_cpu(pin_memory=True)`, which raises 'pin_memory=True "
-            "requires a CUDA or other accelerator backend' in the first forward; on a CPU-only machine the "
-            "activations are already in host memory, so there is nothing to offload. Drop `offload`."
+            "requires a CUDA or other accelerator backend' in the first forward where torch was built without one; "
+            "the activations are already in host memory, so there is nothing to offload. Drop `offload`."
         ),
         evidence=(
             "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/modeling_utils.py "
             "(_activation_checkpointing_enable: save_on_cpu(pin_memory=True))",
-            "reproduced: transformers 5.23.0, CPU only, offload=True -> RuntimeError in the first forward",
+            "reproduced: transformers 5.23.0, torch 2.13.0+cpu, offload=True -> RuntimeError in the first forward; with "
+            "torch 2.14.1 and 2.15.0 (CUDA builds) on a machine without a GPU it trains",
             "https://github.com/huggingface/transformers/blob/v5.17.0/src/transformers/modeling_utils.py "
             "(gradient_checkpointing_enable(offload=True): the same save_on_cpu(pin_memory=True), first in 5.17.0)",
         ),
@@ -1005,20 +1084,24 @@ RULES += (
         condition=(
             "first training step: between the end of the first training forward and the end of its backward, a "
             "checkpointed block's buffer changed (its version and its values) or a public number attribute of one of "
-            "its modules changed: the recompute replayed a side effect of the forward"
+            "its modules changed: the recompute replayed a side effect of the forward. The parity probe then compares "
+            "the first step's gradients with no checkpointing (one process, unsharded): where they differ, the block's "
+            "output reads that state, and strict mode refuses before any update"
         ),
         message=(
             "Checkpointing runs the block's forward again in the backward, so counters, MoE tokens-per-expert and "
             "running statistics count every batch twice, silently (and a loss or output that reads them differs from "
             "the forward's). Update them outside the checkpointed block (in the loss, or once per optimizer step), "
-            "or skip the update while recomputing, or leave that block out of checkpointing."
+            "or skip the update while recomputing, or leave that block out of checkpointing. Where the output reads "
+            "the state, the recompute computes another function than the forward: wrong gradients."
         ),
         evidence=(
             "https://github.com/pytorch/torchtitan/pull/1593 (tokens per expert counted twice during full recompute)",
             "https://github.com/pytorch/torchtitan/pull/4772 (recomputation would advance rolling expert counts)",
             "reproduced: transformers 5.23.0 and 4.57.6, torch 2.13.0, tiny Llama whose decoder layers count tokens "
             "in a buffer or an int attribute: with checkpointing (use_reentrant True or False) the count after one "
-            "step is twice the count without",
+            "step is twice the count without; whose input is scaled by that count: the first step's gradients differ "
+            "from no checkpointing (Llama, GPT-2; tests/test_replay.py)",
         ),
         versions={"torch": ">=2.1"},
         remove_when="when torch.utils.checkpoint tells a forward it is recomputing (no public flag in torch 2.13)",

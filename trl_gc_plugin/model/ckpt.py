@@ -31,6 +31,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.capabilities import torch_checkpoint_keywords
 from ..core.layout import Kind, Layout
 
 FLAG = "gradient_checkpointing"
@@ -369,7 +370,15 @@ def _function_for(current: Any, kind: Kind | None, spec: Spec) -> Any:
         kw["use_reentrant"] = spec.use_reentrant
     result = with_keywords(functools.partial(func, *args, **kw), **spec.keywords)
     if kind in ("selective", "lean"):
-        return with_keywords(result, context_fn=lean_context if kind == "lean" else selective_context)
+        policy = {"context_fn": lean_context if kind == "lean" else selective_context}
+        if (
+            "respect_saved_tensors_hooks" in torch_checkpoint_keywords()
+            and "respect_saved_tensors_hooks" not in result.keywords
+        ):
+            # torch 2.14+ warns when a saved-tensor hooks context is around a selective region and will change what
+            # it does there: the plugin's policies keep today's behaviour, said explicitly (a user's own value stays)
+            policy["respect_saved_tensors_hooks"] = False
+        return with_keywords(result, **policy)
     if kind is not None and result.keywords.get("context_fn") in (selective_context, lean_context):
         return with_keywords(result, context_fn=None)
     return result

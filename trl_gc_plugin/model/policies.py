@@ -12,7 +12,11 @@ from typing import Any
 # aten packets whose outputs selective checkpointing keeps: the matmuls (nn.Linear lowers to mm/addmm below
 # autograd; transformers 5.x runs MoE experts as `_grouped_mm`) and the fused attention kernels. `bmm`/`baddbmm` are
 # kept only when their output is not square in its last two dimensions: eager attention's `QK^T` scores (b*a, s, s)
-# are recomputed, its `scores @ V` is kept.
+# are recomputed, its `scores @ V` is kept. An MoE router's gate is a matmul narrower than its input, kept by both
+# policies: the recompute reads the forward's router logits bitwise, so `softmax` and `topk` route as the forward did
+# (the concern of torchtitan #3146, which keeps `aten.topk` itself). `topk` is not kept: transformers' Mixtral and
+# Qwen-MoE (`norm_topk_prob`) routers normalise its values in place (`/=`), and torch refuses a mutated cache entry at the first backward
+# ("Tensor cached during selective activation checkpoint has been mutated", measured with torch 2.13 and 2.15).
 _SAVE_NAMES = (
     "mm",
     "addmm",
@@ -46,6 +50,7 @@ def _ops(*names: str) -> frozenset[Any]:
 
 def policy_state() -> dict[str, Any]:
     if not _state:
+        from torch.utils import checkpoint as checkpoint_module
         from torch.utils.checkpoint import CheckpointPolicy
 
         _state.update(
@@ -57,12 +62,15 @@ def policy_state() -> dict[str, Any]:
             addmm=_ops("addmm"),
             must_save=CheckpointPolicy.MUST_SAVE,
             recompute=CheckpointPolicy.PREFER_RECOMPUTE,
+            forced=getattr(checkpoint_module, "_is_cacheable_effect", None),
         )
     return _state
 
 
 def keeps(op: Any, args: tuple[Any, ...], state: dict[str, Any]) -> bool:
-    if op in state["save"]:
+    """Whether selective keeps `op`'s output: the ops of `_SAVE_NAMES`, and what torch saves whatever the policy says
+    (2.15+: an op with ordered effects, `_is_cacheable_effect`), so what is counted is what runs."""
+    if op in state["save"] or (state["forced"] is not None and state["forced"](op)):
         return True
     if op in state["bmm"]:
         return bool(args[0].shape[-2] != args[1].shape[-1])

@@ -88,6 +88,9 @@ class SavedBytes:
         block_flops (`list[int]`): FLOPs of every matmul in each block (estimate only).
         ops (`list[int]`): aten ops each block runs in one forward (estimate only).
         outside_flops (`int`): FLOPs of the matmuls outside the blocks (the head).
+        mutated / lean_mutated (`dict[int, str]`): blocks where an op writes in place to an output the selective /
+            lean policy keeps (estimate only), with the ops named: torch refuses that cache entry at the first
+            backward, so the planner does not offer that policy.
     """
 
     blocks: list[str]
@@ -105,6 +108,8 @@ class SavedBytes:
     outside_flops: int = 0
     lean: list[int] = field(default_factory=list)
     lean_matmul_flops: list[int] = field(default_factory=list)
+    mutated: dict[int, str] = field(default_factory=dict)
+    lean_mutated: dict[int, str] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -144,6 +149,18 @@ def _leaves(obj: Any) -> list[Any]:
     return [t for t in torch.utils._pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
+def _written(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> list[Any]:
+    """The tensors an aten op writes in place (its schema's `(a!)` arguments: `div_`'s self, an `out=`)."""
+    found = []
+    for i, argument in enumerate(func._schema.arguments):
+        alias = argument.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        value = args[i] if i < len(args) else (kwargs or {}).get(argument.name)
+        found.extend(_leaves(value))
+    return found
+
+
 def _is_parameter(tensor: Any) -> bool:
     """A parameter, or a view of one (`mm` saves `t(W)`): excluded by what it is as well as by storage, because
     DeepSpeed ZeRO-3 gives a parameter a new storage each time it gathers it."""
@@ -164,6 +181,8 @@ class _Counter:
         self.seen: dict[int, Any] = {}  # storage key -> storage, kept alive so keys are not reused
         self.kept_seen: dict[int, Any] = {}
         self.lean_seen: dict[int, Any] = {}
+        self.kept_by: dict[int, tuple[int, str]] = {}  # storage key -> (block, op) that the selective policy keeps
+        self.lean_by: dict[int, tuple[int, str]] = {}
         self.shared_keys: dict[int, Any] = {}
         self.input_keys: list[set[int]] = [set() for _ in names]
         self.report = SavedBytes(list(names), **{f: [0] * len(names) for f in PER_BLOCK})
@@ -190,18 +209,29 @@ class _Counter:
                         self.report.input_saved[block] += nbytes
         return tensor
 
-    def keep(self, outputs: Any, lean: bool = False) -> None:
+    def keep(self, outputs: Any, lean: bool = False, op: str = "") -> None:
         """Count op outputs the selective policy keeps (each storage once) for the current block; `lean`: what the
-        lean policy would keep (an estimate counts both)."""
+        lean policy would keep (an estimate counts both). `op` names the op, for `written`."""
         block = self.where()
         if block is None:
             return
         seen, into = (self.lean_seen, self.report.lean) if lean else (self.kept_seen, self.report.selective)
+        by = self.lean_by if lean else self.kept_by
         for t in _leaves(outputs):
             key = storage_key(t)
             if key not in seen:
                 seen[key] = t.untyped_storage()
                 into[block] += storage_nbytes(t)
+                by[key] = (block, op)
+
+    def written(self, tensors: list[Any], op: str) -> None:
+        """`op` wrote in place to `tensors`: a write to an output a policy keeps marks that block for the policy."""
+        for t in tensors:
+            key = storage_key(t)
+            for by, into in ((self.kept_by, self.report.mutated), (self.lean_by, self.report.lean_mutated)):
+                if key in by:
+                    block, kept = by[key]
+                    into.setdefault(block, f"{kept}'s output, written in place by {op}")
 
     def enter(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         i = self.index[name]
@@ -244,11 +274,13 @@ def _would_keep_mode(counter: _Counter) -> Any:
                 return out
             counter.report.block_flops[block] += flops
             counter.report.ops[block] += 1
+            if getattr(getattr(func, "_schema", None), "is_mutable", False):
+                counter.written(_written(func, args, kwargs), str(func))
             if policies.lean_keeps(func, args, state):
-                counter.keep(out, lean=True)
+                counter.keep(out, lean=True, op=str(func))
                 counter.report.lean_matmul_flops[block] += flops
             if policies.keeps(func, args, state):
-                counter.keep(out)
+                counter.keep(out, op=str(func))
                 counter.report.matmul_flops[block] += flops
             else:
                 inputs = {storage_key(t) for t in _leaves((args, kwargs))}
@@ -290,7 +322,7 @@ def _entered_in_order(first: Any, second: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def meter(model: Any, *, would_keep: bool = False) -> Iterator[SavedBytes]:
+def meter(model: Any, *, would_keep: bool = False, through: bool = False) -> Iterator[SavedBytes]:
     """Count what autograd keeps during the forward run inside this context; the yielded `SavedBytes` is filled in
     place. Run only the forward (and the loss) inside: storages are held until exit so they are counted once.
 
@@ -300,6 +332,10 @@ def meter(model: Any, *, would_keep: bool = False) -> Iterator[SavedBytes]:
 
     On transformers 4.x a block's hooks run inside its checkpoint, after the checkpoint saved the block's inputs:
     those inputs are then counted outside the blocks (the total is right; 5.x attributes them to the block).
+
+    `through`: a real training forward, around which a user may have saved-tensor hooks of their own (TRL's activation
+    offloading, `save_on_cpu`, a meter): each tensor is counted, then handed to those hooks, which innermost-wins would
+    otherwise hide for that forward. Not for the estimate's fake forward, which no one else's hooks may see.
     """
     import torch
 
@@ -327,8 +363,10 @@ def meter(model: Any, *, would_keep: bool = False) -> Iterator[SavedBytes]:
         func = getattr(block, ckpt.FUNC)
         ckpt.set_function(block, ckpt.with_keywords(func, context_fn=_counting_context(counter, ckpt.is_lean(func))))
     mode = _would_keep_mode(counter) if would_keep else contextlib.nullcontext()
+    outer = _hooks_in_scope() if through else None
+    pack, unpack = (counter.pack, _identity) if outer is None else _through(counter.pack, *outer)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, _identity), mode:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), mode:
             yield counter.report
     finally:
         for h in handles:
@@ -339,6 +377,25 @@ def meter(model: Any, *, would_keep: bool = False) -> Iterator[SavedBytes]:
 
 def _identity(tensor: Any) -> Any:
     return tensor
+
+
+def _hooks_in_scope() -> tuple[Any, Any] | None:
+    """The saved-tensor hooks someone else has in scope (a user's `save_on_cpu`, TRL's activation offloading, a meter
+    of their own), which the meter's hooks would hide: innermost wins."""
+    import torch
+    from torch.utils import checkpoint as checkpoint_module
+
+    current = getattr(checkpoint_module, "_current_user_saved_tensors_hooks", None)  # torch 2.15: past its own
+    if current is not None:
+        return current()
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def _through(count: Any, pack: Any, unpack: Any) -> tuple[Any, Any]:
+    """The meter's hooks around someone else's: each saved tensor is counted, then packed and unpacked by theirs, so
+    the forward the meter watches runs as it would without it."""
+    return (lambda tensor: pack(count(tensor))), unpack
 
 
 def _pre_hook(counter: _Counter, name: str, module: Any, args: Any, kwargs: Any) -> None:
@@ -457,6 +514,8 @@ class ActivationEstimate:
         lean (`tuple[int, ...]`): bytes lean selective checkpointing (`lean_policy`) keeps on top of the inputs;
             empty where the estimate did not measure it (lean is then not planned).
         lean_matmul_flops (`tuple[int, ...]`): FLOPs of the ops lean selective keeps.
+        selective_unsafe / lean_unsafe (`str`): why that policy cannot run here ("" when it can): the first block
+            where an op writes in place to an output the policy keeps (`SavedBytes.mutated`).
         other_bytes (`tuple[int, ...]`): bytes the other ops write (recomputed under selective too).
         ops (`tuple[int, ...]`): aten ops one forward of each block runs (selective pays a Python policy call and
             a dispatch-mode round trip for each, twice).
@@ -498,6 +557,8 @@ class ActivationEstimate:
     gathered_bytes: int = 0
     lean: tuple[int, ...] = ()
     lean_matmul_flops: tuple[int, ...] = ()
+    selective_unsafe: str = ""
+    lean_unsafe: str = ""
 
     @property
     def num_blocks(self) -> int:
@@ -507,6 +568,11 @@ class ActivationEstimate:
     def has_lean(self) -> bool:
         """Whether the lean policy was measured (and differs from selective somewhere: else it is selective)."""
         return len(self.lean) == self.num_blocks and self.lean != self.selective
+
+    def unsafe(self, kind: Kind) -> str:
+        """Why `kind` cannot run on this model ("" when it can): a block writes in place to an output its policy
+        keeps, which torch refuses at the first backward."""
+        return self.lean_unsafe if kind == "lean" else self.selective_unsafe if kind == "selective" else ""
 
     def policy_bytes(self, i: int, kind: Kind) -> int:
         """Bytes block `i`'s selective cache holds when it runs `kind`: selective's, lean's, else 0."""
@@ -700,7 +766,17 @@ def _run_fake(
         attn_implementation=attn,
         method=method,
         measured_blocks=n,
+        selective_unsafe=_first_write(report.mutated, names),
+        lean_unsafe=_first_write(report.lean_mutated, names),
     )
+
+
+def _first_write(mutated: Mapping[int, str], names: list[str]) -> str:
+    if not mutated:
+        return ""
+    block = min(mutated)
+    more = f" (and {len(mutated) - 1} more blocks)" if len(mutated) > 1 else ""
+    return f"{names[block]}: {mutated[block]}{more}"
 
 
 def _vocab_size(model: Any) -> int:

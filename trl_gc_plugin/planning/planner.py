@@ -300,11 +300,12 @@ def candidates(
     for k in range(1, n):
         layout = Layout.from_pattern(spread(k, n))
         shapes.append((f"every-{layout.every_n}" if layout.every_n else f"{k}-of-{n}", layout, True, ""))
-    selective_why = "" if allow_selective else selective_why_not
     shapes.append(("full", Layout.uniform("full", n), True, ""))
-    shapes.append(("selective", Layout.uniform("selective", n), allow_selective, selective_why))
-    if est.has_lean:
-        shapes.append(("selective-lean", Layout.uniform("lean", n), allow_selective, selective_why))
+    for name, kind in (("selective", "selective"), ("selective-lean", "lean")):
+        if kind == "lean" and not est.has_lean:
+            continue
+        why = selective_why_not if not allow_selective else _unsafe_why(est.unsafe(kind))
+        shapes.append((name, Layout.uniform(kind, n), not why, why))
     shapes.append(("offload", Layout.uniform("offload", n), allow_offload, "" if allow_offload else offload_why_not))
     out = [
         _candidate(est, name, layout, balance, op_overhead, grads_preallocated, grad_fraction, allowed, why)
@@ -312,6 +313,15 @@ def candidates(
     ]
     out.sort(key=_cheapest_first)
     return out
+
+
+def _unsafe_why(where: str) -> str:
+    return (
+        f"a block writes in place to an output this policy keeps ({where}): torch refuses the cached tensor at the "
+        "first backward ('Tensor cached during selective activation checkpoint has been mutated')"
+        if where
+        else ""
+    )
 
 
 def _candidate(
@@ -365,6 +375,7 @@ def mixed_candidate(
         return None
     options: tuple[Kind, ...] = ("none", "full", "selective", "lean")
     options = options[: (4 if est.has_lean else 3) if allow_selective else 2]
+    options = tuple(k for k in options if not est.unsafe(k))
     kept = np.array(
         [[est.saved[i] if k == "none" else est.inputs[i] + est.policy_bytes(i, k) for k in options] for i in range(n)],
         dtype=np.float64,
@@ -432,6 +443,7 @@ def plan(
     op_overhead: float | None = None,
     grads_preallocated: bool = False,
     grad_fraction: float = 1.0,
+    offload_why_not: str = "",
 ) -> Plan:
     """The cheapest allowed candidate whose predicted peak fits `budget_bytes`.
 
@@ -440,6 +452,7 @@ def plan(
         budget_bytes (`int`): activation memory per device (above the weights and optimizer state).
         allow_selective (`bool`): selective checkpointing is allowed (non-reentrant checkpointing).
         allow_offload (`bool`): offloading is allowed (an accelerator is there).
+        offload_why_not (`str`): why not, for the candidate table, when not allowed (`probe.offload_why_not`).
         device (`str`, *optional*): `cpu` or `cuda` (any accelerator), for the cost model's constants (default:
             `cuda` when offloading is allowed, i.e. an accelerator is there, else `cpu`).
         balance, op_overhead (`float`, *optional*): the cost model's constants (default: `BALANCE[device]`,
@@ -465,7 +478,8 @@ def plan(
         "grads_preallocated": grads_preallocated,
         "grad_fraction": grad_fraction,
     }
-    table = candidates(estimate, allow_offload=allow_offload, **common)
+    why = {"offload_why_not": offload_why_not} if offload_why_not else {}
+    table = candidates(estimate, allow_offload=allow_offload, **why, **common)
     mixed = mixed_candidate(estimate, budget_bytes, **common)
     if mixed is not None and mixed.layout not in {c.layout for c in table}:
         table = sorted([*table, mixed], key=_cheapest_first)

@@ -142,6 +142,27 @@ class Fsdp2Layout:
     head_bytes: int
 
 
+def units_inside_blocks(model: Any) -> list[str]:
+    """The FSDP2 units (`fully_shard` modules) strictly inside a checkpointed block, by name: each gathers and frees its
+    parameters from hooks that run inside the block's checkpointed region, on the forward and on the recompute."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return []
+    base = ckpt.unwrap(model)
+    found = []
+    for block_name, block in _named(base, ckpt.blocks(base)):
+        for name, module in block.named_modules():
+            if name and isinstance(module, FSDPModule):
+                found.append(f"{block_name}.{name}")
+    return found
+
+
+def _named(base: Any, blocks: list[Any]) -> list[tuple[str, Any]]:
+    names = {id(m): n for n, m in base.named_modules()}
+    return [(names.get(id(b), f"<block {i}>"), b) for i, b in enumerate(blocks)]
+
+
 def fsdp2_layout(model: Any) -> Fsdp2Layout | None:
     """The FSDP2 layout of `model`, None without FSDP2 (no `FSDPModule`). Reads private attributes of torch's FSDP2
     (`_get_fsdp_state`, `_fsdp_param_groups`, `post_forward_mesh_info`, `FSDPParam._module_info`, `_orig_size`; torch
@@ -186,9 +207,12 @@ def fsdp2_layout(model: Any) -> Fsdp2Layout | None:
 
 
 def _whole_bytes(fp: Any, group: Any) -> int:
-    """An `FSDPParam`'s whole bytes in the dtype it gathers in: the group's mixed-precision `param_dtype`, else its
-    own (`FSDPParam.param_dtype` is set at FSDP2's lazy init, on the first forward)."""
-    dtype = getattr(fp, "param_dtype", None) or getattr(group.mp_policy, "param_dtype", None) or fp.sharded_param.dtype
+    """An `FSDPParam`'s whole bytes in the dtype it gathers in: its own `param_dtype` (set at FSDP2's lazy init, on the
+    first forward), else its mixed-precision policy's (per parameter from torch 2.15, `FSDPParam.mp_policy`, where
+    `param_dtype_override_fn` may keep a parameter in its own dtype; the group's `mp_policy` before), else its own
+    dtype."""
+    policy = getattr(fp, "mp_policy", None) or getattr(group, "mp_policy", None)
+    dtype = getattr(fp, "param_dtype", None) or getattr(policy, "param_dtype", None) or fp.sharded_param.dtype
     return int(fp._orig_size.numel()) * dtype.itemsize
 
 

@@ -142,7 +142,9 @@ class Parity:
             self.first.remove()
             self.first = None
 
-    def run(self, model: Any) -> None:
+    def run(self, model: Any, replayed: list[str] | None = None) -> None:
+        """Compare; `replayed`: the state the replayed-state check saw the recompute write again, judged here on this
+        evidence (refused in strict mode where the gradients differ from no checkpointing)."""
         run, args = self.owner, self.owner.args
         rule = get_rule("parity-check")
         first = self.first
@@ -171,7 +173,24 @@ class Parity:
             "none" if result.ok else ("error" if result.missing_with_checkpointing and run.mode == "strict" else "warn")
         )
         after = {"max_abs": result.max_abs, "max_rel": result.max_rel, "compared": result.compared}
-        run.conclude([runtime_decision(rule, action, None, after, summary + ".")])
+        verdicts = [runtime_decision(rule, action, None, after, summary + ".")]
+        if replayed and not result.ok:
+            verdicts.append(_replay_changes_gradients(run, replayed, summary))
+        run.conclude(verdicts)
+
+
+def _replay_changes_gradients(run: Record, replayed: list[str], summary: str) -> Decision:
+    """The replayed state changes what the recompute computes: the parity probe's gradients differ from no
+    checkpointing. Evidence, so refused in strict mode (before any update); said in fix and warn mode (nothing the
+    plugin could switch makes the recompute see the forward's state)."""
+    rule = get_rule("forward-state-replayed")
+    action: Action = "error" if run.mode == "strict" else "warn"
+    reason = (
+        f"The state the recompute writes again ({names_of(replayed)}) changes the gradients: the parity probe on the "
+        f"first step's inputs differs from no checkpointing ({summary}). The block's output reads that state, so "
+        "its recompute computes another function than its forward did. " + rule.message
+    )
+    return runtime_decision(rule, action, None, replayed[:20], reason)
 
 
 def names_of(found: list[str], limit: int = 6) -> str:

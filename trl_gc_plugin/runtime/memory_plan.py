@@ -107,8 +107,8 @@ class MemoryPlan:
                 estimate,
                 budget,
                 allow_selective=self._selective_allowed(model),
-                allow_offload=probe.accelerator_available(),
                 grad_fraction=grad_fraction,
+                **_offload(model),
             )
             planned = [estimate, plan, planner.plan_decisions(plan, self.run.mode)]
         if not planned:
@@ -136,7 +136,7 @@ class MemoryPlan:
                 getattr(args, "per_device_train_batch_size", None),
                 getattr(args, "gradient_accumulation_steps", None),
                 allow_selective=self._selective_allowed(model),
-                allow_offload=probe.accelerator_available(),
+                allow_offload=not probe.offload_why_not(model),
                 device=_device_kind(model),
                 grad_fraction=self._grad_share,
             )
@@ -208,7 +208,7 @@ class MemoryPlan:
         its own batch shape (a one-shot post-hook, gone after it ran)."""
         from ..planning import memory, plan_check
 
-        metering = memory.meter(model)
+        metering = memory.meter(model, through=True)  # the user's own saved-tensor hooks see this forward too
         measured = metering.__enter__()
         sample = sharding.held_sampler(model) if planned[0].gathered_bytes else None
         held, stop_held = sharding.watch_held(model, sample) if sample is not None else (None, lambda: None)
@@ -263,7 +263,7 @@ class MemoryPlan:
                 fixed,
                 plan.budget,
                 allow_selective=self._selective_allowed(model),
-                allow_offload=probe.accelerator_available(),
+                **_offload(model),
             )
         after = {
             **comparison.to_dict(),
@@ -305,6 +305,17 @@ class MemoryPlan:
                 "to give exact gradients under selective per-op saving (BD-LoRA measured 0.59 off, aLoRA 1.61)."
             )
             self.run.record([runtime_decision(rule, "none", None, None, why, level="info")])
+        inside = sharding.units_inside_blocks(model) if not unsafe else []
+        if inside and self.run.count("fsdp2-units-inside-blocks") == 1:
+            why = (
+                f"FSDP2 units inside checkpointed blocks ({', '.join(inside[:4])}{' ...' if len(inside) > 4 else ''}): "
+                "the selective candidates stay on offer. Upstream, selective checkpointing around an inner unit has "
+                "failed at the first backward ('invocation index N encountered during backward but not found in "
+                "storage': torchtitan #3427, with expert parallelism); here (torch 2.13 and 2.15, 2 ranks, an inner "
+                "unit per MLP) it trains with the gradients of full checkpointing. Where it fails, leave the "
+                "memory budget out (full checkpointing)."
+            )
+            self.run.record([runtime_decision(get_rule("memory-plan"), "none", None, None, why, level="info")])
         return not unsafe
 
 
@@ -367,6 +378,13 @@ def _call_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
         and not isinstance(v, torch.Tensor)
         and (v is None or isinstance(v, bool | int | float | str))
     }
+
+
+def _offload(model: Any) -> dict[str, Any]:
+    """The planner's offloading arguments for `model`: allowed where it frees device memory, else why not; the cost
+    constants of the device the model is on (an integrated GPU computes as a GPU, though offloading does not pay)."""
+    why = probe.offload_why_not(model)
+    return {"allow_offload": not why, "offload_why_not": why, "device": _device_kind(model)}
 
 
 def _device_kind(model: Any) -> str:

@@ -405,7 +405,15 @@ def _passes(
 
     saved = ckpt.snapshot(base, functions=False)
 
+    def put_back_state() -> None:
+        with torch.no_grad():
+            for buffer, copy in buffers:
+                buffer.copy_(copy)
+        for module, name, value in counters:
+            setattr(module, name, value)
+
     def run(checkpointing: bool) -> dict[int, list[float]]:
+        put_back_state()  # both passes start from the run's state (a counter the forward advances, running stats)
         for m in flagged:
             ckpt.set_flag(m, checkpointing)
         prints = Fingerprints(params, seed)
@@ -426,11 +434,7 @@ def _passes(
         ckpt.restore(saved)
         for (_, p), g in zip(params, saved_grads, strict=True):
             p.grad = g
-        with torch.no_grad():
-            for buffer, copy in buffers:
-                buffer.copy_(copy)
-        for module, name, value in counters:
-            setattr(module, name, value)
+        put_back_state()
         model.train(was_training)
     return with_gc, without
 

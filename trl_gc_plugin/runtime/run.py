@@ -69,6 +69,7 @@ class Run(Record):
         self.cache_off = False
         self.every_n: int | None = None
         self.first_forward: FirstForward | None = None
+        self.replay: Replay | None = None
         self.parity: Parity | None = None
         self.memory_plan: MemoryPlan | None = None
         self.first_step_checks: list[Any] = []
@@ -169,7 +170,7 @@ class Run(Record):
         if facts.reduces_per_parameter and ckpt.model_use_reentrant(model):
             self._check(TwoForwards(self), model)
         self.first_forward = self._check(FirstForward(self), model)
-        self._check(Replay(self), model)
+        self.replay = self._check(Replay(self), model)
         if Parity.possible(settings.parity_check, args, model):
             forced = Parity.forced(settings.parity_check, args, model)
             if forced or settings.audit:  # without the audit only a forced probe runs: keep no inputs for nothing
@@ -213,14 +214,17 @@ class Run(Record):
             observation = self.first_forward.observation if self.first_forward is not None else None
             result = first_step.gradients(self, model, observation)
         parity, self.parity = self.parity, None
-        probe_follows = parity is not None and (parity.forced or (result is not None and result.suspicious))
+        replayed = self.replay.found if self.replay is not None else None
+        self.replay = None
+        suspicious = bool(replayed) or (result is not None and result.suspicious)
+        probe_follows = parity is not None and (parity.forced or suspicious)
         if result is not None:
             first_step.audit(self, result, probe_follows)
         if self.ddp_needs_every_gradient:  # the first optimizer step only
             self.ddp_needs_every_gradient = False
             first_step.ddp_unused(self, model)
         if parity is not None and probe_follows:
-            parity.run(model)
+            parity.run(model, replayed or [])
         elif parity is not None:
             parity.remove()
 
@@ -248,6 +252,7 @@ class Run(Record):
             check.remove()
         super().stop(keep_lasting, keep_repairs)
         self.parity = None
+        self.replay = None
         self.audit_pending = False
 
     def finish(self, why_unchecked: str) -> None:

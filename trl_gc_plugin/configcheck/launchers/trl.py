@@ -261,6 +261,9 @@ def _read_checkpointing(config: Config, reading: Reading) -> None:
     kwargs_key = read_kwargs_key(config.get, config.path, config.lines, "{use_reentrant: false}", reading)
     if kwargs_key is not None:
         reading.changes["use_reentrant"] = kwargs_key + ": {{use_reentrant: {value}}}"
+    offloading = trl_bool(config, "activation_offloading", reading)
+    if offloading is not None:
+        reading.set("trl_activation_offloading", offloading, "file", "key 'activation_offloading'")
 
 
 def _read_model(config: Config, reading: Reading) -> None:
