@@ -26,21 +26,29 @@ SLICE ?= tests/test_capabilities.py tests/test_engine.py tests/test_rules_v2.py 
 	tests/test_check_cli.py tests/test_cli.py tests/test_no_trace.py tests/test_copies.py tests/test_settings.py \
 	tests/test_policy.py tests/test_ckpt.py tests/test_moe_router.py tests/test_model_cannot_checkpoint.py \
 	tests/test_loop.py tests/test_lean_selective.py
-# An empty TF / TRL / PEFT / BNB installs the latest release the registry offers (the `latest` CI environment).
+# What the newest torch changes most (FSDP2's internals, selective checkpointing, offloading, the planner's figures):
+# run beside SLICE in the `latest` environment, whose torch is the newest the registry serves (a CUDA build: what GPU
+# users install, run here on the CPU).
+TORCH_SLICE ?= tests/test_fsdp.py tests/test_planner.py tests/test_planner_mixed.py tests/test_plan_check.py \
+	tests/test_plan_integration.py tests/test_selective_peft.py tests/test_activation_offloading.py
+# An empty TF / TRL / PEFT / BNB / TORCH installs the latest release the registry offers (the `latest` CI environment).
 pin = $(if $(2),"$(1)==$(2)","$(1)")
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-tf$(TF)-trl$(TRL)-peft$(PEFT)$(if $(EXTRA),-$(subst =,,$(EXTRA)))
+# pip's own configuration may cap torch (a constraint file for the wheels a machine keeps on disk: 2.14.1 on the
+# project's machines); an environment that asks for the newest torch (UNCAPPED=1) installs without pip's configuration
+PIP = $(if $(UNCAPPED),PIP_CONFIG_FILE=/dev/null )$(PY) -m pip
+STAMP := $(VENV)/.installed-torch$(TORCH)-tf$(TF)-trl$(TRL)-peft$(PEFT)$(if $(EXTRA),-$(subst =,,$(EXTRA)))
 
-.PHONY: venv demo test test-slice test-launchers lint matrix clean bench-startup bench-pth bench-overhead bench-parity bench-modes bench-zero3 readme
+.PHONY: venv demo test test-slice test-launchers lint matrix clean bench-startup bench-pth bench-overhead bench-parity bench-modes bench-zero3 readme gpu-evidence
 
 venv: $(STAMP)
 
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==$(TORCH)"
-	$(PY) -m pip install -q "torch==$(TORCH)" $(call pin,transformers,$(TF)) $(call pin,trl,$(TRL)) \
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(call pin,torch,$(TORCH))
+	$(PIP) install -q $(call pin,torch,$(TORCH)) $(call pin,transformers,$(TF)) $(call pin,trl,$(TRL)) \
 		$(call pin,peft,$(PEFT)) $(call pin,bitsandbytes,$(BNB)) $(EXTRA) -e ".[test]"
 	$(PY) -m pip list 2>/dev/null | grep -iE '^(torch|transformers|trl|peft|accelerate|deepspeed|bitsandbytes) '
 	rm -f $(VENV)/.installed-*
@@ -57,7 +65,8 @@ test-slice: venv
 
 # The launcher integrations against the real launcher, in its own environment (its releases pin their own
 # transformers/TRL, so it is not one of the matrix's): Axolotl 0.19.0 from the registry (transformers 5.16.1, TRL 1.9.0)
-# on CPU, `axolotl train` included. Not part of `make test`; the package is used from this checkout (PYTHONPATH).
+# on CPU, `axolotl train` included, through its `plugins:` line and through `TRL_GC_PLUGIN=1`. Not part of `make
+# test`; the package is installed from this checkout (editable, no dependencies: Axolotl's pins stay).
 AXOLOTL ?= 0.19.0
 AXO_VENV ?= .venv-axolotl
 AXO_STAMP := $(AXO_VENV)/.installed-axolotl$(AXOLOTL)-torch$(TORCH)
@@ -66,6 +75,7 @@ $(AXO_STAMP):
 	$(PYTHON) -m venv $(AXO_VENV)
 	$(AXO_VENV)/bin/python -m pip install -q "torch==$(TORCH)"
 	$(AXO_VENV)/bin/python -m pip install -q "torch==$(TORCH)" "axolotl==$(AXOLOTL)" pytest hypothesis
+	$(AXO_VENV)/bin/python -m pip install -q --no-deps -e .  # its .pth: `TRL_GC_PLUGIN=1 axolotl train` (no plugins line)
 	$(AXO_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(axolotl|torch|transformers|trl|peft|accelerate) '
 	rm -f $(AXO_VENV)/.installed-*
 	touch $@
@@ -137,6 +147,11 @@ bench-parity: venv
 bench-zero3: venv
 	$(PY) benchmarks/zero3_old_deepspeed.py
 
+# The GPU-only figures (benchmarks/gpu_evidence.py), on a machine with a CUDA device, in its own Python (the lent GPU
+# machines hold torch and transformers and reach no registry: no venv is built): under 8 minutes on one H100 / H200.
+gpu-evidence:
+	PYTHONPATH=. $(PYTHON) benchmarks/gpu_evidence.py $(if $(EVIDENCE_DIR),--out-dir $(EVIDENCE_DIR))
+
 bench-modes: venv
 	$(PY) -m pip install -q "matplotlib>=3.7"
 	$(PY) benchmarks/modes.py
@@ -144,8 +159,11 @@ bench-modes: venv
 # The CI matrix (README "Compatibility"): the full suite on transformers 5.23 + TRL 1.16 (+ DeepSpeed) and on
 # transformers 4.57 + TRL 1.16; SLICE plus the trainer matrix and the TRL checks on TRL 0.26 (the TRL that enables
 # checkpointing inside the trainer's __init__); SLICE at the floor of pyproject.toml (transformers 4.53.2 + TRL
-# 0.20.0, the lowest TRL 0.20 resolves with, PEFT 0.13.2, accelerate 1.4.0), at a middle 5.x (5.17: every_n_layers and offload read by transformers, no
-# activation_* fields yet), and at the latest releases, unpinned, so a new release shows up as a CI result.
+# 0.20.0, the lowest TRL 0.20 resolves with, PEFT 0.13.2, accelerate 1.4.0), at a middle 5.x (5.17: every_n_layers
+# and offload read by transformers, no activation_* fields yet), on torch 2.14.1 (the newest pip's cap allows: the
+# CUDA wheel, run without a GPU) and at the latest releases, unpinned and torch uncapped (UNCAPPED=1 bypasses pip's
+# global cap for that venv only), with TORCH_SLICE, the tests that read torch internals (FSDP2, policies, meters),
+# so a new release shows up as a CI result.
 matrix:
 	$(MAKE) test VENV=.venv-tf5 TF=5.23.0 TRL=1.16.0 EXTRA=deepspeed==0.19.8
 	$(MAKE) test VENV=.venv-tf4 TF=4.57.6 TRL=1.16.0
@@ -153,7 +171,8 @@ matrix:
 		SLICE="$(SLICE) tests/test_matrix.py tests/test_model_state.py tests/test_check_trl.py"
 	$(MAKE) test-slice VENV=.venv-floor TF=4.53.2 TRL=0.20.0 PEFT=0.13.2 EXTRA=accelerate==1.4.0
 	$(MAKE) test-slice VENV=.venv-tf517 TF=5.17.0 TRL=1.16.0
-	$(MAKE) test-slice VENV=.venv-latest TF= TRL= PEFT= BNB=
+	$(MAKE) test-slice VENV=.venv-torch214 TF=5.23.0 TRL=1.16.0 TORCH=2.14.1
+	$(MAKE) test-slice VENV=.venv-latest TF= TRL= PEFT= BNB= TORCH= UNCAPPED=1 SLICE="$(SLICE) $(TORCH_SLICE)"
 
 clean:
 	rm -rf .venv .venv-* dist build *.egg-info

@@ -11,6 +11,7 @@ differs is what the parameters learned in one step (plain SGD, so the update is 
     python examples/demo.py [--output-dir DIR]
 """
 
+# ruff: noqa: E402 (bitsandbytes' logger is quieted before the imports that load it)
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,10 @@ import logging
 import tempfile
 import warnings
 from typing import Any
+
+# bitsandbytes, imported by PEFT / transformers when installed (the test extras install it), logs at import that its
+# optional CPU kernels package is missing; the demo quantizes nothing, so its first screen stays the plugin's
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 import datasets
 import torch

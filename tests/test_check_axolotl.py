@@ -322,3 +322,15 @@ def test_the_plugin_line_itself_is_fine(tmp_path):
     report = check(tmp_path, f"gradient_checkpointing: true\nplugins:\n  - {PLUGIN}\n  - axolotl.integrations.liger.LigerPlugin\n")
     assert not {r for r in rules(report) if "plugin" in r}
     assert PLUGIN == "trl_gc_plugin.integrations.axolotl.SafeGCPlugin"  # the module's PLUGIN_LINE (its own test)
+
+
+def test_parser_launcher_says_truthfully_why_axolotls_own_validation_is_not_run(tmp_path):
+    """Before, it said Axolotl "is not importable here" in environments where it is: the reason is the config's own
+    code (plugins, dataset modules) that Axolotl's validation imports."""
+    from trl_gc_plugin.configcheck.check import Launch, check_files
+
+    path = tmp_path / "cfg.yml"
+    path.write_text("base_model: m\nplugins:\n  - my_company.plugin.Thing\ngradient_checkpointing: true\n")
+    (report,) = check_files([str(path)], Launch(parser="launcher"))
+    assert report.status == "error"
+    assert "imports what the config names" in report.error and "not importable" not in report.error

@@ -255,3 +255,51 @@ def test_a_plain_arguments_file_reads_ddp_keys_as_transformers_does(capsys, tmp_
     assert report["facts"]["ddp_static_graph"] is static_graph
     warned = [d["before"] for d in report["decisions"] if d["rule_id"] == "training-args:string-boolean"]
     assert warned == ([["ddp_static_graph"]] if value.startswith('"') else [])
+
+
+# --- the pre-commit hook (issue 39) ------------------------------------------------------------------------------
+
+
+def test_the_pre_commit_hook_runs_the_check_one_line_per_finding(tmp_path):
+    """`.pre-commit-hooks.yaml`'s entry, run as pre-commit runs it (the console script, the matching files appended):
+    one line per finding, files of no launcher skipped, the exit status of the check."""
+    import re
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    (hook,) = yaml.safe_load((root / ".pre-commit-hooks.yaml").read_text())
+    assert hook["id"] == "trl-gc-check" and hook["language"] == "system"
+    files = {
+        "sft.yaml": "model_name_or_path: Qwen/Qwen2-0.5B\ndataset_name: trl-lib/Capybara\noutput_dir: out\n",
+        "refused.yaml": "model_name_or_path: Qwen/Qwen2-0.5B\ndataset_name: trl-lib/Capybara\noutput_dir: out\n"
+        "gradient_checkpointing: true\ngradient_checkpointing_kwargs: {use_reentrant: false}\nfsdp: full_shard\n"
+        "fsdp_config: {activation_checkpointing: true}\n",
+        ".github/workflows/ci.yml": "on: push\njobs: {}\n",
+        "accelerate.yaml": "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n",
+        "notes.txt": "not matched by the hook's pattern\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    matched = sorted(n for n in files if re.search(hook["files"], n))
+    assert "notes.txt" not in matched and ".github/workflows/ci.yml" in matched
+    words = shlex.split(hook["entry"])
+    script = shutil.which(words[0], path=str(Path(sys.executable).parent))
+    assert script is not None, "the console script is installed beside this Python"
+
+    def run(names):
+        proc = subprocess.run([script, *words[1:], *names], cwd=tmp_path, capture_output=True, text=True)
+        return proc.returncode, proc.stdout.splitlines()
+
+    code, lines = run(matched)
+    assert code == 1, lines  # strict refuses refused.yaml
+    assert "sft.yaml: ok" in lines
+    assert any(line.startswith("refused.yaml: refused [fsdp-activation-checkpointing] error:") for line in lines)
+    assert not any("ci.yml" in line or "accelerate.yaml" in line for line in lines)  # no training config: skipped
+    assert run(["sft.yaml", ".github/workflows/ci.yml"]) == (0, ["sft.yaml: ok"])

@@ -3,6 +3,7 @@ LLaMA-Factory is importable, its own `get_train_args` in a subprocess reading th
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -170,3 +171,36 @@ def test_a_transformers_release_outside_llamafactorys_range_says_where_the_versi
     major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
     outside = not ((4, 55) <= (major, minor) <= (5, 8))
     assert [(d.before, d.source) for d in installed] == ([(transformers.__version__, "installed")] if outside else [])
+
+
+HP = LF.replace("stage: sft\n", "stage: sft\nfinetuning_type: full\nuse_hyper_parallel: true\n")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_hyperparallels_own_activation_mode_owns_checkpointing_and_the_check_stands_back(tmp_path, mode):
+    (tmp_path / "hp.json").write_text(json.dumps({"tp_size": 2, "activation_mode": mode}))
+    report = check(tmp_path, HP + "hyper_parallel_args: hp.json\nuse_reentrant_gc: false\n")
+    assert (report.facts.gc_enabled, report.facts.use_reentrant) == (False, None)
+    assert "disable_gradient_checkpointing" in report.sources["gc_enabled"].detail
+    assert "llamafactory:hyper-parallel-owns-checkpointing" in rules(report, "none")
+    assert "llamafactory:reentrant-default" not in rules(report) and report.status == "ok"
+    # The same file without HyperParallel: LLaMA-Factory's own checkpointing, read as before.
+    report = check(tmp_path, LF + "finetuning_type: full\nhyper_parallel_args: hp.json\n")
+    assert report.facts.gc_enabled is True and "llamafactory:hyper-parallel-owns-checkpointing" not in rules(report)
+
+
+def test_hyperparallel_without_an_activation_mode_keeps_llamafactorys_checkpointing(tmp_path):
+    (tmp_path / "hp.json").write_text('{"tp_size": 2}')
+    for text in (HP, HP + "hyper_parallel_args: hp.json\n"):
+        report = check(tmp_path, text)
+        assert (report.facts.gc_enabled, report.facts.use_reentrant) == (True, True)
+        assert any("LLaMA-Factory's own checkpointing stays" in n for n in report.notes)
+    report = check(tmp_path, HP.replace("stage: sft", "stage: dpo") + "hyper_parallel_args: hp.json\n")
+    assert any("ignored for stage dpo" in n for n in report.notes)
+
+
+def test_hyperparallel_args_the_check_cannot_read_are_never_ok(tmp_path):
+    report = check(tmp_path, HP + "hyper_parallel_args: missing/hp.json\n")
+    assert "llamafactory:hyper-parallel-args-unread" in rules(report, "warn")
+    assert report.status == "incomplete" and report.exit_code == 2
+    assert any("activation_mode is unknown" in what for what in report.unread)

@@ -127,3 +127,134 @@ def test_the_check_and_the_run_agree(tmp_path, reentrant, lora):
         ran = {(d.rule_id, d.action, d.after) for d in route.run.decisions if d.stage == "init_end"}
         route.end()
     assert checked == ran, textwrap.shorten(f"check {checked} run {ran}", 400)
+
+
+# --- commands as bash builds them (issue 39) ---------------------------------------------------------------------
+
+ARRAYS = """\
+#!/bin/bash
+SCRIPT_DIR="$(dirname "$0")"
+WORK_DIR=$(cd "$SCRIPT_DIR/../.." && pwd)
+MODEL_PATH="Qwen/Qwen3-4B"
+SAVE_PATH="${{WORK_DIR}}/exp/run"
+
+CKPT_ARGS=(
+   --actor.model_name_or_path ${{MODEL_PATH}}
+   # --reward.model_name_or_path ${{REWARD_MODEL}}
+   --ckpt.output_dir ${{SAVE_PATH}}
+)
+
+ENGINE_ARGS=(
+   --actor.num_nodes 1
+   --actor.num_gpus_per_node 4
+   --ds.zero_stage 3
+   --actor.gradient_checkpointing_enable
+   {extra}
+)
+
+ray job submit --address="http://127.0.0.1:8265" \\
+   -- python3 -m openrlhf.cli.train_ppo_ray \\
+   ${{CKPT_ARGS[@]}} \\
+   ${{ENGINE_ARGS[@]}} {tail}
+"""
+
+QLORA = "--actor.gradient_checkpointing_reentrant\n   --ds.lora.rank 16\n   --ds.load_in_4bit"
+
+
+def rules_of(report):
+    return {d.rule_id: d.action for d in report.decisions}
+
+
+def test_a_command_built_from_bash_arrays_is_read_as_bash_expands_it(tmp_path):
+    """OpenRLHF's own example scripts build the command from arrays: read before as checkpointing off, ZeRO 2 and one
+    process (the launcher defaults), and a QLoRA + reentrant command passed with exit 0."""
+    (report,) = check_files([write(tmp_path, ARRAYS.format(extra="", tail=""))], Launch(parser="model"))
+    got = facts(report)
+    assert (got["gc_enabled"], got["zero_stage"], got["world_size"]) == (True, 3, 4), got
+    assert report.status == "ok" and not report.unread
+    assert any("--ckpt.output_dir" in note and "pwd" in note for note in report.notes)  # said, no rule reads it
+    # the same command with QLoRA and reentrant in the array: refused, as the command written out is
+    written = "python3 -m openrlhf.cli.train_ppo_ray --actor.num_nodes 1 --actor.num_gpus_per_node 4 --ds.zero_stage 3 " \
+              "--actor.gradient_checkpointing_enable " + QLORA.replace("\n   ", " ") + "\n"
+    (out,) = check_files([write(tmp_path, written, "written.sh")], Launch(parser="model"))
+    (arrays,) = check_files([write(tmp_path, ARRAYS.format(extra=QLORA, tail=""))], Launch(parser="model"))
+    assert out.status == arrays.status == "refused"
+    assert rules_of(arrays).get("distributed-rl-qlora-no-reentrant") == "error" == rules_of(out)["distributed-rl-qlora-no-reentrant"]
+
+
+def test_what_the_expansion_cannot_read_is_named_and_never_ok(tmp_path):
+    # an array the script does not set may hold any flag
+    (report,) = check_files([write(tmp_path, ARRAYS.format(extra="", tail="${EXTRA_ARGS[@]}"))], Launch(parser="model"))
+    assert report.status == "incomplete" and report.exit_code == 2
+    assert any("${EXTRA_ARGS[@]}" in what and "may hold any flag" in what for what in report.unread)
+    # a flag the rules read, set from the environment
+    (report,) = check_files([write(tmp_path, ARRAYS.format(extra="--ds.lora.rank $LORA_RANK", tail=""))],
+                            Launch(parser="model"))
+    assert report.status == "incomplete" and report.unread == ["--ds.lora.rank: $LORA_RANK: not set in the script (the environment's)"]
+    # a refusal on what was read stands
+    (report,) = check_files([write(tmp_path, ARRAYS.format(extra=QLORA, tail="${EXTRA_ARGS[@]}"))], Launch(parser="model"))
+    assert report.status == "refused" and report.unread
+
+
+def test_a_command_inside_srun_bash_c(tmp_path):
+    script = textwrap.dedent('''\
+        #!/bin/bash
+        RAY_VERSION=2.12.0
+        nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+        nodes_array=( $nodes )
+        node_1=${nodes_array[0]}
+        for ((i = 1; i < 3; i++)); do
+        node_i=${nodes_array[$i]}
+        done
+        srun --overlap --nodes=1 --ntasks=1 -w "$node_1" bash -c \\
+        "pip install ray[default]==$RAY_VERSION \\
+        && ray job submit --address=http://localhost:8265 \\
+            -- python3 -m openrlhf.cli.train_ppo_ray \\
+            --actor.num_nodes 2 \\
+            --actor.num_gpus_per_node 8 \\
+            --ds.zero_stage 3 \\
+            --actor.gradient_checkpointing_enable" &>> log
+        ''')
+    (report,) = check_files([write(tmp_path, script)], Launch(parser="model"))
+    got = facts(report)
+    assert report.status == "ok", report.error
+    assert (got["gc_enabled"], got["zero_stage"], got["world_size"], got["trainer_kind"]) == (True, 3, 16, "ppo")
+
+
+def test_check_help_names_openrlhf(capsys):
+    from trl_gc_plugin.__main__ import check_main
+
+    with pytest.raises(SystemExit):
+        check_main(["--help"])
+    out = capsys.readouterr().out
+    assert "OpenRLHF" in out and "openrlhf" in out
+
+
+def test_a_script_that_sources_the_command_from_another(tmp_path):
+    """OpenRLHF's `train_nonrl_slurm.sh` shape: the flags come from a sourced script's heredoc, `echo $cmd` shows them
+    (no run), and `torchrun -m ${cmd}` inside `srun bash -c "..." &>> log` runs them; the node count is the job's."""
+    write(tmp_path, SCRIPT.format(extra=""), "train_dpo.sh")
+    slurm = textwrap.dedent('''\
+        readonly training_script="train_dpo.sh"
+        readonly GPUS_PER_NODE=8
+        source ./${training_script} slurm
+        echo $training_commands &>> log
+        srun --container-image="$IMAGE" bash -c " cd /openrlhf; torchrun \\
+        --nproc_per_node $GPUS_PER_NODE --nnodes $SLURM_NNODES -m ${training_commands}" &>> ${JOBLOG}
+        ''')
+    (report,) = check_files([write(tmp_path, slurm, "slurm.sh")], Launch(parser="model"))
+    got = facts(report)
+    assert (got["gc_enabled"], got["zero_stage"], got["world_size"]) == (True, 3, 8)
+    assert report.status == "incomplete" and any("$SLURM_NNODES" in what for what in report.unread)
+    (report,) = check_files([str(tmp_path / "slurm.sh")], Launch(parser="model", nproc=16))
+    assert report.status == "ok" and report.facts.world_size == 16
+    # without the sourced script, the check says what it could not find
+    (tmp_path / "train_dpo.sh").unlink()
+    (report,) = check_files([str(tmp_path / "slurm.sh")], Launch(parser="model"))
+    assert report.status == "error" and "sources ./train_dpo.sh, not found here" in report.error
+
+
+def test_a_shell_script_without_an_openrlhf_command_is_not_read_as_yaml(tmp_path):
+    (report,) = check_files([write(tmp_path, "docker run --gpus all -it nvcr.io/pytorch:26.03 bash\n", "run.sh")],
+                            Launch(parser="model"))
+    assert report.status == "error" and "no OpenRLHF entry point" in report.error

@@ -150,11 +150,10 @@ def tiny(tmp_path_factory):
     return root
 
 
-def _config(tiny: Path, out: Path, extra: str = "", plugin: str = PLUGIN) -> Path:
+def _config(tiny: Path, out: Path, extra: str = "", plugin: str | None = PLUGIN) -> Path:
+    plugins = f"plugins:\n  - {plugin}\n" if plugin else ""
     text = f"""base_model: {tiny / "model"}
-plugins:
-  - {plugin}
-datasets:
+{plugins}datasets:
   - path: {tiny / "data.jsonl"}
     ds_type: json
     type: completion
@@ -179,9 +178,10 @@ val_set_size: 0
     return path
 
 
-def _train(cfg: Path) -> subprocess.CompletedProcess[str]:
+def _train(cfg: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["axolotl", "train", str(cfg)], capture_output=True, text=True, env=_env(), cwd=cfg.parent, timeout=600
+        ["axolotl", "train", str(cfg)], capture_output=True, text=True, env={**_env(), **env}, cwd=cfg.parent,
+        timeout=600,
     )
 
 
@@ -210,15 +210,20 @@ SUMMARY = re.compile(r"\[trl_gc_plugin\] INFO: gradient checkpointing on, use_re
 
 
 @needs_axolotl
+@pytest.mark.parametrize("route", ["plugins-line", "env-var"])
 @pytest.mark.parametrize(
     ("extra", "source"),
     [("", "set by launcher (axolotl)"), ("gradient_checkpointing_kwargs:\n  use_reentrant: false\n", "yours")],
     ids=["axolotl-writes-it", "yaml-sets-it"],
 )
-def test_axolotl_train_runs_the_plugin(tiny, tmp_path, extra, source):
+def test_axolotl_train_runs_the_plugin(tiny, tmp_path, extra, source, route):
+    """Through the `plugins:` line, or `TRL_GC_PLUGIN=1` on an unmodified config (the plugin installed in Axolotl's
+    environment: its `.pth` starts the route): the summary visible at Axolotl's default log levels, and the
+    `use_reentrant` Axolotl wrote itself said to be Axolotl's (before, the env-var route hid the summary and called
+    Axolotl's value the user's)."""
     out = tmp_path / "out"
-    cfg = _config(tiny, out, extra)
-    run = _train(cfg)
+    cfg = _config(tiny, out, extra, plugin=PLUGIN if route == "plugins-line" else None)
+    run = _train(cfg, **({"TRL_GC_PLUGIN": "1"} if route == "env-var" else {}))
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
     found = SUMMARY.search(log)  # visible under Axolotl's logging filter, default levels

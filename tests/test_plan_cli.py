@@ -318,3 +318,18 @@ def test_an_accelerate_config_that_disagrees_or_is_malformed_exits_2(capsys, tmp
     assert code == 2 and "FSDP2 takes true or false" in err
     code, _, err = run(capsys, *base, "--accelerate-config", str(tmp_path / "missing.yaml"))
     assert code == 2 and "missing.yaml" in err
+
+
+def test_plot_writes_an_image_of_the_candidates(tmp_path, capsys):
+    """`--plot FILE` (issue 39): the candidates' predicted peak against recompute, the budget line, the pick; a PNG
+    that opens, of a plot's size, whose pixels are not blank; a path that cannot be written is exit 2."""
+    image = pytest.importorskip("matplotlib.image")
+    out = tmp_path / "plan.png"
+    args = ["llama-7b", "--batch-size", "1", "--seq-len", "4096", "--budget", "20GiB"]
+    assert plan_cli.main([*args, "--plot", str(out)]) == 0
+    assert f"plot: {out}" in capsys.readouterr().out
+    pixels = image.imread(str(out))
+    assert pixels.shape[0] > 300 and pixels.shape[1] > 600
+    assert float(pixels[..., :3].std()) > 0.05  # points, lines and text, not an empty canvas
+    assert plan_cli.main([*args, "--plot", str(tmp_path / "missing" / "plan.png")]) == 2
+    assert "--plot" in capsys.readouterr().err

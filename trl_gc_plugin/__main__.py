@@ -29,10 +29,11 @@ def trainer_kinds() -> tuple[str, ...]:
 
 
 CHECK_DESCRIPTION = """Check training configs before launching: read each file the way its launcher does (TRL CLI,
-Axolotl, LLaMA-Factory, or a plain TrainingArguments JSON), run the plugin's rules on what it says, and print the
-facts (and where each came from), the decisions and the one change to make. Exit status: 0 every file fine; 1 strict
-mode (or the launcher itself) refuses at least one; 2 at least one file cannot be read, has no recognised format, or
-an option is invalid."""
+Axolotl, LLaMA-Factory, a plain TrainingArguments JSON, or an OpenRLHF command line in a shell script, expanded as bash
+would without running it), run the plugin's rules on what it says, and print the facts (and where each came from),
+the decisions and the one change to make. Exit status: 0 every file fine; 1 strict mode (or the launcher itself)
+refuses at least one; 2 at least one file cannot be read, has no recognised format, is read only in part where the
+verdict depends on what was not read, or an option is invalid."""
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +67,7 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         "--format",
         default="auto",
         metavar="FORMAT",
-        help="auto (default, from the keys), trl, axolotl, llamafactory or training-args",
+        help="auto (default, from the keys), trl, axolotl, llamafactory, training-args or openrlhf",
     )
     parser.add_argument(
         "--parser",
@@ -85,6 +86,17 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         default="120",
         metavar="SECONDS",
         help="time limit for the launchers' own parsers, all files together (default 120)",
+    )
+    parser.add_argument(
+        "--brief",
+        action="store_true",
+        help="one line per finding (FILE: STATUS [rule] action: reason), `FILE: ok` for a file without one",
+    )
+    parser.add_argument(
+        "--skip-other-files",
+        action="store_true",
+        help="skip, silently, files that are no training config of a known launcher (a pre-commit hook over every "
+        "YAML / JSON / shell file); files that are but cannot be read stay errors",
     )
     parser.add_argument(
         "--json",
@@ -184,15 +196,21 @@ def run_check(ns: argparse.Namespace) -> int:
     an option is invalid. Problems go to stderr, one line each; never a traceback."""
     try:
         launch, mode = _launch(ns)
-        from .configcheck.check import check_files, exit_code, render, render_json, summary
+        from .configcheck.check import check_files, exit_code, render, render_brief, render_json, summary
 
         reports = check_files(list(ns.configs), launch, mode)
+        if getattr(ns, "skip_other_files", False):
+            reports = [r for r in reports if not r.other]
     except OptionError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
     except Exception as exc:  # a bug of the check: one line, never a traceback
         sys.stderr.write(f"error: internal error in trl-gc-check ({type(exc).__name__}: {exc}); please report it\n")
         return 2
+    if getattr(ns, "brief", False) and not ns.json:
+        lines = [line for report in reports for line in render_brief(report)]
+        sys.stdout.write("".join(line + "\n" for line in lines))
+        return exit_code(reports)
     for report in reports:
         if report.status == "error":
             sys.stderr.write(f"error: {report.error}\n")

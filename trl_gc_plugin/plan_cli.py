@@ -111,6 +111,12 @@ def _parser() -> _Parser:
     )
     parser.add_argument("--all", action="store_true", help="list every candidate (default: the main ones)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw the candidates (predicted peak against recompute, the budget line, the pick) to FILE (.png, "
+        ".svg); needs matplotlib (pip install 'trl-gc-plugin[plot]')",
+    )
     return parser
 
 
@@ -407,8 +413,22 @@ def run(argv: list[str] | None) -> tuple[int, str]:
         text = render(result, label, ns.all)
         if options is not None:
             text += "\n\n" + render_throughput(options, ns.effective_batch, ns.batch_size)
+    if ns.plot:
+        _plot(result, label, ns.plot)
+        text += f"\n\nplot: {ns.plot}" if not ns.json else ""
     fits = options[0].fits if options else result.fits
     return (0 if fits else 1), text
+
+
+def _plot(result: Any, label: str, path: str) -> None:
+    from .plan_plot import PlotUnavailable, plot
+
+    try:
+        plot(result, label, path)
+    except PlotUnavailable as exc:
+        raise InputError(str(exc)) from None
+    except (OSError, ValueError) as exc:
+        raise InputError(f"--plot {path}: {type(exc).__name__}: {_one_line(exc)}") from None
 
 
 def render_throughput(options: list[Any], effective: int, batch_size: int) -> str:

@@ -8,7 +8,8 @@ transformers supports, and said), and run `engine.decide` on the result, beside 
 fact says where it came from; a refusal says the one change to make.
 
 Exit status: 0 every file fine; 1 strict mode (or the launcher itself) refuses at least one; 2 at least one file
-cannot be read, has no recognised format, or an option is invalid. Nothing raises out of `check_files`: a bug in the
+cannot be read, has no recognised format, is read only in part where the verdict depends on what was not read (a shell
+variable from the environment, a file it names that is not here: `incomplete`), or an option is invalid. Nothing raises out of `check_files`: a bug in the
 check is reported as an error for that file (exit 2), never as a traceback.
 """
 
@@ -28,7 +29,7 @@ from ..core.engine import applicable, decide
 from ..core.facts import Facts
 from ..core.modes import Mode
 from .launchers import detect, llamafactory, native, trl
-from .launchers.common import ConfigError, Context, Fact, Reading, yaml_bool
+from .launchers.common import ConfigError, Context, Fact, NotTrainingConfig, Reading, yaml_bool
 from .launchers.load import Config
 from .launchers.load import load as load_config
 from .launchers.registry import LAUNCHERS, NAMES
@@ -49,7 +50,7 @@ READ_KEYS = frozenset().union(*(module.READ_KEYS for module in LAUNCHERS.values(
 """Every top-level key some launcher module reads: only these values are built from a YAML file."""
 
 FACT_FIELDS = frozenset(f.name for f in dataclasses.fields(Facts))
-Status = Literal["ok", "refused", "error"]
+Status = Literal["ok", "refused", "incomplete", "error"]
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,10 @@ class Launch:
 
 @dataclass
 class Report:
-    """The check of one file: `status` `ok`, `refused` (strict mode or the launcher refuses) or `error` (not
-    checked, `error` says why); `facts` is the engine's input, `sources` where each came from; `decisions` the
-    launcher's verdicts, then the engine's; `change` the one change to make, when refused."""
+    """The check of one file: `status` `ok`, `refused` (strict mode or the launcher refuses), `incomplete` (nothing
+    refused on what was read, but the verdict depends on values the check could not read: `unread` names them) or
+    `error` (not checked, `error` says why); `facts` is the engine's input, `sources` where each came from;
+    `decisions` the launcher's verdicts, then the engine's; `change` the one change to make, when refused."""
 
     path: str
     status: Status
@@ -87,10 +89,13 @@ class Report:
     change: str | None = None
     error: str | None = None
     training: bool = True
+    unread: list[str] = field(default_factory=list)
+    other: bool = False
+    """The file is no training config of a known launcher (`NotTrainingConfig`): skipped with `--skip-other-files`."""
 
     @property
     def exit_code(self) -> int:
-        return {"ok": 0, "refused": 1, "error": 2}[self.status]
+        return {"ok": 0, "refused": 1, "incomplete": 2, "error": 2}[self.status]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +111,7 @@ class Report:
             "decisions": [d.to_dict() for d in self.decisions],
             "change": self.change,
             "notes": list(self.notes),
+            "unread": list(self.unread),
             "error": self.error,
         }
 
@@ -148,9 +154,16 @@ COMPILE_KEY = "torch_compile"
 """The `TrainingArguments` field (TRL, LLaMA-Factory and Axolotl configs pass it through) that compiles the model."""
 
 
+PRECISION_KEYS = ("bf16", "fp16")
+"""The `TrainingArguments` fields of mixed precision (TRL, LLaMA-Factory and Axolotl configs pass them through)."""
+
+
 def _facts(reading: Reading, versions: dict[str, Fact], config: Config) -> Facts:
     if parse_flag(config.values.get(COMPILE_KEY)) is True:
         reading.facts.setdefault("compiled", Fact(f"{COMPILE_KEY}=True", "file", COMPILE_KEY))
+    precision = [k for k in PRECISION_KEYS if parse_flag(config.values.get(k)) is True]
+    if precision:
+        reading.facts.setdefault("mixed_precision", Fact(True, "file", f"key {precision[0]!r}"))
     all_versions: dict[str, str | None] = dict(installed_versions())
     all_versions.update({k: v.value for k, v in versions.items()})
     values = {name: fact.value for name, fact in reading.facts.items() if name in FACT_FIELDS and name != "versions"}
@@ -253,6 +266,8 @@ def check_files(paths: list[str], launch: Launch = Launch(), mode: Mode = "stric
     for i, path in enumerate(paths):
         try:
             pending.append(_first_read(i, path, launch))
+        except NotTrainingConfig as exc:
+            reports[i] = Report(path=path, status="error", error=str(exc), other=True)
         except ConfigError as exc:
             reports[i] = Report(path=path, status="error", error=str(exc))
         except Exception as exc:  # a bug in the check: never a traceback, never a verdict
@@ -285,14 +300,22 @@ def _internal_error(path: str, exc: BaseException) -> Report:
     )
 
 
+NO_NATIVE = {
+    "axolotl": "the check does not run Axolotl's own validation, whether Axolotl is installed or not: it imports what "
+    "the config names (its `plugins:`, custom dataset and prompt-strategy modules, remote model code), code from the "
+    "file, which a check before launch must not run; the file is read by the plugin's model of Axolotl main@067b021c",
+    "openrlhf": "OpenRLHF has no parser of its own to run on a command line (its flags are read by argparse inside "
+    "the training script, which needs flash-attn and CUDA); the command is read by the plugin's model of OpenRLHF "
+    "0.11.2",
+}
+"""Why `--parser launcher` is refused for these formats, in the check's words."""
+
+
 def _first_read(index: int, path: str, launch: Launch) -> _Read:
     config = load_config(path, READ_KEYS)
     fmt, why = detect.detect(config, launch.format)
     if fmt in ("axolotl", "openrlhf") and launch.parser == "launcher":
-        raise ConfigError(
-            f"{path}: --parser launcher: {NAMES[fmt]}'s own code cannot be used by the check (it is not importable "
-            "here); use --parser auto or model"
-        )
+        raise ConfigError(f"{path}: --parser launcher: {NO_NATIVE[fmt]}; use --parser auto or model")
     if launch.parser == "launcher" and fmt == "llamafactory" and not native.importable("llamafactory"):
         raise ConfigError(
             f"{path}: --parser launcher: LLaMA-Factory is not importable here; use --parser auto or model"
@@ -347,7 +370,7 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
     refused = any(d.action == "error" for d in decisions)
     return Report(
         path=config.path,
-        status="refused" if refused else "ok",
+        status="refused" if refused else "incomplete" if reading.unread else "ok",
         format=fmt,
         detected_by=p.why,
         parser=reading.parser,
@@ -357,6 +380,7 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
         notes=reading.notes + notes,
         change=change_line(reading, decisions, facts) if refused else None,
         training=reading.training,
+        unread=list(reading.unread),
     )
 
 
@@ -382,6 +406,7 @@ SHOWN = (
     ("checkpointing kwargs nothing reads", "kwargs_unknown"),
     ("offload (transformers' kwarg)", "offload"),
     ("activation offloading (launcher)", "activation_offloading"),
+    ("activation offloading (TRL)", "trl_activation_offloading"),
     ("selective checkpointing", "selective"),
     ("PEFT adapter", "is_peft"),
     ("quantization", "quantization"),
@@ -449,7 +474,10 @@ def render(report: Report) -> str:
         fact = report.sources.get(name)
         if fact is None:
             continue
-        if name in ("offload", "selective", "unsloth", "activation_offloading") and not fact.value:
+        if (
+            name in ("offload", "selective", "unsloth", "activation_offloading", "trl_activation_offloading")
+            and not fact.value
+        ):
             continue
         detail = strip_links(fact.detail)
         where = fact.origin + (f": {detail}" if detail else "")
@@ -463,13 +491,37 @@ def render(report: Report) -> str:
     if report.notes:
         lines.append("  notes:")
         lines += [f"    - {note}" for note in report.notes]
+    if report.unread:
+        lines.append("  could not be read (the verdict depends on them):")
+        lines += [f"    - {what}" for what in report.unread]
     if report.status == "refused":
         lines.append("  verdict: REFUSED (strict mode, or the launcher itself, stops this run)")
         lines.append(f"  change: {report.change}" if report.change else "  change: see the decisions above")
+    elif report.status == "incomplete":
+        lines.append(
+            f"  verdict: NOT CHECKED IN FULL: nothing refused on what was read, but {len(report.unread)} value(s) "
+            "the verdict depends on could not be read (above); check the command as it runs (its values written out)"
+        )
     else:
         warned = sum(1 for d in report.decisions if d.action in ("warn", "override"))
         lines.append("  verdict: fine" + (f" ({warned} warning(s) above)" if warned else ""))
     return "\n".join(lines)
+
+
+def render_brief(report: Report) -> list[str]:
+    """One line per finding (`FILE: STATUS [rule] action: reason`): refusals, warnings and overrides, what could not be
+    read, the error; `FILE: ok` when there is none (a pre-commit hook's output)."""
+    if report.status == "error":
+        return [f"{report.path}: error: {report.error}"]
+    lines = [
+        f"{report.path}: {report.status} [{d.rule_id}] {d.action}: {first_sentence(d.reason, 200)}"
+        for d in report.decisions
+        if d.action in ("error", "warn", "override")
+    ]
+    lines += [f"{report.path}: {report.status}: could not be read: {what}" for what in report.unread]
+    if report.change:
+        lines.append(f"{report.path}: {report.status}: change: {report.change}")
+    return lines or [f"{report.path}: {report.status}"]
 
 
 def render_json(reports: list[Report]) -> str:
@@ -477,9 +529,10 @@ def render_json(reports: list[Report]) -> str:
 
 
 def summary(reports: list[Report]) -> str:
-    counts = {s: sum(1 for r in reports if r.status == s) for s in ("ok", "refused", "error")}
+    counts = {s: sum(1 for r in reports if r.status == s) for s in ("ok", "refused", "incomplete", "error")}
+    partly = f", {counts['incomplete']} read in part" if counts["incomplete"] else ""
     return (
-        f"checked {len(reports)} file(s): {counts['ok']} fine, {counts['refused']} refused, "
+        f"checked {len(reports)} file(s): {counts['ok']} fine, {counts['refused']} refused{partly}, "
         f"{counts['error']} not checked (unreadable, unrecognised or invalid)"
     )
 

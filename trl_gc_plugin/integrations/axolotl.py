@@ -15,9 +15,8 @@ What it does, hook by hook (Axolotl's `BasePlugin`, `axolotl.integrations.base`)
   Axolotl's own callbacks (its reporters among them) in the list; a post-trainer callback is added after the
   Trainer's `__init__` and would miss `on_init_end`.
 
-Axolotl's logging (`axolotl.logging_config`) makes every logger created after it started an `AxolotlLogger` that
-drops records of non-`axolotl*` loggers below `LOG_LEVEL` (WARNING by default): the plugin's INFO summary was
-hidden. The plugin's two loggers get Axolotl's own rule instead (shown from `AXOLOTL_LOG_LEVEL`, INFO by default).
+What the plugin adapts to inside Axolotl (its logging filter, the `use_reentrant` it writes itself) is
+`routes/hosts.py`, shared with the `TRL_GC_PLUGIN=1` route, which needs no `plugins:` line.
 
 A plugin that fails to import is logged by Axolotl's `PluginManager` (ERROR and a traceback) and training goes on
 without it. This module therefore turns an `ImportError` of its own imports into a `RuntimeError`, which
@@ -27,7 +26,6 @@ never runs); `trl-gc-check cfg.yml` reads the `plugins:` list.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 try:
@@ -36,7 +34,7 @@ try:
 
     from .._base import report
     from ..core.settings import CALLBACK_SETTINGS, GCSettings
-    from ..model import probe
+    from ..routes import hosts
     from ..routes.callback import SafeGCCallback
 except ImportError as exc:  # PluginManager only logs an ImportError and trains on without the plugin
     raise RuntimeError(
@@ -46,8 +44,7 @@ except ImportError as exc:  # PluginManager only logs an ImportError and trains 
 
 PLUGIN_LINE = f"{__name__}.SafeGCPlugin"
 KEY_PREFIX = "trl_gc_"
-SOURCE = "launcher (axolotl)"
-"""Who wrote a `use_reentrant` that is not in the YAML (the words `trl-gc-check` uses for the same value)."""
+SOURCE = hosts.AXOLOTL
 OFFLOADING_OWNS = ("true", "legacy", "disk")
 """`activation_offloading` values with which Axolotl turns the Trainer's checkpointing off and checkpoints itself."""
 
@@ -87,29 +84,7 @@ def resolve(cfg: Any) -> GCSettings:
     return GCSettings.resolve({s.name: get(config_key(s.name)) for s in CALLBACK_SETTINGS}, caller="axolotl")
 
 
-class _AsAxolotl(logging.Filter):
-    """Axolotl's filter for the plugin's loggers, with the plugin counted as Axolotl's own: a record shows from
-    `AXOLOTL_LOG_LEVEL`, or wherever Axolotl's filter lets it through."""
-
-    def __init__(self, axolotl_filter: Any) -> None:
-        super().__init__()
-        self.inner = axolotl_filter
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= self.inner.axolotl_level or bool(self.inner.filter(record))
-
-
-def show_under_axolotl() -> None:
-    """Replace the filter Axolotl's `AxolotlLogger` put on the plugin's loggers by `_AsAxolotl` (idempotent)."""
-    try:
-        from axolotl.logging_config import AxolotlOrWarnErrorFilter
-    except ImportError:  # an Axolotl without this logging: nothing hides the plugin
-        return
-    for log in (report.logger, report.details):
-        for found in list(log.filters):
-            if isinstance(found, AxolotlOrWarnErrorFilter):
-                log.removeFilter(found)
-                log.addFilter(_AsAxolotl(found))
+show_under_axolotl = hosts.show_under_axolotl
 
 
 class AxolotlSafeGCCallback(SafeGCCallback):
@@ -126,28 +101,13 @@ class AxolotlSafeGCCallback(SafeGCCallback):
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         try:
-            self._label_axolotl_value(args)
+            hosts.label_axolotl_value(args, self.yaml_reentrant)
         except Exception as exc:  # never stop a run over a label
             report.note(f"could not tell who wrote use_reentrant ({exc!r}); the summary may call it yours", "info")
         super().on_init_end(args, state, control, model=model, **kwargs)
 
-    def _label_axolotl_value(self, args: Any) -> None:
-        kwargs = getattr(args, probe.kwargs_field(args), None)
-        value = kwargs.get("use_reentrant") if isinstance(kwargs, dict) else None
-        if value is None:
-            return
-        given, yaml_value = self.yaml_reentrant
-        if given and value == yaml_value:
-            return  # the user's own: the plugin's usual reading ("yours") is right
-        probe.remember(args, value, SOURCE)
 
-
-def _yaml_reentrant(raw: Any) -> tuple[bool, Any]:
-    """(whether the YAML itself sets `gradient_checkpointing_kwargs.use_reentrant`, its value)."""
-    kwargs = raw.get("gradient_checkpointing_kwargs") if hasattr(raw, "get") else None
-    if isinstance(kwargs, dict) and kwargs.get("use_reentrant") is not None:
-        return True, kwargs["use_reentrant"]
-    return False, None
+_yaml_reentrant = hosts.yaml_reentrant
 
 
 class SafeGCPlugin(BasePlugin):

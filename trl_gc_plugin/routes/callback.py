@@ -17,7 +17,7 @@ from ..core.settings import GCSettings
 from ..model import probe
 from ..model.observe import Call
 from ..runtime.run import Run
-from . import model_route, tracker
+from . import hosts, model_route, tracker
 
 _OWNERS: WeakIdMap[SafeGCCallback] = WeakIdMap()
 """Which callback acts for a Trainer, keyed by the Trainer's `TrainerState` (kept off the state object itself)."""
@@ -182,6 +182,9 @@ class SafeGCCallback(TrainerCallback):
         self._reset_run()
         self._run.args = args
         report.follow_trainer(args)
+        if self.auto_registered:  # TRL_GC_PLUGIN=1 / install() inside a launcher without its integration
+            with contained("the launcher's adaptation"):
+                hosts.adopt(args)
         tracker.move_before_reporters(self)  # a callback passed to the Trainer comes after the reporters
         if model is None:
             return

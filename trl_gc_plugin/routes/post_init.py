@@ -21,11 +21,12 @@ from typing import Any
 
 from .._base import report
 from .._base.flags import parse_flag
-from ..core.errors import GCConfigError
+from ..core.errors import GCConfigError, contained
 from ..core.modes import Mode
 from ..core.settings import BOOL_FORMS, BY_NAME, INSTALLED, GCSettings, parse_bool
 from ..model import hooks, probe
 from ..runtime.run import Run
+from . import hosts
 
 logger = logging.getLogger("trl_gc_plugin")
 
@@ -56,6 +57,8 @@ def post_init_decide(args: Any, settings: GCSettings, user_given: bool, user_val
     record = probe.start_record(args, user_given, user_value)
     if not probe.facts_from_args(args, stage="post_init").gc_enabled:
         return []
+    with contained("the launcher's adaptation"):
+        hosts.adopt(args)  # inside Axolotl without its plugin line: its logging, the value it wrote
     report.follow_trainer(args)
     # the distributed state is not read here (`args.process_index` would set it up): the launcher's rank decides
     run = Run(settings, main_process=report.is_main_process(), write_json=False)

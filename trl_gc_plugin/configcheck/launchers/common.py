@@ -49,6 +49,12 @@ class ConfigError(ValueError):
     names the file and the key or line, and what to change; the CLI exits 2 with it."""
 
 
+class NotTrainingConfig(ConfigError):
+    """The file is no training config of a known launcher (an accelerate or DeepSpeed config, a shell script without
+    an OpenRLHF command, a YAML file of no launcher): an error for a file given to check, skipped with
+    `--skip-other-files` (a pre-commit hook over every YAML file of a repository)."""
+
+
 @dataclass(frozen=True)
 class Config:
     """A config file as the check sees it: `values` of the top-level keys the check reads (every key for JSON),
@@ -154,7 +160,9 @@ class Reading:
     is the value in YAML spelling, `{not_value}` its negation; a command-line switch starts with `{switch}`: `add` or
     `remove`). `training` is False for a config that trains nothing (LLaMA-Factory chat / export configs);
     `changes_for` holds `LauncherRule.change` by rule id; `extra` values a launcher module keeps between reading and
-    finishing (not facts).
+    finishing (not facts); `unread` what the reader could not read and the verdict depends on (a shell variable set
+    from the environment in a flag the rules read, a file the config names that is not here): the check then says
+    `incomplete`, never `ok`.
     """
 
     format: str
@@ -166,6 +174,7 @@ class Reading:
     training: bool = True
     changes_for: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    unread: list[str] = field(default_factory=list)
 
     def set(self, name: str, value: Any, origin: Origin, detail: str = "") -> None:
         self.facts[name] = Fact(value, origin, detail)

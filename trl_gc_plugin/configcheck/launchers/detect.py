@@ -12,7 +12,7 @@ as such. The result always says why, so the format is never guessed silently.
 from __future__ import annotations
 
 from . import training_args
-from .common import ConfigError
+from .common import ConfigError, NotTrainingConfig
 from .load import Config
 from .registry import DETECTED, LAUNCHERS
 
@@ -51,12 +51,12 @@ def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
             f"{config.path}: keys of several launchers: {parts}; pass --format trl|axolotl|llamafactory|openrlhf|training-args"
         )
     if keys & ACCELERATE_KEYS:
-        raise ConfigError(
+        raise NotTrainingConfig(
             f"{config.path}: an accelerate launch config ({_names(keys & ACCELERATE_KEYS)}), not a training config; "
             "check the training config and pass this one with --accelerate-config"
         )
     if keys & DEEPSPEED_KEYS and not keys & training_args.KEYS - DEEPSPEED_KEYS:
-        raise ConfigError(
+        raise NotTrainingConfig(
             f"{config.path}: a DeepSpeed config ({_names(keys & DEEPSPEED_KEYS)}), not a training config; check the "
             "training config that names it"
         )
@@ -70,7 +70,7 @@ def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
             "training-args",
             f"a JSON file of TrainingArguments fields ({_names(keys & training_args.KEYS)}) and no launcher's key (--format trl if it is a TRL config)",
         )
-    raise ConfigError(
+    raise NotTrainingConfig(
         f"{config.path}: unrecognised format: no key of a TRL (model_name_or_path, use_peft, ...), Axolotl (base_model, ...) "
         "or LLaMA-Factory (stage, finetuning_type, ...) config; pass --format trl|axolotl|llamafactory|openrlhf|training-args"
     )

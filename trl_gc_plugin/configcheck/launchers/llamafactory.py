@@ -17,10 +17,15 @@ its sources (`SRC`); `_worker.py` runs LLaMA-Factory's own `get_train_args` inst
   `quantization_bit` (+ `quantization_method`, default `bnb`; only with lora/oft), `stage` (default `sft`).
 - Under DDP with LoRA and `ddp_find_unused_parameters` unset, LLaMA-Factory sets it to False.
 - Chat, API and export configs (no `stage`/`do_train`/`output_dir`/`dataset`, or an `export_dir`) train nothing.
+- `use_hyper_parallel: true` (stages pt and sft) trains through MindSpore HyperParallel's FSDP2 backend; where its
+  JSON (`hyper_parallel_args`) sets an `activation_mode` other than `none` (`recompute`, `swap`), LLaMA-Factory sets
+  `disable_gradient_checkpointing` and HyperParallel checkpoints itself: transformers' checkpointing is off and the
+  plugin's rules about it do not apply.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -40,7 +45,7 @@ from .common import (
     where,
 )
 from .deepspeed import read_deepspeed
-from .load import Config
+from .load import Config, load_json_file
 from .model_config import read_model_facts
 from .trl import read_fsdp_config, set_fsdp_facts
 
@@ -81,6 +86,15 @@ SOURCES = {
     "ddp": _src("hparams/parser.py", 596, 602, "DDP + LoRA: ddp_find_unused_parameters False"),
     "deepspeed": _src("hparams/parser.py", 471, 472, "DeepSpeed needs a distributed launch (FORCE_TORCHRUN=1)"),
     "versions": _src("extras/misc.py", 95, 101, "check_dependencies: transformers>=4.55.0,<=5.8.0"),
+    "hyper_parallel": _src(
+        "train/hyper_parallel/workflow.py",
+        41,
+        59,
+        "_prepare_hp_args: activation_mode != 'none' -> disable_gradient_checkpointing = True",
+    ),
+    "hyper_parallel_stages": _src("train/tuner.py", 92, 101, "use_hyper_parallel runs the pt and sft stages only"),
+    "hyper_parallel_modes": "https://github.com/hiyouga/LlamaFactory/pull/10370 (activation_mode none (default) / "
+    "recompute / swap; recompute and swap disable native gradient_checkpointing)",
 }
 
 MARKERS = frozenset(
@@ -103,6 +117,8 @@ MARKERS = frozenset(
         "infer_backend",
         "adapter_name_or_path",
         "dataset_dir",
+        "use_hyper_parallel",
+        "hyper_parallel_args",
     }
 )
 """Keys only LLaMA-Factory's configs use."""
@@ -133,6 +149,8 @@ READ_KEYS = frozenset(
         "fsdp_config",
         "ddp_find_unused_parameters",
         "ddp_static_graph",
+        "use_hyper_parallel",
+        "hyper_parallel_args",
     }
 )
 
@@ -147,6 +165,7 @@ BOOL_KEYS = (
     "use_unsloth",
     "do_train",
     "gradient_checkpointing",
+    "use_hyper_parallel",
 )
 
 BUNDLED_DEEPSPEED = {
@@ -174,6 +193,7 @@ class View:
     fsdp2: bool
     transformers_outside: bool
     deepspeed_one_process: bool
+    hyper_parallel: str | None = None
 
 
 RULES: tuple[LauncherRule, ...] = (
@@ -230,6 +250,34 @@ RULES: tuple[LauncherRule, ...] = (
         change="also set gradient_checkpointing_kwargs: {use_reentrant: false}, or drop gradient_checkpointing: true",
         evidence=(SOURCES["wrapper"],),
         when=lambda v: v.hf_gc_overrides,
+    ),
+    LauncherRule(
+        id="llamafactory:hyper-parallel-owns-checkpointing",
+        action="none",
+        setting="use_hyper_parallel",
+        condition="`use_hyper_parallel: true` (stage pt or sft) and `hyper_parallel_args` sets `activation_mode` "
+        "recompute or swap",
+        message=(
+            "HyperParallel checkpoints (or swaps) activations itself, and LLaMA-Factory switches transformers' "
+            "checkpointing off for it (disable_gradient_checkpointing): use_reentrant and the plugin's checkpointing "
+            "rules do not apply, and the plugin stands back. HyperParallel's own recompute is not modelled."
+        ),
+        evidence=(SOURCES["hyper_parallel"], SOURCES["hyper_parallel_modes"]),
+        when=lambda v: v.hyper_parallel in ("recompute", "swap"),
+    ),
+    LauncherRule(
+        id="llamafactory:hyper-parallel-args-unread",
+        action="warn",
+        setting="hyper_parallel_args",
+        condition="`use_hyper_parallel: true` (stage pt or sft) and the `hyper_parallel_args` file is not found here",
+        message=(
+            "The check could not read HyperParallel's JSON, so whether HyperParallel replaces transformers' "
+            "checkpointing (its activation_mode) is unknown: the verdicts below assume it does not (activation_mode "
+            "none), which holds only if the file says so."
+        ),
+        change="run the check where hyper_parallel_args resolves (the directory you launch from)",
+        evidence=(SOURCES["hyper_parallel"],),
+        when=lambda v: v.hyper_parallel == "unread",
     ),
     LauncherRule(
         id="llamafactory:fsdp2-non-reentrant",
@@ -313,6 +361,7 @@ def read(config: Config, ctx: Context) -> Reading:
         _read_non_training(config, reading)
         return reading
     _read_gc_enabled(parsed, reading)
+    hyper = _read_hyper_parallel(config, parsed, reading)
     accel = read_accelerate(ctx.accelerate_config) if ctx.accelerate_config else None
     fsdp2 = bool(accel and accel.fsdp and accel.fsdp_version == 2)
     set_accelerate_facts(reading, accel, f"accelerate config {ctx.accelerate_config}")
@@ -322,7 +371,7 @@ def read(config: Config, ctx: Context) -> Reading:
     _set_reentrant_facts(parsed, reading, reentrant)
     _read_model(parsed, reading)
     world = _read_launch(config, ctx, parsed, reading, accel)
-    _apply_rules(ctx, parsed, reading, reentrant, hf_override=hf_override, fsdp2=fsdp2, world=world)
+    _apply_rules(ctx, parsed, reading, reentrant, hf_override=hf_override, fsdp2=fsdp2, world=world, hyper=hyper)
     return reading
 
 
@@ -401,6 +450,54 @@ def _read_gc_enabled(parsed: Parsed, reading: Reading) -> None:
         "file",
         "disable_gradient_checkpointing",
     )
+
+
+def _read_hyper_parallel(config: Config, parsed: Parsed, reading: Reading) -> str | None:
+    """HyperParallel's `activation_mode` when `use_hyper_parallel` runs this stage (`unread` when its JSON is not
+    found here), None without HyperParallel; `recompute` / `swap` turn transformers' checkpointing off."""
+    raw = parsed.raw
+    if not (bool(raw.get("use_hyper_parallel")) and parsed.stage in ("pt", "sft")):
+        if bool(raw.get("use_hyper_parallel")):
+            reading.notes.append(
+                f"use_hyper_parallel: ignored for stage {parsed.stage} (LLaMA-Factory runs HyperParallel for pt and "
+                f"sft only: {SOURCES['hyper_parallel_stages']})"
+            )
+        return None
+    value = raw.get("hyper_parallel_args")
+    if value is None:
+        mode, detail = "none", "no hyper_parallel_args: HyperParallel's default activation_mode 'none'"
+    elif not isinstance(value, str) or not value.strip():
+        raise ConfigError(
+            f"{where(config.path, 'hyper_parallel_args', config.lines)}: expected a path to a JSON file, got "
+            f"{type_name(value)} {short(value)}"
+        )
+    else:
+        candidates = [value] if os.path.isabs(value) else [value, os.path.join(config.base_dir, value)]
+        found = next((c for c in candidates if os.path.isfile(c)), None)
+        if found is None:
+            reading.unread.append(
+                f"hyper_parallel_args: {value!r} not found (current directory or next to the config): HyperParallel's "
+                "activation_mode is unknown"
+            )
+            return "unread"
+        data = load_json_file(found, "HyperParallel arguments ('hyper_parallel_args')")
+        if not isinstance(data, dict):
+            raise ConfigError(f"HyperParallel arguments {found}: must be a JSON object, not {type_name(data)}")
+        mode = data.get("activation_mode", "none")
+        detail = f"{found}: activation_mode {mode!r}"
+    if mode in ("recompute", "swap"):
+        reading.set(
+            "gc_enabled",
+            False,
+            "launcher rewrite",
+            f"{detail}: LLaMA-Factory sets disable_gradient_checkpointing, HyperParallel checkpoints itself "
+            f"({SOURCES['hyper_parallel']})",
+        )
+    else:
+        reading.notes.append(
+            f"use_hyper_parallel: HyperParallel's FSDP2 backend ({detail}); LLaMA-Factory's own checkpointing stays"
+        )
+    return str(mode)
 
 
 def _reentrant_from_file(parsed: Parsed, fsdp2: bool) -> Reentrant:
@@ -590,7 +687,15 @@ def _read_ddp(parsed: Parsed, reading: Reading, distributed: bool) -> None:
 
 
 def _apply_rules(
-    ctx: Context, parsed: Parsed, reading: Reading, reentrant: Reentrant, *, hf_override: bool, fsdp2: bool, world: int
+    ctx: Context,
+    parsed: Parsed,
+    reading: Reading,
+    reentrant: Reentrant,
+    *,
+    hf_override: bool,
+    fsdp2: bool,
+    world: int,
+    hyper: str | None,
 ) -> None:
     raw = parsed.raw
     gc_on = bool(reading.value("gc_enabled"))
@@ -605,6 +710,7 @@ def _apply_rules(
         fsdp2=fsdp2 and gc_on,
         transformers_outside=tf is not None and not _in_range(tf),
         deepspeed_one_process=reading.value("zero_stage") is not None and world == 1,
+        hyper_parallel=hyper,
     )
     befores = {
         "quantization_bit": parsed.bits,
@@ -612,6 +718,7 @@ def _apply_rules(
         "use_reentrant": reading.value("use_reentrant"),
         "transformers": tf,
         "quoted booleans": {k: raw[k] for k in parsed.string_bools},
+        "use_hyper_parallel": hyper,
     }
     sources = {
         "use_reentrant": reading.reentrant_source(),

@@ -21,7 +21,7 @@ import os
 import re
 from typing import Any
 
-from .common import Config, ConfigError, short, type_name
+from .common import Config, ConfigError, NotTrainingConfig, short, type_name
 
 MAX_BYTES = 64 * 1024 * 1024
 """Larger files are not configs; they are refused before being read."""
@@ -73,6 +73,7 @@ def load(path: str, wanted: frozenset[str] | None = None) -> Config:
 
 
 COMMAND_SUFFIXES = (".sh", ".bash", ".txt", ".cmd")
+SCRIPT_SUFFIXES = (".sh", ".bash")
 
 
 def _is_command(path: str, text: str) -> bool:
@@ -80,6 +81,10 @@ def _is_command(path: str, text: str) -> bool:
     from .openrlhf import looks_like_command
 
     lower = path.lower()
+    if lower.endswith(
+        SCRIPT_SUFFIXES
+    ):  # a shell script is never YAML: read as the command it runs, or said to have none
+        return True
     return looks_like_command(text) and (lower.endswith(COMMAND_SUFFIXES) or not lower.endswith((".yaml", ".yml")))
 
 
@@ -163,7 +168,7 @@ def _load_json(path: str, text: str, wanted: frozenset[str] | None) -> Config:
 def _whole(path: str, data: Any, wanted: frozenset[str] | None, kind: str) -> Config:
     """A config read whole: its top level must be a mapping; only the `wanted` keys are kept (all for None)."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of keys, not {type_name(data)}") from None
+        raise NotTrainingConfig(f"{path}: the top level must be a mapping of keys, not {type_name(data)}") from None
     values = data if wanted is None else {k: v for k, v in data.items() if k in wanted}
     return Config(path=path, values=values, keys=tuple(data), kind=kind)
 
@@ -218,7 +223,7 @@ def _load_yaml(path: str, text: str, wanted: frozenset[str] | None) -> Config:
                 raise ConfigError(f"{path}: the file holds no keys (empty, or only comments)") from None
             for key in data if isinstance(data, dict) else ():
                 if not isinstance(key, str):
-                    raise ConfigError(f"{path}: top-level key {short(key)} is not a string") from None
+                    raise NotTrainingConfig(f"{path}: top-level key {short(key)} is not a string") from None
             return _whole(path, data, wanted, "yaml")
     except ConfigError:
         raise

@@ -18,15 +18,21 @@ read too):
    `--actor.num_gpus_per_node` under Ray; else `--nproc`, else one.
 
 OpenRLHF refuses nothing about checkpointing itself: this module has no launcher rules.
+
+A script's command is read as bash would expand it (`shell.command`: variables, arrays, heredocs, `bash -c`
+payloads), never run. What cannot be read statically is said: a flag the rules read whose value comes from the
+environment, or an expansion that may hold flags (an array the script does not set, a command's output), makes the
+check `incomplete` (`Reading.unread`), never `ok`; other flags' unread values are notes.
 """
 
 from __future__ import annotations
 
+import os
 import re
-import shlex
 from typing import Any
 
-from .common import Config, ConfigError, Context, Origin, Reading
+from . import shell
+from .common import Config, ConfigError, Context, NotTrainingConfig, Origin, Reading
 from .model_config import read_model_facts
 
 VERSION_MODELLED = "OpenRLHF 0.11.2 (and the flat flags of <= 0.9)"
@@ -39,6 +45,9 @@ SOURCES = {
 }
 ENTRY = "openrlhf_entry"
 """The pseudo-key a command line's entry point is read into (`train_sft`, `train_ppo_ray`, ...)."""
+UNREAD = "openrlhf_unread"
+"""The pseudo-key of what the command's expansion left unread: `{"values": {flag: [what]}, "hidden": [what],
+"launch": [what]}`."""
 MARKERS = frozenset({ENTRY})
 STRONG_MARKERS = MARKERS
 READ_KEYS = frozenset({ENTRY})  # a command line is parsed whole (`parse_command`)
@@ -59,6 +68,8 @@ GENERATING = frozenset({"ppo"})
 
 _ENTRY_TOKEN = re.compile(r"^openrlhf\.cli\.([A-Za-z_][A-Za-z0-9_]*)$")
 _END = frozenset({"&&", "||", ";", "|", "EOF", "&"})
+_REDIRECT = re.compile(r"^(?:\d*[<>]|&>)")
+"""A redirection (`> log`, `2>&1`, `&>> log`): the command's words end there."""
 
 
 def looks_like_command(text: str) -> bool:
@@ -68,47 +79,66 @@ def looks_like_command(text: str) -> bool:
 
 def parse_command(path: str, text: str) -> Config:
     """The flags of the OpenRLHF command in `text` as a `Config`: `--a.b 3` -> `{"a.b": "3"}`, a bare flag -> True,
-    `ENTRY` -> the entry point; `openrlhf_nproc` -> the process count the launcher before it says, when it says one."""
-    joined = re.sub(r"\\\r?\n", " ", text)
+    `ENTRY` -> the entry point; `openrlhf_nproc` -> the process count the launcher before it says, when it says one;
+    `UNREAD` -> what its expansion could not read (`shell.Expanded`)."""
     try:
-        tokens = shlex.split(joined, comments=True)
+        found, missing = shell.commands(text, "openrlhf.cli.", os.path.dirname(os.path.abspath(path)))
     except ValueError as exc:
-        raise ConfigError(f"{path}: cannot split the command line ({exc})") from None
-    entries = [(i, m.group(1)) for i, t in enumerate(tokens) if (m := _ENTRY_TOKEN.match(t))]
-    if not entries:
-        raise ConfigError(f"{path}: no OpenRLHF entry point (`openrlhf.cli.train_*`) in the command")
-    if len({name for _, name in entries}) > 1:
-        names = ", ".join(sorted({name for _, name in entries}))
-        raise ConfigError(f"{path}: several OpenRLHF commands ({names}); check one command per file")
+        raise ConfigError(f"{path}: {exc}") from None
+    runs = [(e, [(i, m.group(1)) for i, t in enumerate(e.words) if (m := _ENTRY_TOKEN.match(t))]) for e in found]
+    runs = [(e, entries) for e, entries in runs if entries]
+    if not runs:
+        sourced = f"; it sources {', '.join(missing)}, not found here: check it where it is" if missing else ""
+        raise (ConfigError if missing else NotTrainingConfig)(
+            f"{path}: no OpenRLHF entry point (`openrlhf.cli.train_*`) in any command of the script (read as bash "
+            f"would expand it: variables, arrays, heredocs, `bash -c` payloads, sourced files){sourced}"
+        )
+    names = sorted({name for _, entries in runs for _, name in entries})
+    if len(names) > 1:
+        raise ConfigError(f"{path}: several OpenRLHF commands ({', '.join(names)}); check one command per file")
+    expanded, entries = runs[0]
+    tokens = expanded.words
     start, entry = entries[0]
     values: dict[str, Any] = {ENTRY: entry}
+    unread_values: dict[str, list[str]] = {}
+    hidden: list[str] = []
     i = start + 1
-    while i < len(tokens) and tokens[i] not in _END:
+    while i < len(tokens) and tokens[i] not in _END and not _REDIRECT.match(tokens[i]):
         token = tokens[i]
-        if token.startswith("--"):
+        if expanded.hides_words(token):
+            hidden += expanded.what(token)
+            i += 1
+        elif token.startswith("--"):
             name, eq, inline = token[2:].partition("=")
-            following = [] if eq else _values_after(tokens, i + 1)
+            following = [] if eq else _values_after(tokens, i + 1, expanded)
             values[name] = inline if eq else (following[0] if len(following) == 1 else following or True)
+            unread = [what for word in ([inline] if eq else following) for what in expanded.what(word)]
+            if unread:
+                unread_values[name] = unread
             i += 1 + len(following)
         else:
             i += 1
-    nproc = _launcher_processes(tokens)
+    nproc, launch_unread = _launcher_processes(tokens, expanded)
     if nproc is not None:
         values["openrlhf_nproc"] = nproc
+    values[UNREAD] = {"values": unread_values, "hidden": hidden, "launch": launch_unread}
     return Config(path=path, values=values, keys=tuple(values), kind="command")
 
 
-def _values_after(tokens: list[str], i: int) -> list[str]:
+def _values_after(tokens: list[str], i: int, expanded: shell.Expanded) -> list[str]:
     out: list[str] = []
     while i < len(tokens) and not tokens[i].startswith("--") and tokens[i] not in _END:
+        if expanded.hides_words(tokens[i]) or _REDIRECT.match(tokens[i]):
+            break
         out.append(tokens[i])
         i += 1
     return out
 
 
-def _launcher_processes(tokens: list[str]) -> int | None:
+def _launcher_processes(tokens: list[str], expanded: shell.Expanded) -> tuple[int | None, list[str]]:
     """Processes per launch from `deepspeed --num_gpus N [--num_nodes M]` or `torchrun --nproc_per_node N
-    [--nnodes M]`, wherever the launcher line is in the script."""
+    [--nnodes M]`, wherever the launcher line is in the script; and what of those numbers could not be read."""
+    unread: list[str] = []
 
     def number(flag: str) -> int | None:
         for j, t in enumerate(tokens):
@@ -119,23 +149,27 @@ def _launcher_processes(tokens: list[str]) -> int | None:
                 if t == flag and j + 1 < len(tokens)
                 else None
             )
+            if value is not None and expanded.what(value):
+                unread.extend(f"{flag} {what}" for what in expanded.what(value))
+                return None
             if value is not None and value.isdigit():
                 return int(value)
         return None
 
     if any(t.endswith("deepspeed") for t in tokens):
         gpus = number("--num_gpus")
-        return None if gpus is None else gpus * (number("--num_nodes") or 1)
+        return (None if gpus is None else gpus * (number("--num_nodes") or 1)), unread
     if any(t.endswith("torchrun") or t == "torch.distributed.run" for t in tokens):
         per_node = number("--nproc_per_node")
-        return None if per_node is None else per_node * (number("--nnodes") or 1)
-    return None
+        return (None if per_node is None else per_node * (number("--nnodes") or 1)), unread
+    return None, unread
 
 
 def _flag(config: Config, names: tuple[str, ...]) -> tuple[bool, str | None]:
-    """(the flag's value, the spelling found) for the first of `names` the command has."""
+    """(the flag's value, the spelling found) for the first of `names` the command has (a value the expansion could
+    not read counts as absent: `Reading.unread` says so)."""
     for name in names:
-        if name in config.values:
+        if name in config.values and name not in _unread_values(config):
             value = config.values[name]
             if value is True or (isinstance(value, str) and value.lower() in ("true", "1")):
                 return True, name
@@ -145,7 +179,7 @@ def _flag(config: Config, names: tuple[str, ...]) -> tuple[bool, str | None]:
 
 def _int(config: Config, names: tuple[str, ...], default: int) -> tuple[int, str | None]:
     for name in names:
-        if name in config.values:
+        if name in config.values and name not in _unread_values(config):
             value = config.values[name]
             if isinstance(value, str) and value.lstrip("-").isdigit():
                 return int(value), name
@@ -169,6 +203,7 @@ def read(config: Config, ctx: Context) -> Reading:
     _checkpointing(config, reading, prefix, ppo)
     _model(config, reading, prefix)
     _launch(config, ctx, reading, ppo)
+    _unread(config, reading, prefix, ctx)
     kind = KINDS.get(entry, "sft")
     reading.set("trainer_kind", kind, "file", f"openrlhf.cli.{entry}")
     reading.set("rl_trainer", kind in RL, "file", f"openrlhf.cli.{entry}")
@@ -178,6 +213,51 @@ def read(config: Config, ctx: Context) -> Reading:
         'gradient_checkpointing_enable; see the README\'s "Without a Trainer")'
     )
     return reading
+
+
+def _unread_values(config: Config) -> dict[str, list[str]]:
+    return dict((config.values.get(UNREAD) or {}).get("values", {}))
+
+
+def read_flags(prefix: str) -> frozenset[str]:
+    """The flags the rules read (their values decide the verdict)."""
+    return frozenset(
+        {
+            f"{prefix}gradient_checkpointing_enable",
+            "gradient_checkpointing",
+            f"{prefix}gradient_checkpointing_reentrant",
+            "gradient_checkpointing_use_reentrant",
+            "ds.lora.rank",
+            "lora_rank",
+            "ds.load_in_4bit",
+            "load_in_4bit",
+            "ds.zero_stage",
+            "zero_stage",
+            "actor.num_nodes",
+            "actor_num_nodes",
+            "actor.num_gpus_per_node",
+            "actor_num_gpus_per_node",
+        }
+    )
+
+
+def _unread(config: Config, reading: Reading, prefix: str, ctx: Context) -> None:
+    """Say what the command's expansion left unread: in `Reading.unread` where the verdict depends on it (a flag the
+    rules read, an expansion that may hold flags, the launcher's process count without --nproc), else as a note."""
+    unread = config.values.get(UNREAD) or {}
+    for what in unread.get("hidden", []):
+        reading.unread.append(f"{shell.readable(what)}: may hold any flag (checkpointing, LoRA, 4-bit, ZeRO stage)")
+    flags = read_flags(prefix)
+    for name, whats in unread.get("values", {}).items():
+        said = ", ".join(shell.readable(w) for w in whats)
+        if name in flags:
+            reading.unread.append(f"--{name}: {said}")
+        else:
+            reading.notes.append(f"--{name}: its value is known only when the script runs ({said}); no rule reads it")
+    if ctx.nproc is None:
+        reading.unread += [
+            f"the process count, {shell.readable(w)} (or pass --nproc N)" for w in unread.get("launch", [])
+        ]
 
 
 def _checkpointing(config: Config, reading: Reading, prefix: str, ppo: bool) -> None:

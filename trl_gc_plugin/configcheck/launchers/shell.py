@@ -1,0 +1,317 @@
+"""A shell script's command, read as bash would expand it, statically: never run.
+
+Launch scripts build their command from variables and bash arrays (`ARGS=( --a 1 --b )` ... `${ARGS[@]}`), heredocs
+(`read -r -d '' cmd <<EOF ... EOF` ... `deepspeed --module $cmd`), and wrap it (`srun ... bash -c "..."`, `ray job
+submit -- python3 -m ...`). `command(text, marker)` finds the statement that runs `marker` after expansion and returns
+its words. What a static reading cannot know (a value from the environment or a command substitution, a variable set
+in a loop or a function, arithmetic) becomes a placeholder word that names it (`Unresolved`), so a caller can say
+which flags it could not read instead of reading them as absent.
+
+Handled: line continuations, comments, `NAME=value` / `export` / `local` / `declare` assignments, arrays `NAME=(...)`
+over several lines and `NAME+=(...)`, `$NAME`, `${NAME}`, `${NAME:-default}`, `${NAME[@]}`, `${NAME[*]}`,
+`${NAME[i]}`, heredocs (`<<EOF`, `<<'EOF'`, `<<-EOF`) read into a variable by `read` or fed to a command,
+`bash -c` / `sh -c` payloads (read as scripts with the variables known so far), and `source FILE` / `. FILE` (the
+file's assignments, read where it is found next to the script or in the current directory; its commands do not run
+here: a sourced launch script's own command stays its own).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+
+PLACEHOLDER = "\x00unresolved{}\x00"
+_PLACEHOLDER = re.compile("\x00unresolved(\\d+)\x00")
+
+_ASSIGN = re.compile(r"^(?:export\s+|local\s+|readonly\s+|declare\s+(?:-\w+\s+)*)?([A-Za-z_]\w*)(\+?)=(.*)$", re.S)
+_BLOCK_OPEN = re.compile(r"^(for|while|until|select)\b|^[A-Za-z_][\w-]*\s*\(\)\s*\{?\s*$|^function\s+\w+")
+_BLOCK_CLOSE = re.compile(r"^(done|\})\b")
+_HEREDOC = re.compile(r"<<(-?)\s*(['\"]?)([A-Za-z_]\w*)\2")
+_READ_INTO = re.compile(r"^read\b.*?\s([A-Za-z_]\w*)\s*<<")
+_PRINTS = frozenset({"echo", "printf", "cat", "logger", ":", "tee"})
+_SOURCE = re.compile(r"^(?:source|\.)\s+(\S+)")
+_EXPANSION = re.compile(
+    r"\$\(\((?P<arith>.*?)\)\)"
+    r"|\$\((?P<subst>[^()]*(?:\([^()]*\)[^()]*)*)\)"
+    r"|`(?P<tick>[^`]*)`"
+    r"|\$\{(?P<braced>[^}]*)\}"
+    r"|\$(?P<plain>[A-Za-z_]\w*|[0-9@*#?$!-])",
+    re.S,
+)
+
+
+@dataclass
+class Expanded:
+    """A command's words; `unresolved[i]` says what placeholder i stands for (`$MODEL_PATH: not set in the script`);
+    `many` holds the placeholders that may stand for several words (an array or a command's output the script does
+    not set: flags may hide there), the others for one (a variable's value)."""
+
+    words: list[str]
+    unresolved: list[str] = field(default_factory=list)
+    many: frozenset[int] = frozenset()
+
+    def what(self, word: str) -> list[str]:
+        """What the placeholders inside `word` stand for (empty: the word was read whole)."""
+        return [self.unresolved[int(m.group(1))] for m in _PLACEHOLDER.finditer(word)]
+
+    def hides_words(self, word: str) -> bool:
+        """`word` is a placeholder alone that may stand for several words."""
+        match = _PLACEHOLDER.fullmatch(word)
+        return match is not None and int(match.group(1)) in self.many
+
+
+class _Scope:
+    def __init__(self) -> None:
+        self.scalars: dict[str, str] = {}
+        self.arrays: dict[str, list[str]] = {}
+        self.unknown: dict[str, str] = {}  # name -> why it cannot be known
+        self.unresolved: list[str] = []
+        self.many: set[int] = set()
+        self.missing_sources: list[str] = []
+
+    def placeholder(self, what: str, many: bool = False) -> str:
+        self.unresolved.append(what)
+        if many:
+            self.many.add(len(self.unresolved) - 1)
+        return PLACEHOLDER.format(len(self.unresolved) - 1)
+
+    def expand(self, text: str) -> str:
+        """`text` with every expansion replaced by its value (array elements quoted as words) or a placeholder."""
+
+        def one(match: re.Match[str]) -> str:
+            if match.group("arith") is not None:
+                return self.placeholder(f"$(({match.group('arith').strip()})): arithmetic is not evaluated")
+            if match.group("subst") is not None or match.group("tick") is not None:
+                body = (match.group("subst") or match.group("tick") or "").strip()
+                return self.placeholder(f"$({body}): a command's output, known only when the script runs", many=True)
+            if match.group("plain") is not None:
+                return self._variable(match.group("plain"), match.group(0))
+            return self._braced(match.group("braced"), match.group(0))
+
+        return _EXPANSION.sub(one, text)
+
+    def _braced(self, inner: str, spelled: str) -> str:
+        array = re.fullmatch(r"([A-Za-z_]\w*)\[(@|\*)\]", inner)
+        if array:
+            name = array.group(1)
+            if name in self.arrays:
+                return " ".join(shlex.quote(w) if _PLACEHOLDER.search(w) is None else w for w in self.arrays[name])
+            if name in self.scalars:
+                return self.scalars[name]
+            return self.placeholder(
+                f"{spelled}: {self.unknown.get(name, 'an array the script does not set')}", many=True
+            )
+        element = re.fullmatch(r"([A-Za-z_]\w*)\[(\d+)\]", inner)
+        if element and element.group(1) in self.arrays:
+            items = self.arrays[element.group(1)]
+            index = int(element.group(2))
+            return shlex.quote(items[index]) if index < len(items) else ""
+        default = re.fullmatch(r"([A-Za-z_]\w*):?[-=](.*)", inner, re.S)
+        if default:
+            name = default.group(1)
+            if name in self.scalars or name in self.arrays:
+                return self._variable(name, spelled)
+            if name in self.unknown:
+                return self.placeholder(f"{spelled}: {self.unknown[name]}")
+            return self.expand(default.group(2))
+        if re.fullmatch(r"[A-Za-z_]\w*", inner):
+            return self._variable(inner, spelled)
+        return self.placeholder(f"{spelled}: this expansion is not evaluated")
+
+    def _variable(self, name: str, spelled: str) -> str:
+        if name in self.scalars:
+            return self.scalars[name]
+        if name in self.arrays:
+            return self.arrays[name][0] if self.arrays[name] else ""
+        why = self.unknown.get(name)
+        if why is None:
+            why = (
+                "a script argument" if name.isdigit() or name in "@*#" else "not set in the script (the environment's)"
+            )
+        return self.placeholder(f"{spelled}: {why}")
+
+    def words(self, text: str) -> list[str]:
+        """The words of `text` after expansion (quotes removed, comments dropped)."""
+        try:
+            return shlex.split(self.expand(text), comments=True)
+        except ValueError:
+            return self.expand(text).split()
+
+
+def _statements(text: str) -> list[str]:
+    """Logical lines: continuations joined, and an array assignment or a heredoc kept as one statement."""
+    lines = re.sub(r"\\\r?\n", " ", text).splitlines()
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        stripped = line.strip()
+        heredoc = _HEREDOC.search(stripped) if not stripped.startswith("#") else None
+        if heredoc:
+            end = heredoc.group(3)
+            body = []
+            i += 1
+            while i < len(lines) and lines[i].strip() != end:
+                body.append(lines[i])
+                i += 1
+            out.append(stripped + "\n" + "\n".join(body))
+            i += 1
+            continue
+        assign = _ASSIGN.match(stripped)
+        if assign and assign.group(3).lstrip().startswith("(") and not _closed(assign.group(3)):
+            parts = [stripped]
+            i += 1
+            while i < len(lines):
+                parts.append(lines[i])
+                if _closed("\n".join(p if j else _ASSIGN.match(p).group(3) for j, p in enumerate(parts))):  # type: ignore[union-attr]
+                    break
+                i += 1
+            out.append("\n".join(parts))
+            i += 1
+            continue
+        out.append(stripped)
+        i += 1
+    return out
+
+
+def _closed(value: str) -> bool:
+    """Whether an array's `( ... )` is closed (parentheses outside quotes and comments balance)."""
+    depth, quote = 0, ""
+    for line in value.splitlines():
+        for ch in line:
+            if quote:
+                quote = "" if ch == quote else quote
+            elif ch in "'\"":
+                quote = ch
+            elif ch == "#":
+                break
+            elif ch == "(":
+                depth += 1
+            elif ch == ")":
+                depth -= 1
+    return depth <= 0
+
+
+def _assign(scope: _Scope, statement: str, in_block: bool) -> bool:
+    """Apply an assignment statement to `scope`; False when `statement` is not one."""
+    match = _ASSIGN.match(statement)
+    if match is None:
+        return False
+    name, append, value = match.group(1), match.group(2), match.group(3)
+    if in_block:
+        scope.unknown[name] = "set inside a loop or a function"
+        scope.scalars.pop(name, None)
+        scope.arrays.pop(name, None)
+        return True
+    value = value.strip()
+    if value.startswith("("):
+        body = value[1 : value.rfind(")")] if ")" in value else value[1:]
+        words = scope.words(body)
+        scope.arrays[name] = (scope.arrays.get(name, []) if append else []) + words
+        scope.scalars.pop(name, None)
+        return True
+    words = scope.words(value) if value else [""]
+    text = " ".join(words) if len(words) != 1 else words[0]
+    scope.scalars[name] = (scope.scalars.get(name, "") if append else "") + text
+    scope.arrays.pop(name, None)
+    scope.unknown.pop(name, None)
+    return True
+
+
+def commands(text: str, marker: str, base_dir: str = ".") -> tuple[list[Expanded], list[str]]:
+    """The words of every statement of the script `text` that runs `marker` (a word containing it) once expanded, a
+    `bash -c` payload read as a script of its own, in order; and the files it sources that were not found (looked for
+    next to the script, `base_dir`, and in the current directory).
+
+    Raises:
+        ValueError: such a statement cannot be split into words (an unclosed quote).
+    """
+    found: list[Expanded] = []
+    scope = _Scope()
+    _find(scope, text, marker, 0, found, base_dir)
+    return found, scope.missing_sources
+
+
+def _source(scope: _Scope, statement: str, base_dir: str, depth: int) -> bool:
+    """Read the assignments of a `source FILE` statement's file into `scope`; False when `statement` is not one."""
+    match = _SOURCE.match(statement)
+    if match is None:
+        return False
+    words = scope.words(statement)
+    name = words[1] if len(words) > 1 else ""
+    if _PLACEHOLDER.search(name) or depth >= 3:
+        scope.missing_sources.append(readable(name))
+        return True
+    for candidate in [name] if os.path.isabs(name) else [os.path.join(base_dir, name), name]:
+        if os.path.isfile(candidate):
+            try:
+                with open(candidate, encoding="utf-8") as fh:
+                    text = fh.read()
+            except (OSError, UnicodeDecodeError):
+                break
+            _find(scope, text, "", depth + 1, [], os.path.dirname(candidate) or ".", assignments_only=True)
+            return True
+    scope.missing_sources.append(name)
+    return True
+
+
+def _find(
+    scope: _Scope,
+    text: str,
+    marker: str,
+    depth: int,
+    found: list[Expanded],
+    base_dir: str,
+    assignments_only: bool = False,
+) -> None:
+    blocks = 0
+    for statement in _statements(text):
+        first = statement.split("\n", 1)[0]
+        if not first or first.startswith("#"):
+            continue
+        if _BLOCK_CLOSE.match(first):
+            blocks = max(0, blocks - 1)
+            continue
+        opens = bool(_BLOCK_OPEN.match(first))
+        if "\n" in statement and _HEREDOC.search(first):
+            head, body = statement.split("\n", 1)
+            quoted = _HEREDOC.search(head).group(2)  # type: ignore[union-attr]
+            into = _READ_INTO.match(head)
+            if into:
+                scope.scalars[into.group(1)] = body if quoted else scope.expand(body)
+                continue
+            statement = head + " " + body
+        if _assign(scope, statement, in_block=blocks > 0) or _source(scope, statement, base_dir, depth):
+            continue
+        blocks += int(opens)
+        if assignments_only:
+            continue
+        expanded = scope.expand(statement)
+        if marker not in expanded:
+            continue
+        try:
+            words = shlex.split(expanded, comments=True)
+        except ValueError as exc:
+            raise ValueError(f"cannot split the command line ({exc})") from None
+        if words and words[0] in _PRINTS:  # `echo $cmd` shows the command, it does not run it
+            continue
+        payload = _shell_payload(words)
+        if payload is not None and marker in payload and depth < 3:
+            _find(scope, payload, marker, depth + 1, found, base_dir)
+        elif any(marker in w for w in words):
+            found.append(Expanded(words, list(scope.unresolved), frozenset(scope.many)))
+
+
+def readable(text: str) -> str:
+    """`text` with the placeholders inside it shown as `<unread>` (for messages)."""
+    return _PLACEHOLDER.sub("<unread>", text)
+
+
+def _shell_payload(words: list[str]) -> str | None:
+    """The script a `bash -c "..."` / `sh -c '...'` in `words` runs, None without one."""
+    for i, word in enumerate(words[:-2]):
+        if word.rsplit("/", 1)[-1] in ("bash", "sh", "zsh", "dash") and words[i + 1] == "-c":
+            return words[i + 2]
+    return None

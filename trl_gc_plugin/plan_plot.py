@@ -1,0 +1,61 @@
+"""`trl-gc-plan --plot FILE`: the plan's candidates drawn, predicted peak memory against predicted recompute, with the
+budget line and the pick marked, for those who would rather look than read the table. matplotlib is an optional
+dependency (`pip install "trl-gc-plugin[plot]"`), imported only here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GIB = 2**30
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed."""
+
+
+def plot(plan: Any, label: str, path: str) -> None:
+    """Write the candidates of `plan` (a `planner.Plan`) to the image `path` (its suffix picks the format: .png, .svg)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display: write the file only
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotUnavailable("--plot needs matplotlib: pip install 'trl-gc-plugin[plot]'") from None
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    try:
+        for c in plan.candidates:
+            chosen = plan.chosen is not None and c.name == plan.chosen.name
+            fits = c.peak_bytes <= plan.budget
+            colour = "tab:green" if chosen else ("tab:blue" if c.allowed and fits else "tab:gray")
+            marker = "*" if chosen else ("o" if c.allowed else "x")
+            ax.scatter(c.recompute, c.peak_bytes / GIB, s=220 if chosen else 40, c=colour, marker=marker, zorder=3)
+            if chosen or "-of-" not in c.name:  # the k-of-n layouts between every-N ones go unlabelled
+                ax.annotate(
+                    c.name,
+                    (c.recompute, c.peak_bytes / GIB),
+                    textcoords="offset points",
+                    xytext=(6, 4),
+                    fontsize=8,
+                    color=colour,
+                )
+        ax.axhline(plan.budget / GIB, color="tab:red", linestyle="--", linewidth=1)
+        ax.annotate(
+            f"budget {plan.budget / GIB:.3g} GiB",
+            (1, plan.budget / GIB),
+            xycoords=("axes fraction", "data"),
+            textcoords="offset points",
+            xytext=(-4, 4),
+            ha="right",
+            fontsize=8,
+            color="tab:red",
+        )
+        pick = f"pick: {plan.chosen.name}" if plan.chosen is not None else "nothing fits"
+        ax.set_title(f"{label}: {pick}", fontsize=10)
+        ax.set_xlabel("predicted recompute (share of one forward)")
+        ax.set_ylabel("predicted peak above weights and optimizer (GiB)")
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
