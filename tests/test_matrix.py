@@ -33,6 +33,18 @@ def _grpo_hooks_inputs() -> bool:
     return method is not None and "enable_input_require_grads" in inspect.getsource(method)
 
 
+def _generation_reenables_with_defaults() -> bool:
+    """TRL <= 0.26 re-enables checkpointing after generation with no kwargs (`_unwrap_model_for_generation`), that is
+    with transformers' default `use_reentrant` (True on 4.x), until GRPO's next re-enable from the args puts the
+    decision back; later TRLs pass the args' kwargs."""
+    import inspect
+
+    from trl.models import utils
+
+    unwrap = getattr(utils, "_unwrap_model_for_generation", None)
+    return unwrap is not None and "gradient_checkpointing_enable()" in inspect.getsource(unwrap)
+
+
 def _run(kind, variant, use_reentrant, checkpoint, out, callbacks):
     model, peft_config = build_model(variant, kind, checkpoint)
     trainer = make_trainer(kind, model, out, gc_kwargs=gc_kwargs_for(use_reentrant), callbacks=callbacks,
@@ -88,7 +100,13 @@ def test_every_block_parameter_trains(kind, variant, use_reentrant, tiny_checkpo
     assert [d.action for d in callback.decisions if d.rule_id == "gradient-audit"] == ["none"]
     parity = [d for d in callback.decisions if d.rule_id == "parity-check"]
     assert [d.action for d in parity] == (["none"] if effective else []), parity
-    assert not [d for d in callback.decisions if d.rule_id == "checkpointing-drift"]
+    # nothing drifted, except where TRL's generation re-enables with transformers' default: repaired at that re-enable
+    drifts = [(d.setting, d.before, d.after, d.action) for d in callback.decisions if d.rule_id == "checkpointing-drift"]
+    default = not TF5
+    if kind == "grpo" and effective is not default and _generation_reenables_with_defaults():
+        assert drifts == [("model.use_reentrant", default, effective, "repair")], drifts
+    else:
+        assert not drifts, drifts
     if hasattr(trainer.args, "activation_checkpointing_kwargs"):
         assert trainer.args.activation_checkpointing_kwargs is trainer.args.gradient_checkpointing_kwargs
     assert (tmp_path / "plugin" / "gc_decisions.json").exists()
