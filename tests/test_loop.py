@@ -305,12 +305,39 @@ def test_the_last_enable_call_is_the_one_decided_for(patched):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert not model.get_input_embeddings()._forward_pre_hooks  # armed at the model's class, not on the model
-    assert _hooks.patched_classes() == ["LlamaForCausalLM.__call__"]  # one route armed, not two
+    # one route armed, not two: at the model's and its embeddings' classes
+    assert sorted(_hooks.patched_classes()) == ["Embedding.__call__", "LlamaForCausalLM.__call__"]
     model.train()
     ids = torch.randint(3, 64, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     route = loop._ROUTES.get(model)
     assert (route.run.use_reentrant, route.run.source) == (False, "user")
+    route.end()
+
+
+def test_a_wrapper_that_calls_the_models_forward_directly_is_still_guarded(patched):
+    """PEFT < 0.14's tuners run `self.model.forward(...)`, never the model's `__call__`: the route starts at the input
+    embeddings' call instead (it once waited for a `__call__` that never came, and the loop trained unchecked)."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, **kwargs):
+            return self.model.forward(**kwargs)
+
+    model = make_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    wrapper = Wrapper(model).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(3, 64, (2, 8))
+    wrapper(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    route = loop._ROUTES.get(model)
+    assert route.state == "done", route.state
+    assert (route.run.use_reentrant, route.run.source) == (False, "user")
+    assert [d.action for d in route.run.decisions if d.rule_id == "gradient-audit"] == ["none"]
     route.end()
 
 

@@ -142,7 +142,7 @@ class ModelRoute:
         self.run = Run(settings, cache_switch=False, route_facts=ROUTE_FACTS)
         self.state = "new"
         """`new`, `decided`, `first step` (its checks armed), `done` (its first step checked) or `ended`."""
-        self._call: Any = None
+        self._calls: list[Any] = []
         self._step: Any = None
         self._tracked: tuple[weakref.ref[Any], int] | None = None
 
@@ -178,11 +178,19 @@ class ModelRoute:
         return decisions
 
     def arm(self) -> None:
-        """Wait for the model's first training forward, at its class: by identity, so neither another model nor a copy
-        of this one is hooked, and the route holds the model weakly until then."""
+        """Wait for the model's first training forward at the model's and its input embeddings' `__call__` (a wrapper
+        may call the model's `forward` directly, as PEFT < 0.14's tuners do; the embeddings run in every forward that
+        gets token ids), at their classes: by identity, so neither another model nor a copy of this one is hooked,
+        and the route holds the model weakly until then."""
         model = self.model_ref()
         if model is not None:
-            self._call = self.run.hooks.method(ckpt.unwrap(model), "__call__", self._on_call, lasting=True)
+            base = ckpt.unwrap(model)
+            entries = [base, probe.embeddings(base)]
+            self._calls = [
+                self.run.hooks.method(entry, "__call__", self._on_call, lasting=True)
+                for entry in entries
+                if entry is not None
+            ]
             ends = weakref.finalize(model, _collected, weakref.ref(self))  # the model collected: the route ends
             self.run.hooks.add(Handle(ends.detach, lasting=True))
 
@@ -198,9 +206,9 @@ class ModelRoute:
         if self.run.stopped:  # refused, or failed: the run removed its hooks itself
             self.state = "ended"
         if self.state in ("done", "ended") or model is None:  # the first step is over: nothing more to see here
-            if self._call is not None:
-                self.run.hooks.discard(self._call)
-                self._call = None
+            for handle in self._calls:
+                self.run.hooks.discard(handle)
+            self._calls = []
             return
         if not (torch.is_grad_enabled() and ckpt.unwrap(model).training):
             return
@@ -245,12 +253,12 @@ class ModelRoute:
         if why and self.waiting and self.run.settings.audit:
             report.note(f"{_name(self.model_ref())}: the first-step checks did not run: {why}.", "info")
         self.state = "ended"
-        self._call = None
+        self._calls = []
         self.run.stop(keep_repairs=True)
 
     def _fail(self, exc: Exception) -> None:
         self.state = "ended"
-        self._call = None
+        self._calls = []
         self.run.fail(exc, "the model route")
 
 
