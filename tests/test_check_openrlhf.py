@@ -261,3 +261,60 @@ def test_a_shell_script_without_an_openrlhf_command_is_not_read_as_yaml(tmp_path
     (report,) = check_files([write(tmp_path, "docker run --gpus all -it nvcr.io/pytorch:26.03 bash\n", "run.sh")],
                             Launch(parser="model"))
     assert report.status == "error" and "no OpenRLHF entry point" in report.error
+
+
+RUN = "deepspeed --module openrlhf.cli.train_sft --pretrain x "
+
+
+@pytest.mark.parametrize(
+    ("script", "unread"),
+    [
+        # a flag hidden where bash splits an unset variable into words, or in the script's arguments
+        (RUN + "$EXTRA_ARGS\n", "$EXTRA_ARGS"),
+        (RUN + '"$@"\n', '"$@"'),
+        # which flag is not known
+        (RUN + "--${P}gradient_checkpointing_enable\n", "${P}"),
+        # set in one branch of an `if`: bash runs one
+        (
+            'if [ "$GC" = 1 ]; then\n  GCF=--model.gradient_checkpointing_enable\nelse\n  GCF=\nfi\n' + RUN + "$GCF\n",
+            "$GCF: set inside a loop, a branch or a function",
+        ),
+        # two commands in two branches: the first was read, the other says otherwise
+        (
+            'if [ "$A" = 1 ]; then\n  '
+            + RUN
+            + "\nelse\n  "
+            + RUN
+            + "--model.gradient_checkpointing_enable --ds.zero_stage 3\nfi\n",
+            "1 other command(s) run train_sft",
+        ),
+    ],
+)
+def test_flags_the_expansion_could_not_see_are_never_ok(tmp_path, script, unread):
+    """Each of these read `ok` (checkpointing off, ZeRO 2) before: the unread value was dropped or taken as the
+    previous flag's value."""
+    (report,) = check_files([write(tmp_path, script)], Launch(parser="model"))
+    assert report.status == "incomplete", (report.status, report.unread)
+    assert any(unread in what for what in report.unread), report.unread
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        "ARGS=(--model.gradient_checkpointing_enable --ds.zero_stage 3)\n" + RUN + '"${ARGS[@]}"\n',
+        "CUDA_VISIBLE_DEVICES=0,1 " + RUN + "--model.gradient_checkpointing_enable --ds.zero_stage 3\n",
+        "export A=1; " + RUN + "--model.gradient_checkpointing_enable --ds.zero_stage 3\n",
+        "Z=3 GC=--model.gradient_checkpointing_enable\n" + RUN + "$GC --ds.zero_stage $Z\n",
+        "f() {\n  echo hi\n}\nfor i in 1 2; do echo $i; done\nZ=3\n"
+        + RUN
+        + "--model.gradient_checkpointing_enable --ds.zero_stage $Z\n",
+    ],
+    ids=["quoted-array", "env-prefix", "export-then-command", "two-assignments", "after-a-function-and-a-loop"],
+)
+def test_shapes_bash_reads_plainly_are_read(tmp_path, script):
+    """A quoted array expands to one word per element; `NAME=value command` runs the command (it was taken for an
+    assignment: no command found); a function's `}` and a one-line loop close their blocks."""
+    (report,) = check_files([write(tmp_path, script)], Launch(parser="model"))
+    got = facts(report)
+    assert report.status == "ok" and not report.unread, (report.status, report.unread)
+    assert (got["gc_enabled"], got["zero_stage"]) == (True, 3), got

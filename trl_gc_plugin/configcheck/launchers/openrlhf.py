@@ -19,7 +19,7 @@ read too):
 
 OpenRLHF refuses nothing about checkpointing itself: this module has no launcher rules.
 
-A script's command is read as bash would expand it (`shell.command`: variables, arrays, heredocs, `bash -c`
+A script's command is read as bash would expand it (`shell.commands`: variables, arrays, heredocs, `bash -c`
 payloads), never run. What cannot be read statically is said: a flag the rules read whose value comes from the
 environment, or an expansion that may hold flags (an array the script does not set, a command's output), makes the
 check `incomplete` (`Reading.unread`), never `ok`; other flags' unread values are notes.
@@ -97,6 +97,9 @@ def parse_command(path: str, text: str) -> Config:
     if len(names) > 1:
         raise ConfigError(f"{path}: several OpenRLHF commands ({', '.join(names)}); check one command per file")
     expanded, entries = runs[0]
+    others = sum(
+        1 for e, _ in runs[1:] if [shell.readable(w) for w in e.words] != [shell.readable(w) for w in expanded.words]
+    )
     tokens = expanded.words
     start, entry = entries[0]
     values: dict[str, Any] = {ENTRY: entry}
@@ -110,6 +113,7 @@ def parse_command(path: str, text: str) -> Config:
             i += 1
         elif token.startswith("--"):
             name, eq, inline = token[2:].partition("=")
+            hidden += expanded.what(name)  # `--${PREFIX}flag`: which flag is not known
             following = [] if eq else _values_after(tokens, i + 1, expanded)
             values[name] = inline if eq else (following[0] if len(following) == 1 else following or True)
             unread = [what for word in ([inline] if eq else following) for what in expanded.what(word)]
@@ -117,7 +121,12 @@ def parse_command(path: str, text: str) -> Config:
                 unread_values[name] = unread
             i += 1 + len(following)
         else:
+            hidden += expanded.what(token)  # `$EXTRA_ARGS` alone: unquoted, bash splits it into words (flags)
             i += 1
+    if others:
+        hidden.append(
+            f"{others} other command(s) run {entry} with other flags (branches of the script?); the first was read"
+        )
     nproc, launch_unread = _launcher_processes(tokens, expanded)
     if nproc is not None:
         values["openrlhf_nproc"] = nproc
@@ -128,7 +137,7 @@ def parse_command(path: str, text: str) -> Config:
 def _values_after(tokens: list[str], i: int, expanded: shell.Expanded) -> list[str]:
     out: list[str] = []
     while i < len(tokens) and not tokens[i].startswith("--") and tokens[i] not in _END:
-        if expanded.hides_words(tokens[i]) or _REDIRECT.match(tokens[i]):
+        if expanded.hides_words(tokens[i], after_a_value=bool(out)) or _REDIRECT.match(tokens[i]):
             break
         out.append(tokens[i])
         i += 1

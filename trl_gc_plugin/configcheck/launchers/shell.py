@@ -2,7 +2,7 @@
 
 Launch scripts build their command from variables and bash arrays (`ARGS=( --a 1 --b )` ... `${ARGS[@]}`), heredocs
 (`read -r -d '' cmd <<EOF ... EOF` ... `deepspeed --module $cmd`), and wrap it (`srun ... bash -c "..."`, `ray job
-submit -- python3 -m ...`). `command(text, marker)` finds the statement that runs `marker` after expansion and returns
+submit -- python3 -m ...`). `commands(text, marker)` finds the statements that runs `marker` after expansion and returns
 its words. What a static reading cannot know (a value from the environment or a command substitution, a variable set
 in a loop or a function, arithmetic) becomes a placeholder word that names it (`Unresolved`), so a caller can say
 which flags it could not read instead of reading them as absent.
@@ -26,14 +26,16 @@ PLACEHOLDER = "\x00unresolved{}\x00"
 _PLACEHOLDER = re.compile("\x00unresolved(\\d+)\x00")
 
 _ASSIGN = re.compile(r"^(?:export\s+|local\s+|readonly\s+|declare\s+(?:-\w+\s+)*)?([A-Za-z_]\w*)(\+?)=(.*)$", re.S)
-_BLOCK_OPEN = re.compile(r"^(for|while|until|select)\b|^[A-Za-z_][\w-]*\s*\(\)\s*\{?\s*$|^function\s+\w+")
-_BLOCK_CLOSE = re.compile(r"^(done|\})\b")
+_BLOCK_OPEN = re.compile(r"^(for|while|until|select|if|case)\b|^[A-Za-z_][\w-]*\s*\(\)\s*\{?\s*$|^function\s+\w+")
+_BLOCK_CLOSE = re.compile(r"^(?:done|fi|esac|\})(?:[\s;&|)]|$)")
+_CLOSES_ITSELF = re.compile(r"(?:^|[\s;])(?:done|fi|esac|\})\s*;?\s*$")
 _HEREDOC = re.compile(r"<<(-?)\s*(['\"]?)([A-Za-z_]\w*)\2")
 _READ_INTO = re.compile(r"^read\b.*?\s([A-Za-z_]\w*)\s*<<")
 _PRINTS = frozenset({"echo", "printf", "cat", "logger", ":", "tee"})
 _SOURCE = re.compile(r"^(?:source|\.)\s+(\S+)")
 _EXPANSION = re.compile(
-    r"\$\(\((?P<arith>.*?)\)\)"
+    r"\"\$\{(?P<qarray>[A-Za-z_]\w*)\[@\]\}\"|\"\$(?P<qargs>@)\""
+    r"|\$\(\((?P<arith>.*?)\)\)"
     r"|\$\((?P<subst>[^()]*(?:\([^()]*\)[^()]*)*)\)"
     r"|`(?P<tick>[^`]*)`"
     r"|\$\{(?P<braced>[^}]*)\}"
@@ -56,10 +58,11 @@ class Expanded:
         """What the placeholders inside `word` stand for (empty: the word was read whole)."""
         return [self.unresolved[int(m.group(1))] for m in _PLACEHOLDER.finditer(word)]
 
-    def hides_words(self, word: str) -> bool:
-        """`word` is a placeholder alone that may stand for several words."""
+    def hides_words(self, word: str, after_a_value: bool = False) -> bool:
+        """`word` is a placeholder alone that may stand for several words (any placeholder alone `after_a_value`: a
+        flag takes one value, so a second word there is an unquoted variable bash splits into words, flags maybe)."""
         match = _PLACEHOLDER.fullmatch(word)
-        return match is not None and int(match.group(1)) in self.many
+        return match is not None and (after_a_value or int(match.group(1)) in self.many)
 
 
 class _Scope:
@@ -81,6 +84,10 @@ class _Scope:
         """`text` with every expansion replaced by its value (array elements quoted as words) or a placeholder."""
 
         def one(match: re.Match[str]) -> str:
+            if match.group("qarray") is not None:  # "${ARGS[@]}": one word per element, as unquoted
+                return self._braced(match.group("qarray") + "[@]", match.group(0))
+            if match.group("qargs") is not None:
+                return self._variable("@", match.group(0))
             if match.group("arith") is not None:
                 return self.placeholder(f"$(({match.group('arith').strip()})): arithmetic is not evaluated")
             if match.group("subst") is not None or match.group("tick") is not None:
@@ -130,7 +137,7 @@ class _Scope:
             why = (
                 "a script argument" if name.isdigit() or name in "@*#" else "not set in the script (the environment's)"
             )
-        return self.placeholder(f"{spelled}: {why}")
+        return self.placeholder(f"{spelled}: {why}", many=name in "@*")
 
     def words(self, text: str) -> list[str]:
         """The words of `text` after expansion (quotes removed, comments dropped)."""
@@ -200,8 +207,15 @@ def _assign(scope: _Scope, statement: str, in_block: bool) -> bool:
     if match is None:
         return False
     name, append, value = match.group(1), match.group(2), match.group(3)
+    rest = "" if value.lstrip().startswith("(") else _after_first_word(value)
+    if rest.lstrip(";&| \t").strip():  # more than one word: `A=1 B=2`, or `NAME=value command ...` (an environment
+        tail = rest.lstrip(";&| \t").strip()  # for one command), or `NAME=value; command ...`
+        if not _ASSIGN.match(tail):
+            return False
+        _assign(scope, statement[: len(statement) - len(rest)], in_block)
+        return _assign(scope, tail, in_block)
     if in_block:
-        scope.unknown[name] = "set inside a loop or a function"
+        scope.unknown[name] = "set inside a loop, a branch or a function"
         scope.scalars.pop(name, None)
         scope.arrays.pop(name, None)
         return True
@@ -218,6 +232,35 @@ def _assign(scope: _Scope, statement: str, in_block: bool) -> bool:
     scope.arrays.pop(name, None)
     scope.unknown.pop(name, None)
     return True
+
+
+def _after_first_word(value: str) -> str:
+    """What follows the first shell word of `value` (quotes, `$(...)`, `${...}` and backquotes kept in the word);
+    empty when `value` is one word, or one word and a comment."""
+    depth, quote, i = 0, "", 0
+    while i < len(value):
+        ch = value[i]
+        if quote:
+            if ch == quote:
+                quote = ""
+            elif ch == "\\" and quote == '"':
+                i += 1
+        elif ch == "\\":
+            i += 1
+        elif ch in "'\"`":
+            quote = ch
+        elif ch == "$" and value[i + 1 : i + 2] in ("(", "{"):
+            depth += 1
+            i += 1
+        elif depth and ch in "({":
+            depth += 1
+        elif depth and ch in ")}":
+            depth -= 1
+        elif not depth and (ch.isspace() or ch in ";&|"):
+            rest = value[i:]
+            return "" if rest.strip().startswith("#") else rest
+        i += 1
+    return ""
 
 
 def commands(text: str, marker: str, base_dir: str = ".") -> tuple[list[Expanded], list[str]]:
@@ -274,7 +317,7 @@ def _find(
         if _BLOCK_CLOSE.match(first):
             blocks = max(0, blocks - 1)
             continue
-        opens = bool(_BLOCK_OPEN.match(first))
+        opens = bool(_BLOCK_OPEN.match(first)) and not _CLOSES_ITSELF.search(statement)
         if "\n" in statement and _HEREDOC.search(first):
             head, body = statement.split("\n", 1)
             quoted = _HEREDOC.search(head).group(2)  # type: ignore[union-attr]
