@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._base import report
-from .targets import TARGETS
 
 if TYPE_CHECKING:
     from .decisions import Decision
@@ -48,6 +47,8 @@ def raise_for_errors(decisions: Sequence[Decision], mode: str) -> None:
     bad = [d for d in decisions if d.action == "error"]
     if not bad or mode == "warn":
         return
+    from .targets import TARGETS  # here: importing the errors loads no rule table
+
     lines = [f"trl_gc_plugin refused this gradient-checkpointing setup (mode={mode}):"]
     for d in bad:
         lines.append(f"- [{d.rule_id}] {d.reason}")

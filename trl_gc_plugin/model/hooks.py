@@ -77,7 +77,10 @@ def flush() -> None:
 def _dispatch(table: Table, module: Any, *rest: Any) -> None:
     if _deferred:
         flush()
-    for ref, callback in list(table.get(id(module), {}).values()):
+    entries = table.get(id(module))
+    if not entries:
+        return
+    for ref, callback in list(entries.values()):
         if ref() is module:
             callback(module, *rest)
 

@@ -16,7 +16,8 @@ def check(run: Record, cause: str = "mid-training") -> None:
     watch = run.watch
     if watch is None:
         return
-    drifted = watch.drift(run.use_reentrant) + (run.guard.drifted() if run.guard is not None else [])
+    keeps = run.guard is not None and run.guard.keep  # a guard that keeps nothing only reports re-enables
+    drifted = watch.drift(run.use_reentrant) + (run.guard.drifted() if keeps else [])
     if drifted:
         _repair(run, drifted, cause)
     if watch.embeddings is not None and watch.input_hooks() > 1:
@@ -41,7 +42,7 @@ def _repair(run: Record, drifted: list[tuple[str, Any]], cause: str) -> None:
         verdicts.append(runtime_decision(rule, action, found, expected, reason, setting=setting))
     if not report_only and isinstance(value, bool):
         run.switch(value)
-        if run.guard is not None:
+        if run.guard is not None and run.guard.keep:
             run.guard.reapply()
     run.record(verdicts)
 
