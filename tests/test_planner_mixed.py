@@ -110,7 +110,6 @@ def uneven(n: int = 5) -> memory.ActivationEstimate:
         shared=0,
         kwargs_bytes=0,
         outside=100,
-        logits_bytes=10,
         loss_buffer_bytes=2000,
         grad_bytes=(1,) * n,
         head_grad_bytes=1,

@@ -1,7 +1,6 @@
-"""How sharded training holds a model's parameters, for memory plans: the rank's share of the gradients, the
-parameters held whole while a block or the loss head computes (DeepSpeed ZeRO-3, FSDP1, FSDP2), and a cheap reading
-of what is held whole now, for the first step's check. Read from the live model; the arithmetic is the planner's
-(`planner.gathered_bytes`, `planner.zero3_gathered`)."""
+"""How sharded training (DeepSpeed ZeRO-3, FSDP1, FSDP2) holds a live model's parameters, for memory plans: the rank's
+share of the gradients, what is held whole while a block or the loss head computes, and a cheap reading of what is
+held whole now, for the first step's check."""
 
 from __future__ import annotations
 
@@ -10,33 +9,25 @@ from collections.abc import Callable
 from typing import Any
 
 from ..model import ckpt, probe
+from .memory import named_blocks
 
 
 def zero3_window(args: Any) -> int | None:
-    """Under DeepSpeed ZeRO-3, the parameter elements it may keep gathered besides the module computing (the config's
-    reuse distance and prefetch bucket, `_deepspeed.DeepSpeedFacts.gather_window`); None otherwise."""
+    """Under ZeRO-3, the parameter elements it may keep gathered besides the module computing; None otherwise."""
     facts = probe.deepspeed_facts(args) if probe.zero_stage(args) == 3 else None
     return facts.gather_window if facts is not None else None
 
 
 def gathered_parameter_bytes(model: Any, zero3_window: int | None = None) -> int:
-    """Under DeepSpeed ZeRO-3, FSDP1 or FSDP2, the parameters held whole besides the activations while a block or the
-    loss head computes; 0 for a model without sharded parameters.
-
-    - All gather a block's parameters and prefetch the next block's; the loss head needs its own and the last
-      block's (`planner.gathered_bytes`).
-    - ZeRO-3 also keeps what it will use again within `zero3_window` elements (its reuse distance and prefetch
-      bucket, `_deepspeed.DeepSpeedFacts.gather_window`) and its persistent parameters (`ds_persist`): the whole of
-      a model smaller than the window.
-    - FSDP1 keeps its root unit and every unit that does not reshard after forward whole (`fsdp1_layout`); FSDP2 the
-      groups that do not reshard after forward and run before the loss head (`fsdp2_layout`)."""
-    from . import memory
+    """The sharded parameters held whole besides the activations while a block or the loss head computes
+    (`planner.gathered_bytes`; ZeRO-3 also keeps what it reuses within `zero3_window` elements and its persistent
+    parameters); 0 without sharded parameters."""
     from .planner import gathered_bytes, zero3_gathered
 
     base = ckpt.unwrap(model)
     fsdp1 = fsdp1_layout(model)
     if fsdp1 is not None:
-        blocks = [fsdp1.unit_bytes.get(id(block), 0) for _, block in memory.named_blocks(base)]
+        blocks = [fsdp1.unit_bytes.get(id(block), 0) for _, block in named_blocks(base)]
         return gathered_bytes(blocks, 0, held=fsdp1.held_bytes)
     fsdp2 = fsdp2_layout(model)
     if fsdp2 is not None:
@@ -48,7 +39,7 @@ def gathered_parameter_bytes(model: Any, zero3_window: int | None = None) -> int
     def whole(items: Any) -> int:
         return sum(int(p.ds_numel) * p.element_size() for p in items if hasattr(p, "ds_numel"))
 
-    blocks = [whole(block.parameters()) for _, block in memory.named_blocks(base)]
+    blocks = [whole(block.parameters()) for _, block in named_blocks(base)]
     head_module = probe.embeddings(base, "output")
     head = whole(head_module.parameters()) if head_module is not None else 0
     gathered = gathered_bytes(blocks, head)
@@ -61,15 +52,9 @@ def gathered_parameter_bytes(model: Any, zero3_window: int | None = None) -> int
 
 @dataclasses.dataclass(frozen=True)
 class Fsdp1Layout:
-    """How FSDP1 (`FullyShardedDataParallel`) holds a model on this rank, read from its flat parameters.
-
-    Args:
-        grad_fraction (`float`): the rank's share of the flat parameters, and so of their gradients.
-        held_bytes (`int`): the whole bytes of the units FSDP1 keeps whole from their forward to their backward: the
-            root (FSDP1 does not free the root after forward) and every unit whose strategy does not reshard after
-            forward (`SHARD_GRAD_OP`, `NO_SHARD`).
-        unit_bytes (`dict[int, int]`): the whole bytes of each other unit, by the id of the module it wraps.
-    """
+    """How FSDP1 holds a model on this rank: the rank's share of the gradients, the whole bytes of the units kept whole
+    from forward to backward (the root, and units that do not reshard after forward), and of each other unit by the id
+    of the module it wraps."""
 
     grad_fraction: float
     held_bytes: int
@@ -77,10 +62,8 @@ class Fsdp1Layout:
 
 
 def fsdp1_layout(model: Any) -> Fsdp1Layout | None:
-    """The FSDP1 layout of `model` (the root wrapper, or a model holding wrapped units), None without FSDP1 units or
-    when torch's flat parameters cannot be read (private attributes of `torch.distributed.fsdp`, read in torch 2.13:
-    `_flat_param`, its `_sharded_size` and `_unpadded_unsharded_size`, the handle's `_sharding_strategy`; the
-    strategies that reshard after forward are `_runtime_utils.RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES`)."""
+    """The FSDP1 layout of `model`, None without FSDP1 units or where torch's private flat-parameter attributes (read
+    in torch 2.13) are laid out otherwise."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp._runtime_utils import RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES
@@ -120,21 +103,9 @@ def is_dtensor(p: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Fsdp2Layout:
-    """How FSDP2 (`fully_shard`) holds a model on this rank, read from its parameter groups (`FSDPParam`s: the same
-    whether a group is gathered or sharded at the moment of reading).
-
-    Args:
-        grad_fraction (`float`): the rank's share of the parameters it shards, and so of their gradients (1/N over
-            the shard dimension; HSDP's replicated dimension keeps whole copies).
-        held_bytes (`int`): the whole bytes of the groups kept whole while the blocks compute: those that do not
-            reshard after forward and run before the loss head (the root's own parameters when left to torch's
-            default, which keeps the root whole, `_auto_reshard_after_forward` in torch 2.13's
-            `_fully_shard/_fsdp_state.py`; blocks' groups with `reshard_after_forward=False`, which accumulate; a kept
-            group holding the input embeddings, as accelerate groups tied embeddings with the final norm and head).
-        block_bytes (`tuple[int, ...]`): each block's whole bytes not held (`memory.named_blocks` order).
-        head_bytes (`int`): the output embeddings' whole bytes not held, and a kept group after the blocks (the final
-            norm and head), whole from the loss head on.
-    """
+    """How FSDP2 holds a model on this rank. `held_bytes`: groups kept whole while the blocks compute (not resharded
+    after forward and run before the loss head: the root by torch's default, a kept group holding tied input
+    embeddings); `block_bytes`: each block's other whole bytes; `head_bytes`: those whole from the loss head on."""
 
     grad_fraction: float
     held_bytes: int
@@ -143,32 +114,22 @@ class Fsdp2Layout:
 
 
 def units_inside_blocks(model: Any) -> list[str]:
-    """The FSDP2 units (`fully_shard` modules) strictly inside a checkpointed block, by name: each gathers and frees its
-    parameters from hooks that run inside the block's checkpointed region, on the forward and on the recompute."""
+    """The names of the FSDP2 units strictly inside a checkpointed block (their gather hooks run in the checkpoint)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
         return []
-    base = ckpt.unwrap(model)
-    found = []
-    for block_name, block in _named(base, ckpt.blocks(base)):
-        for name, module in block.named_modules():
-            if name and isinstance(module, FSDPModule):
-                found.append(f"{block_name}.{name}")
-    return found
-
-
-def _named(base: Any, blocks: list[Any]) -> list[tuple[str, Any]]:
-    names = {id(m): n for n, m in base.named_modules()}
-    return [(names.get(id(b), f"<block {i}>"), b) for i, b in enumerate(blocks)]
+    return [
+        f"{block_name}.{name}"
+        for block_name, block in named_blocks(model)
+        for name, module in block.named_modules()
+        if name and isinstance(module, FSDPModule)
+    ]
 
 
 def fsdp2_layout(model: Any) -> Fsdp2Layout | None:
-    """The FSDP2 layout of `model`, None without FSDP2 (no `FSDPModule`). Reads private attributes of torch's FSDP2
-    (`_get_fsdp_state`, `_fsdp_param_groups`, `post_forward_mesh_info`, `FSDPParam._module_info`, `_orig_size`; torch
-    2.13): raises AttributeError where another release lays them out otherwise."""
-    from . import memory
-
+    """The FSDP2 layout of `model`, None without FSDP2; reads torch 2.13's private attributes (AttributeError where
+    another release lays them out otherwise)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
@@ -177,7 +138,7 @@ def fsdp2_layout(model: Any) -> Fsdp2Layout | None:
     modules = [m for m in base.modules() if isinstance(m, FSDPModule)]
     if not modules:
         return None
-    blocks = [block for _, block in memory.named_blocks(base)]
+    blocks = [block for _, block in named_blocks(base)]
     block_of = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
     embeddings, heads = _module_ids(base, "input"), _module_ids(base, "output")
     per_block, held, head, local, whole = [0] * len(blocks), 0, 0, 0, 0
@@ -207,10 +168,8 @@ def fsdp2_layout(model: Any) -> Fsdp2Layout | None:
 
 
 def _whole_bytes(fp: Any, group: Any) -> int:
-    """An `FSDPParam`'s whole bytes in the dtype it gathers in: its own `param_dtype` (set at FSDP2's lazy init, on the
-    first forward), else its mixed-precision policy's (per parameter from torch 2.15, `FSDPParam.mp_policy`, where
-    `param_dtype_override_fn` may keep a parameter in its own dtype; the group's `mp_policy` before), else its own
-    dtype."""
+    """An `FSDPParam`'s whole bytes in the dtype it gathers in: its `param_dtype` (set at lazy init), else its
+    mixed-precision policy's (per parameter from torch 2.15, the group's before), else its own."""
     policy = getattr(fp, "mp_policy", None) or getattr(group, "mp_policy", None)
     dtype = getattr(fp, "param_dtype", None) or getattr(policy, "param_dtype", None) or fp.sharded_param.dtype
     return int(fp._orig_size.numel()) * dtype.itemsize
@@ -222,10 +181,8 @@ def _module_ids(base: Any, side: str) -> set[int]:
 
 
 def held_sampler(model: Any) -> Callable[[], int] | None:
-    """A function that says how many bytes of sharded parameters are held whole now (gathered, or being gathered),
-    or None without ZeRO-3 / FSDP1 / FSDP2 or when their state cannot be read. Each call reads one flag per
-    parameter (ZeRO-3's `ds_status`, FSDP2's `sharded_state`) or per FSDP1 unit (whether its padded whole flat
-    parameter has storage): a few microseconds per hundred parameters."""
+    """A function that says how many bytes of sharded parameters are held whole now (one flag read per parameter or
+    FSDP1 unit), or None without ZeRO-3 / FSDP1 / FSDP2 or when their state cannot be read."""
     base = ckpt.unwrap(model)
     try:
         zero3 = [(p, int(p.ds_numel) * p.element_size()) for p in base.parameters() if hasattr(p, "ds_status")]
@@ -234,10 +191,21 @@ def held_sampler(model: Any) -> Callable[[], int] | None:
 
             away = ZeroParamStatus.NOT_AVAILABLE
             return lambda: sum(size for p, size in zero3 if p.ds_status != away)
-        fsdp1 = _fsdp1_flats(model)
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        flats = [m._flat_param for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+        fsdp1 = [
+            (flat, int(flat._unpadded_unsharded_size.numel()) * flat.element_size())
+            for flat in flats
+            if flat is not None and hasattr(flat, "_full_param_padded")
+        ]
         if fsdp1:
             return lambda: sum(size for flat, size in fsdp1 if flat._full_param_padded.untyped_storage().size() > 0)
-        fsdp2 = _fsdp2_params(base)
+        from torch.distributed.fsdp import FSDPModule
+
+        states = [m._get_fsdp_state() for m in base.modules() if isinstance(m, FSDPModule)]
+        groups = {id(g): g for state in states for g in state._fsdp_param_groups}
+        fsdp2 = [(fp, _whole_bytes(fp, group)) for group in groups.values() for fp in group.fsdp_params]
         if fsdp2:
             from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
@@ -247,34 +215,10 @@ def held_sampler(model: Any) -> Callable[[], int] | None:
     return None
 
 
-def _fsdp1_flats(model: Any) -> list[tuple[Any, int]]:
-    """FSDP1's flat parameters that gather into a padded whole one, with their whole bytes."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    flats = [m._flat_param for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
-    return [
-        (flat, int(flat._unpadded_unsharded_size.numel()) * flat.element_size())
-        for flat in flats
-        if flat is not None and hasattr(flat, "_full_param_padded")
-    ]
-
-
-def _fsdp2_params(base: Any) -> list[tuple[Any, int]]:
-    """FSDP2's parameters (its `FSDPParam`s), with their whole bytes in the dtype they gather in."""
-    from torch.distributed.fsdp import FSDPModule
-
-    groups = {
-        id(g): g for m in base.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups
-    }
-    return [(fp, _whole_bytes(fp, group)) for group in groups.values() for fp in group.fsdp_params]
-
-
 def watch_held(model: Any, sample: Callable[[], int]) -> tuple[dict[str, Any], Callable[[], None]]:
-    """Sample `sample()` at the start of the forward of every module that holds parameters of its own (where
-    ZeRO-3 gathers, inside each FSDP unit), in training; the record keeps the largest (`max`), or why sampling
-    stopped (`failed`). Returns the record
-    and a function that removes the hooks. One forward of a 70B Llama: about 700 samples of 700 flags, 23 ms of flag
-    reads on this CPU (measured with stand-in objects of the same count)."""
+    """Sample `sample()` before the training forward of every module with parameters of its own; returns the record
+    (the largest sample, `max`, or why sampling stopped, `failed`) and a function that removes the hooks. A 70B
+    Llama's forward: about 23 ms of flag reads on CPU."""
     record: dict[str, Any] = {"max": 0, "failed": None}
 
     def hook(module: Any, args: Any) -> None:

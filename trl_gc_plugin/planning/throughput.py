@@ -1,20 +1,7 @@
 """Throughput planning: which micro-batch, gradient accumulation and checkpointing plan train fastest at a given
-effective batch and memory budget.
-
-Users do not choose a batch and then a plan: they have a device and an effective batch (micro-batch x accumulation
-per device). Whether "micro-batch 8 with full checkpointing" or "micro-batch 2 without, accumulation 4" is faster
-depends on the model and the device. For every micro-batch that divides the effective batch, the memory planner
-(`planner.plan`) picks the cheapest plan that fits at that micro-batch; each option's optimizer-step cost, in the cost
-model's FLOP-equivalents, is
-
-    accumulation x (MICROSTEP_OVERHEAD + forward x (3 + recompute))
-
-(a forward, a backward of twice its cost, the recomputed share of the forward; a fixed cost per micro-step for
-kernel launches, Python and the data step, which is what makes small micro-batches slow on a GPU). Options rank by
-predicted tokens per second relative to the fastest. The plugin applies only the checkpointing plan; the batch advice is
-printed (`trl-gc-plan --effective-batch`) and recorded, never forced.
-
-torch and transformers are imported inside the functions only.
+effective batch and memory budget. For every micro-batch that divides the effective batch, `planner.plan` picks a plan;
+an optimizer step costs `accumulation x (MICROSTEP_OVERHEAD + forward x (3 + recompute))` FLOP-equivalents (a forward,
+a backward of twice its cost, the recompute). The batch advice is printed and recorded, never applied.
 """
 
 from __future__ import annotations
@@ -28,25 +15,15 @@ from .memory import ActivationEstimate
 from .planner import BALANCE, Candidate, forward_cost, plan
 
 MICROSTEP_OVERHEAD = {"cpu": 7.0e9, "cuda": 1.2e13}
-"""FLOP-equivalents one micro-step costs besides its FLOPs (launches, Python, the data step), by device. CPU: fitted
-by least squares to `benchmarks/throughput.py`'s step times (micro-batches 1, 2, 4 of the CPU benchmark model at
-256 tokens, with and without checkpointing: 7.03e9 with the cost model's CPU balance of 22, 68 ms a micro-step). CUDA: from the H100 figure of
-`benchmarks/planner.py` (the benchmark model's step, 29 ms without checkpointing, is launch-bound: its FLOPs take about
-1 ms), not fitted across micro-batches: no GPU was lent for it."""
+"""FLOP-equivalents one micro-step costs besides its FLOPs (launches, Python, the data step). CPU: fitted to
+`benchmarks/throughput.py`'s step times; CUDA: from the launch-bound H100 step of `benchmarks/planner.py`, not fitted
+across micro-batches."""
 
 
 @dataclass(frozen=True)
 class Option:
-    """One way to reach the effective batch.
-
-    Args:
-        micro_batch (`int`): rows per forward.
-        accumulation (`int`): forwards per optimizer step.
-        plan (`Candidate`, *optional*): the cheapest plan that fits at this micro-batch; None when nothing fits.
-        cost (`float`): predicted cost of one optimizer step (FLOP-equivalents); infinite when nothing fits.
-        relative_speed (`float`): predicted tokens per second relative to the fastest option (1.0); 0 when nothing
-            fits.
-    """
+    """One way to reach the effective batch: its plan (None when nothing fits), the predicted cost of an optimizer step
+    (infinite when nothing fits) and tokens per second relative to the fastest option."""
 
     micro_batch: int
     accumulation: int
@@ -81,34 +58,30 @@ def micro_batches(effective_batch: int, largest: int | None = None) -> list[int]
 
 
 def at_rows(est: ActivationEstimate, rows: int) -> ActivationEstimate:
-    """`est` taken to `rows` rows of the same length: every figure that grows with the rows (activations, the loss
-    head's buffers, the gradient buffers of a block's backward, FLOPs, bytes written) in proportion; the parameters'
-    gradients and the number of ops stay. Free (no fake forward), so the run can rank micro-batches at the cost of
-    arithmetic. Exact where a tensor has a batch dimension (eager attention's scores and a padding mask included);
-    the rotary tables the blocks share are per sequence, not per row, and are scaled too: a few KiB per block, on the
-    safe side for a larger micro-batch."""
+    """`est` taken to `rows` rows of the same length, without a fake forward: what grows with the rows in proportion,
+    the parameters' gradients and the number of ops as they are (the shared rotary tables, per sequence, are scaled
+    too: a few KiB per block, on the safe side)."""
     if rows == est.batch_size:
         return est
-    k = rows / max(est.batch_size, 1)
-
-    def times(values: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(round(v * k) for v in values)
-
     return est.blocks_times(
-        k,
-        kwargs_bytes=round(est.kwargs_bytes * k),
-        outside=round(est.outside * k),
-        logits_bytes=round(est.logits_bytes * k),
-        loss_buffer_bytes=round(est.loss_buffer_bytes * k),
-        transient_bytes=round(est.transient_bytes * k),
-        block_flops=times(est.block_flops),
-        matmul_flops=times(est.matmul_flops),
-        lean_matmul_flops=times(est.lean_matmul_flops),
-        other_bytes=times(est.other_bytes),
-        outside_flops=round(est.outside_flops * k),
+        rows / max(est.batch_size, 1),
+        also=_PER_ROW,
         batch_size=rows,
         method=f"{est.method}, scaled from {est.batch_size} to {rows} rows",
     )
+
+
+_PER_ROW = (
+    "kwargs_bytes",
+    "outside",
+    "loss_buffer_bytes",
+    "transient_bytes",
+    "outside_flops",
+    "block_flops",
+    "matmul_flops",
+    "lean_matmul_flops",
+    "other_bytes",
+)
 
 
 def rank(
@@ -122,17 +95,8 @@ def rank(
     largest: int | None = None,
     grad_fraction: float = 1.0,
 ) -> list[Option]:
-    """Every (micro-batch, accumulation, plan) for `effective_batch` rows, fastest first.
-
-    Args:
-        estimate_at: the activation estimate at a micro-batch (`lambda b: memory.estimate(model, b, seq_len)`).
-        effective_batch (`int`): rows per device per optimizer step.
-        budget_bytes (`int`): the memory budget (as `planner.plan`'s).
-        allow_selective, allow_offload: as `planner.plan`'s.
-        device (`str`): `cpu` or `cuda`: the cost constants.
-        largest (`int`, *optional*): the largest micro-batch to consider.
-        grad_fraction (`float`): as `planner.plan`'s.
-    """
+    """Every (micro-batch up to `largest`, accumulation, plan) for `effective_batch` rows per device, fastest first;
+    `estimate_at(micro_batch)` gives the estimate, the other arguments are `planner.plan`'s."""
     kind = device if device in BALANCE else "cuda"
     balance, overhead = BALANCE[kind], MICROSTEP_OVERHEAD[kind]
     options = []
@@ -165,18 +129,9 @@ def advice_decision(
     accumulation: Any,
     **rank_kwargs: Any,
 ) -> Decision | None:
-    """The run's batch advice (rule `batch-advice`, info, never applied): every micro-batch that divides the effective
-    batch per device (`per_device` x `accumulation`), ranked under the plan's budget from the plan's `estimate` scaled
-    to each micro-batch's rows (`at_rows`: no new forward). `estimate.batch_size` may be a multiple of `per_device`
-    (DPO's chosen and rejected rows): micro-batches count examples, as the batch size does. None where the batch size
-    or the accumulation is not a positive integer, or the rows are not a multiple of the batch size (packed rows).
-
-    Args:
-        estimate (`ActivationEstimate`): what the plan was made from.
-        budget_bytes (`int`): the plan's budget.
-        per_device, accumulation: `per_device_train_batch_size` and `gradient_accumulation_steps`.
-        **rank_kwargs: `allow_selective`, `allow_offload`, `device`, `grad_fraction`, as `rank`'s.
-    """
+    """The run's batch advice (rule `batch-advice`, never applied): the micro-batches of `per_device` x `accumulation`
+    ranked from the plan's `estimate` (`at_rows`). Its rows may be a multiple of `per_device` (DPO's chosen and rejected
+    rows): micro-batches count examples. None where the batch is not positive integers or the rows not a multiple."""
     from ..core.rules import get_rule
 
     if not (_positive_int(per_device) and _positive_int(accumulation)) or estimate.batch_size % per_device:
@@ -222,6 +177,3 @@ def _row(o: Option) -> dict[str, Any]:
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-__all__ = ["MICROSTEP_OVERHEAD", "Option", "advice_decision", "at_rows", "micro_batches", "rank"]
