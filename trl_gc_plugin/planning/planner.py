@@ -1,30 +1,11 @@
-"""Plan the cheapest checkpointing that fits an activation-memory budget, and apply it to a live model.
+"""Plan the cheapest checkpointing that fits an activation-memory budget (`plan`), and apply it to a live model.
 
-From an `ActivationEstimate` (`memory.estimate`): every candidate (no checkpointing; `k` of the `L` blocks, evenly
-spread, which is every n-th block when `k` divides `L`; every block; every block with selective per-op saving; every
-block with its inputs offloaded to host memory) gets a predicted peak and a predicted recompute cost, and `plan`
-takes the cheapest allowed one whose peak fits. `plan_decisions` turns the plan into `Decision` records of the rule
-`memory-plan`; `apply_plan` sets the per-block flags and checkpoint functions on the live model (transformers 4.x and
-5.x alike, never through the training arguments: a callable there breaks `to_json_string()` and `training_args.bin`).
-
-Prediction (bytes above the weights and optimizer state, for one forward and backward with gradients allocated in
-the backward, as `zero_grad(set_to_none=True)` leaves them):
-
-- the loss head: everything saved, plus two float32 `batch x seq x vocab` buffers (the `log_softmax` gradient and the
-  logits gradient);
-- the backward of block `i`: what blocks `0..i` keep, plus what block `i` rebuilds when it is checkpointed (all of it
-  but its input; with selective, what selective did not keep), the blocks' keyword tensors, the gradients of blocks
-  `i..L-1` and of the head, and the gradient buffers inside one block (`batch x seq x (intermediate + hidden)`);
-- the end: every gradient (the input embeddings' last).
-
-The peak is the largest of them. Recompute cost: each block's forward costs its matmul and attention FLOPs plus
-`balance` FLOP-equivalents per byte its other ops write (norms, rotary, activations are memory-bound); a checkpointed
-block recomputes all of it, a selective one only the second part plus `op_overhead` per aten op (its policy runs in
-Python for every op: on a GPU that dominates small models, where selective is slower than full checkpointing). Both
-constants were fitted to step times measured with `benchmarks/planner.py`: they rank candidates, they do not promise
-a step time.
-
-torch and transformers are imported inside the functions only.
+Predicted peak (above weights and optimizer state, gradients allocated in the backward): the largest of the loss head
+(everything saved plus two float32 `batch x seq x vocab` buffers), each block's backward (what blocks `0..i` keep,
+what block `i` rebuilds, the keyword tensors, the gradients of blocks `i..L-1` and the head, one block's gradient
+buffers) and the end (every gradient). Recompute cost: a block's matmul and attention FLOPs plus `balance` per byte
+its other ops write; selective recomputes only the latter, plus `op_overhead` per aten op (its policy runs in Python).
+Both constants rank candidates (fitted with `benchmarks/planner.py`); they do not promise a step time.
 """
 
 from __future__ import annotations
@@ -40,11 +21,9 @@ from .memory import ActivationEstimate
 
 RULE_ID = "memory-plan"
 
-# FLOP-equivalents per byte written by a memory-bound op, and per aten op run under the selective policy (a Python
-# call and a dispatch-mode round trip), by device type. CPU balance: refitted by `benchmarks/fit_balance.py` (the
-# measured selective/full recompute ratio of the CPU benchmark model at 256, 512 and 1024 tokens: 18.5, 58.7 and
-# 21.9, median 21.9; the earlier 170 came from runs at a load average of 5-7, where memory-bound ops slow down most).
-# CUDA: fitted to the H100 step times of `benchmarks/planner.py` (hidden 512 and a 4-layer 7B-shaped Llama).
+# FLOP-equivalents per byte written by a memory-bound op, and per aten op run under the selective policy, by device.
+# CPU balance: `benchmarks/fit_balance.py` (median of the measured selective/full ratios at 256-1024 tokens; the earlier
+# 170 came from a loaded machine). CUDA: fitted to the H100 step times of `benchmarks/planner.py`.
 BALANCE = {"cpu": 22.0, "cuda": 500.0}
 OP_OVERHEAD = {"cpu": 1e6, "cuda": 3e9}
 
@@ -53,17 +32,8 @@ OP_OVERHEAD = {"cpu": 1e6, "cuda": 3e9}
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to checkpoint (`layout`, block by block), with what it is predicted to cost.
-
-    Args:
-        name (`str`): `none`, `every-2`, `3-of-8`, `full`, `selective`, `selective-lean`, `offload`, `mixed`.
-        layout (`Layout`): what each block runs.
-        saved_bytes (`int`): bytes kept for the backward at the end of the forward, on the device.
-        peak_bytes (`int`): predicted peak above the weights and optimizer state.
-        peak_at (`str`): where the peak is (`loss head`, `block 3`, `end`).
-        recompute (`float`): predicted recomputed share of the model's forward cost.
-        allowed (`bool`): whether the rules allow it here; `why_not`: why not.
-    """
+    """One way to checkpoint (`none`, `every-2`, `3-of-8`, `full`, `selective`, `selective-lean`, `offload`,
+    `mixed`), with its predicted peak (and where: `loss head`, `block 3`, `end`) and recomputed share of the forward."""
 
     name: str
     layout: Layout
@@ -91,7 +61,6 @@ class Candidate:
         return any(self.layout.offload)
 
     def summary(self) -> str:
-        """`every-2 (4 of 8 blocks)`, `selective (every block, matmul and attention outputs kept)`, ..."""
         layout, uniform, count = self.layout, self.layout.uniform_kind, self.layout.count()
         if self.name == "none":
             return "none (no block checkpointed)"
@@ -132,17 +101,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Plan:
-    """The planner's answer.
-
-    Args:
-        chosen (`Candidate`, *optional*): the cheapest allowed candidate that fits; None when none fits.
-        candidates (`tuple[Candidate, ...]`): every candidate, cheapest first (recompute cost, then memory).
-        budget (`int`): the budget in bytes.
-        fits (`bool`): whether `chosen` exists.
-        lowest (`Candidate`): the allowed candidate with the lowest predicted peak (what fix mode falls back to).
-        estimate (`dict`): what was estimated (batch size, sequence length, dtype, attention, method, blocks, the
-            parameters held gathered under ZeRO-3 / FSDP2).
-    """
+    """The planner's answer: `chosen` (None when nothing fits), every candidate cheapest first, `lowest` (the allowed
+    one with the lowest peak: what fix mode falls back to) and what was estimated."""
 
     chosen: Candidate | None
     candidates: tuple[Candidate, ...]
@@ -152,7 +112,6 @@ class Plan:
     estimate: dict[str, Any]
 
     def get(self, name: str) -> Candidate:
-        """The candidate called `name`."""
         for c in self.candidates:
             if c.name == name:
                 return c
@@ -176,38 +135,32 @@ def spread(k: int, n: int) -> tuple[bool, ...]:
 
 
 def gathered_bytes(blocks: list[int], head: int, held: int = 0) -> int:
-    """The parameters ZeRO-3 or FSDP holds whole at once besides `held` (what it keeps whole through the blocks),
-    from each block's and the head's whole parameter bytes: a block's and the next one's (prefetched), or the head's
-    and the last block's. Measured on CPU (`tests/test_fsdp.py`, `tests/test_zero12.py`), where nothing is prefetched:
-    what was held plus one block."""
+    """The parameters ZeRO-3 or FSDP holds whole at once besides `held`: a block's and the next one's (prefetched), or
+    the head's and the last block's (on CPU nothing is prefetched: measured, held plus one block)."""
     return held + (max(2 * max(blocks), head + blocks[-1]) if blocks else 0)
 
 
 def zero3_gathered(gathered: int, blocks: list[int], total: int, window: int, persistent: int = 0) -> int:
-    """Under ZeRO-3, `gathered` (`gathered_bytes`) widened to what DeepSpeed keeps for reuse: besides the block
-    computing, up to `window` bytes (its reuse distance and prefetch bucket, `_deepspeed.DeepSpeedFacts.gather_window`
-    elements), and its persistent parameters; at most the whole model, `total`."""
+    """`gathered` widened to what ZeRO-3 keeps for reuse (up to `window` bytes besides the block computing) and its
+    persistent parameters; at most the whole model, `total`."""
     return min(total, max(gathered, max(blocks, default=0) + window) + persistent)
 
 
 SHARDED_LAYOUTS = ("zero3", "fsdp1", "fsdp2", "fsdp1-shard-grad-op", "fsdp2-no-reshard")
-"""Parameter sharding `layout_gathered` models for a full fine-tune planned from a config (`trl-gc-plan`): ZeRO-3,
-FSDP1 and FSDP2 fully sharded, and FSDP1's `SHARD_GRAD_OP` / FSDP2's `reshard_after_forward=False` (transformers'
-`fsdp="shard_grad_op"`), which keep every unit whole from its forward to its backward."""
 
 
 def layout_gathered(est: ActivationEstimate, layout: str, zero3_window: int) -> int:
-    """The parameters held whole under `layout` for a full fine-tune planned from a config, from the estimate's
-    parameter bytes (every parameter trains, so its gradient bytes are its bytes), as the run reads them off the live
-    model (`sharding.gathered_parameter_bytes`) with accelerate's wrapping: ZeRO-3 keeps what it reuses within
-    `zero3_window` elements; FSDP1 keeps its root unit (everything outside the blocks) whole; FSDP2 keeps accelerate's
-    group of the final norm and head whole from its forward, from the start of the forward when it holds the tied
-    input embeddings; without resharding after forward every unit stays whole until its backward: at the loss head,
-    the whole model."""
+    """The parameters held whole under `layout` (one of `SHARDED_LAYOUTS`) for a full fine-tune planned from a config
+    (gradient bytes are parameter bytes), as `sharding.gathered_parameter_bytes` reads them with accelerate's wrapping:
+    FSDP1 keeps its root unit whole, FSDP2 the final norm and head's group (from the start when it holds tied input
+    embeddings); without resharding after forward the loss head holds the whole model."""
+    import torch
+
     blocks, head, embeddings = list(est.grad_bytes), est.head_grad_bytes, est.embedding_grad_bytes
     total = sum(blocks) + head + embeddings
     if layout == "zero3":
-        return zero3_gathered(gathered_bytes(blocks, head), blocks, total, zero3_window * _itemsize(est.dtype))
+        itemsize = int(getattr(torch, est.dtype.removeprefix("torch.")).itemsize)
+        return zero3_gathered(gathered_bytes(blocks, head), blocks, total, zero3_window * itemsize)
     if layout == "fsdp1":
         return gathered_bytes(blocks, 0, held=head + embeddings)
     if layout == "fsdp2":
@@ -218,21 +171,10 @@ def layout_gathered(est: ActivationEstimate, layout: str, zero3_window: int) -> 
     raise ValueError(f"unknown sharded layout {layout!r}: one of {', '.join(SHARDED_LAYOUTS)}")
 
 
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return int(getattr(torch, dtype.removeprefix("torch.")).itemsize)
-
-
 def predict_peak(
     est: ActivationEstimate, layout: Layout, grads_preallocated: bool = False, grad_fraction: float = 1.0
 ) -> tuple[int, str, dict[str, int]]:
-    """Predicted peak above the weights and optimizer state for one forward and backward under `layout` (see the
-    module docstring).
-
-    Returns:
-        (peak bytes, where, the bytes of every phase).
-    """
+    """(Predicted peak, where, the bytes of every phase) for one forward and backward under `layout`."""
     kept = est.kept(layout)
     shared = est.shared if not all(layout.pattern) else 0
     saved = est.outside + shared + sum(kept)
@@ -259,21 +201,18 @@ def predict_peak(
 
 
 def recompute_cost(est: ActivationEstimate, layout: Layout, balance: float, op_overhead: float = 0.0) -> float:
-    """Recomputed share of the forward cost under `layout` (matmul FLOPs plus `balance` per byte written by the other
-    ops; selective adds `op_overhead` per op)."""
+    """Recomputed share of the forward cost under `layout`."""
     total = forward_cost(est, balance)
     again = sum(_block_cost(est, i, k, balance, op_overhead) for i, k in enumerate(layout.kinds) if k != "none")
     return again / total if total > 0 else 0.0
 
 
 def forward_cost(est: ActivationEstimate, balance: float) -> float:
-    """One forward at the estimate's batch, in the cost model's FLOP-equivalents (what the recompute share divides)."""
+    """One forward at the estimate's batch, in the cost model's FLOP-equivalents."""
     return est.outside_flops + sum(f + balance * b for f, b in zip(est.block_flops, est.other_bytes, strict=True))
 
 
 def _block_cost(est: ActivationEstimate, i: int, kind: Kind, balance: float, op_overhead: float) -> float:
-    """What recomputing block `i` costs when it runs `kind` (full or offloaded: all of it; selective: the ops its policy
-    did not keep, and the policy)."""
     selective = kind in SELECTIVE
     lean = kind == "lean" and est.lean_matmul_flops
     kept = (est.lean_matmul_flops[i] if lean else est.matmul_flops[i]) if selective else 0
@@ -289,7 +228,6 @@ def candidates(
     op_overhead: float | None = None,
     grads_preallocated: bool = False,
     grad_fraction: float = 1.0,
-    selective_why_not: str = "needs use_reentrant=False (torch accepts context_fn only for non-reentrant checkpointing)",
     offload_why_not: str = "needs an accelerator (save_on_cpu pins host memory; it fails on a CPU-only machine)",
 ) -> list[Candidate]:
     """Every uniform candidate for `est`, cheapest first (predicted recompute cost, then predicted peak)."""
@@ -304,15 +242,17 @@ def candidates(
     for name, kind in (("selective", "selective"), ("selective-lean", "lean")):
         if kind == "lean" and not est.has_lean:
             continue
-        why = selective_why_not if not allow_selective else _unsafe_why(est.unsafe(kind))
+        why = _unsafe_why(est.unsafe(kind)) if allow_selective else _NEEDS_NON_REENTRANT
         shapes.append((name, Layout.uniform(kind, n), not why, why))
     shapes.append(("offload", Layout.uniform("offload", n), allow_offload, "" if allow_offload else offload_why_not))
     out = [
         _candidate(est, name, layout, balance, op_overhead, grads_preallocated, grad_fraction, allowed, why)
         for name, layout, allowed, why in shapes
     ]
-    out.sort(key=_cheapest_first)
-    return out
+    return sorted(out, key=_cheapest_first)
+
+
+_NEEDS_NON_REENTRANT = "needs use_reentrant=False (torch accepts context_fn only for non-reentrant checkpointing)"
 
 
 def _unsafe_why(where: str) -> str:
@@ -346,8 +286,7 @@ def _cheapest_first(c: Candidate) -> tuple[float, int]:
 
 
 KNAPSACK_UNITS = 4096
-"""The budget's resolution in the per-block knapsack: block sizes are rounded up to 1/4096 of the room, so a mixed
-plan never counts on more memory than there is (at most `blocks / 4096` of the room is left unused)."""
+"""The knapsack rounds block sizes up to 1/4096 of the room: a mixed plan never counts on more than there is."""
 
 
 def mixed_candidate(
@@ -360,14 +299,10 @@ def mixed_candidate(
     grads_preallocated: bool = False,
     grad_fraction: float = 1.0,
 ) -> Candidate | None:
-    """A per-block plan for `budget_bytes`: each block none, selective, lean selective or full, chosen to minimise the
-    predicted recompute (a multiple-choice knapsack over the blocks' kept bytes, so non-uniform blocks - mixed
-    `layer_types`, MoE, vision towers - each get their own choice), then checked against the whole predicted peak. None
-    when it does not fit. Plans a 70B layout (80 blocks) in milliseconds and allocates no tensor memory.
-
-    The knapsack's room is the budget less what the loss head holds besides the blocks (the peak phase that holds
-    every block's saved bytes at once); when a block's own backward is the peak instead, the room shrinks by the
-    excess and the knapsack runs again (at most 8 times)."""
+    """A per-block plan for `budget_bytes` (none, full, selective or lean per block) with the least predicted
+    recompute: a multiple-choice knapsack over the blocks' kept bytes in the room the loss head leaves, checked against
+    the whole predicted peak; where a block's backward peaks higher, the room shrinks by the excess (at most 8 tries).
+    None when it does not fit."""
     import numpy as np
 
     n = est.num_blocks
@@ -376,10 +311,7 @@ def mixed_candidate(
     options: tuple[Kind, ...] = ("none", "full", "selective", "lean")
     options = options[: (4 if est.has_lean else 3) if allow_selective else 2]
     options = tuple(k for k in options if not est.unsafe(k))
-    kept = np.array(
-        [[est.saved[i] if k == "none" else est.inputs[i] + est.policy_bytes(i, k) for k in options] for i in range(n)],
-        dtype=np.float64,
-    )
+    kept = np.array([est.kept(Layout.uniform(k, n)) for k in options], dtype=np.float64).T  # a row per block
     cost = np.array(
         [[0.0 if k == "none" else _block_cost(est, i, k, balance, op_overhead) for k in options] for i in range(n)]
     )
@@ -401,8 +333,7 @@ def mixed_candidate(
 
 
 def _knapsack(kept: Any, cost: Any, room: float) -> list[int] | None:
-    """One option per block (a row of `kept` / `cost`) with the least total cost whose total kept bytes fit `room`;
-    None when even the smallest options do not fit."""
+    """One option per block (a row of `kept` / `cost`) with the least total cost that fits `room`; None if none does."""
     import numpy as np
 
     units = KNAPSACK_UNITS
@@ -445,25 +376,9 @@ def plan(
     grad_fraction: float = 1.0,
     offload_why_not: str = "",
 ) -> Plan:
-    """The cheapest allowed candidate whose predicted peak fits `budget_bytes`.
-
-    Args:
-        estimate: from `memory.estimate` at the run's batch size and sequence length.
-        budget_bytes (`int`): activation memory per device (above the weights and optimizer state).
-        allow_selective (`bool`): selective checkpointing is allowed (non-reentrant checkpointing).
-        allow_offload (`bool`): offloading is allowed (an accelerator is there).
-        offload_why_not (`str`): why not, for the candidate table, when not allowed (`probe.offload_why_not`).
-        device (`str`, *optional*): `cpu` or `cuda` (any accelerator), for the cost model's constants (default:
-            `cuda` when offloading is allowed, i.e. an accelerator is there, else `cpu`).
-        balance, op_overhead (`float`, *optional*): the cost model's constants (default: `BALANCE[device]`,
-            `OP_OVERHEAD[device]`).
-        grads_preallocated (`bool`): the parameter gradients already sit in memory (gradient accumulation after the
-            first micro-step, `zero_grad(set_to_none=False)`): they are not counted.
-        grad_fraction (`float`): the share of the gradients held on this device (`1/N` when ZeRO-2/3 or FSDP shards
-            them over N devices).
-
-    Returns:
-        `Plan` (`fits` False and `chosen` None when nothing fits; `lowest` is then the fallback).
+    """The cheapest allowed candidate whose predicted peak fits `budget_bytes` (activation memory per device). `device`
+    (`cpu`, or `cuda` for any accelerator; default `cuda` when offloading is allowed) picks the cost constants.
+    `grads_preallocated`: the gradients already sit in memory; `grad_fraction`: their share on this device.
     """
     if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 1:
         raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
@@ -511,32 +426,18 @@ def _cost(c: Candidate) -> str:
         return "recomputes nothing"
     blocks = f"{c.checkpointed} of {len(c.layout)} blocks"
     count, uniform = c.layout.count(), c.layout.uniform_kind
-    kind = "their elementwise ops" if uniform == "selective" else "them"
-    if uniform == "lean":
-        kind = "their elementwise ops and widening matmuls"
+    kind = {"selective": "their elementwise ops", "lean": "their elementwise ops and widening matmuls"}.get(
+        uniform, "them"
+    )
     if uniform is None:
         kind = "them (the selective ones only their elementwise ops"
         kind += ", the lean ones their widening matmuls too)" if count["lean"] else ")"
     return f"recomputes {kind} ({blocks}, about {c.recompute:.0%} of the forward cost)"
 
 
-def plan_decisions(
-    plan: Plan, mode: str, *, before: Any = "full", source: str = "runtime", stage: str = "train"
-) -> list[Decision]:
-    """The plan as `Decision` records of the rule `memory-plan`.
-
-    Args:
-        plan: from `plan()`.
-        mode (`str`): `strict`, `fix` or `warn`.
-        before: what ran before the plan (default `full`: every block checkpointed).
-        source (`str`): who set `before` (default `runtime`: the one-line log then shows the reason).
-        stage (`str`): the stage (default `train`).
-
-    Returns:
-        One decision: `default` (a plan fits; applied), `error` (nothing fits, strict: refuse before step 1), or `warn`
-        (nothing fits, fix/warn: the lowest-memory plan is applied). `after` holds the pick and the whole candidate
-        table as plain data.
-    """
+def plan_decisions(plan: Plan, mode: str) -> list[Decision]:
+    """The plan as one `Decision` of the rule `memory-plan` (in `mode`, replacing full checkpointing): `default` (a plan
+    fits), `error` (nothing fits, strict) or `warn` (nothing fits: the lowest-memory plan is applied)."""
     from ..core.rules import get_rule
 
     rule = get_rule(RULE_ID)
@@ -558,7 +459,7 @@ def plan_decisions(
             f"({plan.estimate.get('method')}, batch {plan.estimate.get('batch_size')} x "
             f"{plan.estimate.get('seq_len')} tokens); the gradients equal full checkpointing's."
         )
-        return [rule.decision("default", before, after, source, reason, stage)]
+        return [rule.decision("default", "full", after, "runtime", reason, "train")]
     low = plan.lowest
     after["plan"] = low.name
     need = (
@@ -571,18 +472,16 @@ def plan_decisions(
             f"{need}. Raise memory_budget to at least {format_bytes(low.peak_bytes)}, or lower the per-device batch "
             "size or the sequence length, or use fix mode to train with the lowest-memory plan anyway."
         )
-        return [rule.decision("error", before, after, source, reason, stage)]
+        return [rule.decision("error", "full", after, "runtime", reason, "train")]
     reason = f"{need}. Training with it anyway ({mode} mode); it may run out of memory."
-    return [replace(rule.decision("warn", before, after, source, reason, stage), applied=True)]
+    return [replace(rule.decision("warn", "full", after, "runtime", reason, "train"), applied=True)]
 
 
 # --- applying a plan to the live model ---------------------------------------------------------------------------
 
 
 def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
-    """Apply `candidate.layout` to the live model (`ckpt.apply`: each block's flag and checkpoint function, on
-    transformers 4.x and 5.x), with `use_reentrant`. Other keywords (a user's `preserve_rng_state`, ...) are kept; a
-    `context_fn` that is not the planner's is kept unless the block runs selective; transformers' own layer keys never
-    reach torch's checkpoint."""
+    """Apply `candidate.layout` to the live model's blocks (`ckpt.apply`), never through the training arguments (a
+    callable there breaks `to_json_string()`); transformers' own layer keys never reach torch's checkpoint."""
     keywords = {"every_n_layers": None, "offload": None}
     ckpt.apply(model, ckpt.Spec(layout=candidate.layout, use_reentrant=use_reentrant, keywords=keywords))
