@@ -1,14 +1,6 @@
-"""`trl-gc-plan CONFIG_OR_LAYOUT --batch-size B --seq-len S --budget 40GiB`: plan checkpointing for a model config.
-
-CONFIG_OR_LAYOUT is a model `config.json` (or a directory holding one) or a named layout (`llama-7b`, `llama3-8b`,
-`llama3-70b`, ...: configs written from the published numbers). No weight is loaded and no tensor memory is
-allocated: two blocks run one training forward on fake tensors (`memory.estimate`) and the rest is extrapolated.
-The plan is for full fine-tuning with the model's own language-modelling loss (every parameter gets a gradient;
-`--grad-shards N` when ZeRO-2/3 or FSDP shards the gradients over N devices, `--sharded-params zero3|fsdp1|fsdp2` when
-the parameters are sharded too, `fsdp1-shard-grad-op|fsdp2-no-reshard` when FSDP keeps them whole between forward and
-backward; or `--accelerate-config FILE`, the run's `accelerate launch` config, for both). For LoRA or a partly frozen
-model, plan
-from the live model (`memory.estimate(model, ...)`), which copies its layout.
+"""`trl-gc-plan CONFIG_OR_LAYOUT --batch-size B --seq-len S --budget 40GiB`: plan checkpointing for a full fine-tune
+of a model config (`config.json`, a directory holding one, or a named layout), estimated on fake tensors. For LoRA or a
+partly frozen model, plan from the live model (`memory.estimate(model, ...)`).
 
 Exit status: 0 a plan fits, 1 nothing fits (the lowest-memory plan is printed), 2 unreadable input or an invalid
 option (one line on stderr).
@@ -17,6 +9,7 @@ option (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -187,12 +180,10 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _shown(plan: Any, show_all: bool) -> list[Any]:
-    keep = {"none", "full", "selective", "selective-lean", "offload", "mixed"}
-    main = [c.name in keep or (c.every_n is not None and c.every_n <= 8) for c in plan.candidates]
-    return [
-        c for c, m in zip(plan.candidates, main, strict=True) if show_all or m or c is plan.chosen or c is plan.lowest
-    ]
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Each column padded to its widest cell, the last one as it is."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join([*(x.ljust(w) for x, w in zip(r[:-1], widths, strict=True)), r[-1]]) for r in rows]
 
 
 def render(plan: Any, label: str, show_all: bool = False) -> str:
@@ -211,7 +202,11 @@ def render(plan: Any, label: str, show_all: bool = False) -> str:
             f"{format_bytes(e.get('gathered_bytes', 0))} of parameters held whole (sharded)"
         )
     rows = [("candidate", "blocks", "saved", "peak", "peak at", "recompute", "fits", "")]
-    for c in _shown(plan, show_all):
+    keep = {"none", "full", "selective", "selective-lean", "offload", "mixed"}
+    for c in plan.candidates:
+        main = c.name in keep or (c.every_n is not None and c.every_n <= 8)
+        if not (show_all or main or c is plan.chosen or c is plan.lowest):
+            continue
         fits = "yes" if c.peak_bytes <= plan.budget else "no"
         note = c.why_not if not c.allowed else ("<- plan" if c is plan.chosen else "")
         rows.append(
@@ -226,14 +221,9 @@ def render(plan: Any, label: str, show_all: bool = False) -> str:
                 note,
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(7)]
-    lines = [head, ""]
-    for r in rows:
-        lines.append("  ".join(x.ljust(w) for x, w in zip(r[:7], widths, strict=True)) + "  " + r[7])
-    lines.append("")
+    lines = [head, "", *_table(rows), ""]
     if plan.chosen is not None:
-        c = plan.chosen
-        lines.append(f"plan: {c.summary()}, predicted peak {format_bytes(c.peak_bytes)}")
+        lines.append(f"plan: {plan.chosen.summary()}, predicted peak {format_bytes(plan.chosen.peak_bytes)}")
     else:
         c = plan.lowest
         lines.append(
@@ -246,19 +236,17 @@ def render(plan: Any, label: str, show_all: bool = False) -> str:
 _FSDP_LAYOUTS = {
     (1, "FULL_SHARD"): ("fsdp1", False),
     (1, "SHARD_GRAD_OP"): ("fsdp1-shard-grad-op", False),
-    (1, "NO_SHARD"): (None, None),
     (1, "HYBRID_SHARD"): ("fsdp1", True),
     (1, "HYBRID_SHARD_ZERO2"): ("fsdp1-shard-grad-op", True),
     (2, "FULL_SHARD"): ("fsdp2", False),
     (2, "SHARD_GRAD_OP"): ("fsdp2-no-reshard", False),
 }
-"""(FSDP version, sharding) -> (layout, sharded within a machine only); `(None, None)`: nothing sharded."""
+# (FSDP version, sharding) -> (layout, sharded within a machine only); any other (NO_SHARD): nothing sharded
 
 
 def _accelerate_sharding(file: str) -> tuple[str | None, int | None, str]:
-    """(layout, gradient shards, what it was read from) of an accelerate config, through the reader `trl-gc-check`
-    uses (`launchers.accelerate.read_accelerate`); gradient shards None when the file does not say how many
-    processes."""
+    """(layout, gradient shards or None when the file gives no process count, what it was read from) of an accelerate
+    config, read as `trl-gc-check` reads it."""
     from .configcheck.launchers.accelerate import read_accelerate
     from .configcheck.launchers.common import ConfigError
 
@@ -281,9 +269,8 @@ def _accelerate_sharding(file: str) -> tuple[str | None, int | None, str]:
 
 
 def _sharding(ns: argparse.Namespace) -> tuple[str | None, int, int]:
-    """The parameter sharding to plan for, ZeRO-3's window (elements) and the gradient shards: from
-    `--sharded-params` / `--grad-shards`, or from the `--deepspeed` config or the `--accelerate-config` through the
-    readers the run and `trl-gc-check` use (an explicit option that disagrees with them is refused)."""
+    """The parameter sharding to plan for, ZeRO-3's window (elements) and the gradient shards, from the options or the
+    configs they name (an explicit option that disagrees with a config is refused)."""
     from .core.deepspeed_config import ZERO3_WINDOW_DEFAULTS
 
     layout, window = _deepspeed_sharding(ns) if ns.deepspeed is not None else (ns.sharded_params, None)
@@ -309,7 +296,6 @@ def _sharding(ns: argparse.Namespace) -> tuple[str | None, int, int]:
 
 
 def _deepspeed_sharding(ns: argparse.Namespace) -> tuple[str | None, int]:
-    """The parameter sharding and ZeRO-3's window of the `--deepspeed` config (`_deepspeed.deepspeed_facts`)."""
     from .core.deepspeed_config import deepspeed_facts
 
     try:
@@ -330,23 +316,12 @@ def _deepspeed_sharding(ns: argparse.Namespace) -> tuple[str | None, int]:
     return layout, facts.gather_window
 
 
-def _with_gathered(est: Any, layout: str | None, window: int) -> Any:
-    """`est` with the parameters `layout` holds whole (`planner.layout_gathered`; ZeRO-3 keeps up to `window`
-    elements for reuse), as the run adds them."""
-    if layout is None:
-        return est
-    import dataclasses
-
-    from .planning.planner import layout_gathered
-
-    return dataclasses.replace(est, gathered_bytes=layout_gathered(est, layout, window))
-
-
 def run(argv: list[str] | None) -> tuple[int, str]:
     """Parse, estimate, plan. Returns (exit status, stdout text); raises `InputError` for exit status 2."""
     ns = _parser().parse_args(argv)
     from .core.settings import parse_size
-    from .planning.planner import plan
+    from .planning.memory import _dtype_of, config_dtype, estimate
+    from .planning.planner import layout_gathered, plan
 
     try:
         budget = parse_size(ns.budget)
@@ -360,49 +335,34 @@ def run(argv: list[str] | None) -> tuple[int, str]:
         raise InputError(f"--batch-size x --seq-len must be at most {MAX_TOKENS} tokens")
     layout, window, shards = _sharding(ns)
     config, label = load_config(ns.model)
-    from .planning.memory import _dtype_of, config_dtype, estimate
-
-    dtype = ns.dtype
-    if dtype is None:
-        dtype = config_dtype(config) or "bf16"
     try:
-        dtype = _dtype_of(dtype)
+        dtype = _dtype_of(ns.dtype if ns.dtype is not None else config_dtype(config) or "bf16")
     except ValueError as exc:
         raise InputError(f"--dtype: {exc}") from None
+
+    def estimate_at(mb: int) -> Any:
+        est = estimate(config, mb, ns.seq_len, dtype=dtype, attn_implementation=ns.attn)
+        return est if layout is None else dataclasses.replace(est, gathered_bytes=layout_gathered(est, layout, window))
+
     try:
-        est = estimate(config, ns.batch_size, ns.seq_len, dtype=dtype, attn_implementation=ns.attn)
+        est = estimate_at(ns.batch_size)
     except Exception as exc:
         raise InputError(f"{label}: cannot run the model's layout: {type(exc).__name__}: {_one_line(exc)}") from None
-    est = _with_gathered(est, layout, window)
-    result = plan(
-        est,
-        budget,
-        allow_selective=not ns.reentrant,
-        allow_offload=ns.accelerator,
-        grad_fraction=1.0 / shards,
-    )
+    common = {"allow_selective": not ns.reentrant, "allow_offload": ns.accelerator, "grad_fraction": 1.0 / shards}
+    result = plan(est, budget, **common)
     options = None
     if ns.effective_batch is not None:
         if ns.effective_batch < 1:
             raise InputError("--effective-batch must be a positive integer")
         from .planning.throughput import rank
 
-        def estimate_at(mb: int) -> Any:
-            if mb == ns.batch_size:
-                return est
-            return _with_gathered(
-                estimate(config, mb, ns.seq_len, dtype=dtype, attn_implementation=ns.attn), layout, window
-            )
-
         options = rank(
-            estimate_at,
+            lambda mb: est if mb == ns.batch_size else estimate_at(mb),
             ns.effective_batch,
             budget,
-            allow_selective=not ns.reentrant,
-            allow_offload=ns.accelerator,
             device="cuda" if ns.accelerator else "cpu",
             largest=ns.batch_size,
-            grad_fraction=1.0 / shards,
+            **common,
         )
     if ns.json:
         data = {"model": label, **result.to_dict()}
@@ -414,21 +374,17 @@ def run(argv: list[str] | None) -> tuple[int, str]:
         if options is not None:
             text += "\n\n" + render_throughput(options, ns.effective_batch, ns.batch_size)
     if ns.plot:
-        _plot(result, label, ns.plot)
+        from .plan_plot import PlotUnavailable, plot
+
+        try:
+            plot(result, label, ns.plot)
+        except PlotUnavailable as exc:
+            raise InputError(str(exc)) from None
+        except (OSError, ValueError) as exc:
+            raise InputError(f"--plot {ns.plot}: {type(exc).__name__}: {_one_line(exc)}") from None
         text += f"\n\nplot: {ns.plot}" if not ns.json else ""
     fits = options[0].fits if options else result.fits
     return (0 if fits else 1), text
-
-
-def _plot(result: Any, label: str, path: str) -> None:
-    from .plan_plot import PlotUnavailable, plot
-
-    try:
-        plot(result, label, path)
-    except PlotUnavailable as exc:
-        raise InputError(str(exc)) from None
-    except (OSError, ValueError) as exc:
-        raise InputError(f"--plot {path}: {type(exc).__name__}: {_one_line(exc)}") from None
 
 
 def render_throughput(options: list[Any], effective: int, batch_size: int) -> str:
@@ -441,8 +397,7 @@ def render_throughput(options: list[Any], effective: int, batch_size: int) -> st
         plan_text = o.plan.summary() if o.plan is not None else "nothing fits"
         peak = format_bytes(o.plan.peak_bytes) if o.plan is not None else "-"
         rows.append((str(o.micro_batch), str(o.accumulation), plan_text, peak, f"{o.relative_speed:.2f}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines += _table(rows)
     pick = options[0]
     if not pick.fits:
         lines.append("nothing fits at any micro-batch: raise the budget or shorten the sequences")
@@ -465,14 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     import logging
     import warnings
 
-    if argv is None:
-        argv = sys.argv[1:]
     previous = logging.getLogger("transformers").level
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            code, text = run(list(argv))
+            code, text = run(list(sys.argv[1:] if argv is None else argv))
     except InputError as exc:
         sys.stderr.write(f"trl-gc-plan: error: {_one_line(exc)}\n")
         return 2

@@ -1,6 +1,5 @@
-"""`trl-gc-plan --plot FILE`: the plan's candidates drawn, predicted peak memory against predicted recompute, with the
-budget line and the pick marked, for those who would rather look than read the table. matplotlib is an optional
-dependency (`pip install "trl-gc-plugin[plot]"`), imported only here."""
+"""`trl-gc-plan --plot FILE`: the candidates drawn, predicted peak against predicted recompute, with the budget line and
+the pick marked. matplotlib, an optional dependency, is imported only here."""
 
 from __future__ import annotations
 
