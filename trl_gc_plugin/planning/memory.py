@@ -783,10 +783,9 @@ def estimate(
     `forward_kwargs`: the real call's non-tensor keyword arguments, so that the fake forward takes its path (TRL's
     `fused_lm_head=True`); dropped where that path cannot run on fake tensors.
     """
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     from transformers import PretrainedConfig
 
     torch_dtype = _dtype_of(dtype)

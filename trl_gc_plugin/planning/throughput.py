@@ -51,7 +51,7 @@ class Option:
 
 def micro_batches(effective_batch: int, largest: int | None = None) -> list[int]:
     """The micro-batches that divide `effective_batch` (rows per device per optimizer step), up to `largest`."""
-    if not isinstance(effective_batch, int) or isinstance(effective_batch, bool) or effective_batch < 1:
+    if not _positive_int(effective_batch):
         raise ValueError(f"the effective batch must be a positive number of rows, got {effective_batch!r}")
     top = effective_batch if largest is None else min(largest, effective_batch)
     return [m for m in range(1, top + 1) if effective_batch % m == 0]
@@ -163,7 +163,8 @@ def advice_decision(
 
 
 def _said(o: Option) -> str:
-    return f"micro-batch {o.micro_batch} x accumulation {o.accumulation} ({o.plan.summary() if o.plan else 'nothing fits'})"
+    what = o.plan.summary() if o.plan else "nothing fits"
+    return f"micro-batch {o.micro_batch} x accumulation {o.accumulation} ({what})"
 
 
 def _row(o: Option) -> dict[str, Any]:
