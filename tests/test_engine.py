@@ -88,7 +88,7 @@ def test_frozen_inputs_without_trainable_block_params_need_nothing():
 def test_string_use_reentrant_is_coerced(raw, coerced):
     ds = decide(facts(use_reentrant=raw, use_reentrant_source="user"))
     assert ds[0].rule_id == "invalid-use-reentrant" and ds[0].action == "repair" and ds[0].after is coerced
-    assert ds.use_reentrant is coerced and ds.source == "user"  # decide says the value it leaves in force
+    assert ds.in_force == (coerced, "user") and ds.in_force[0] is coerced  # decide says the value it leaves in force
 
 
 @pytest.mark.parametrize(("mode", "action"), [("strict", "error"), ("fix", "override"), ("warn", "warn")])
@@ -111,7 +111,7 @@ def test_field_disagreement_last_write_wins_legacy_by_default():
     assert ds[0].rule_id == "field-disagreement" and ds[0].setting == "activation_checkpointing_kwargs"
     assert ds[0].after is True and ds[0].action == "repair"
     assert by_setting(ds).action == "warn"  # the reconciled True has an unknown author: kept
-    assert (ds.use_reentrant, ds.source) == (True, "unknown")
+    assert ds.in_force == (True, "unknown")
 
 
 def test_field_disagreement_new_name_written_last():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -100,30 +100,24 @@ class Decision:
 
 
 class Decisions(list[Decision]):
-    """What `engine.decide` returns: the decisions, in the order they are applied, and the `use_reentrant` they leave
-    in force with who set it (`plugin` for a value the plugin writes).
+    """What `engine.decide` returns: the decisions, in the order they are applied."""
 
-    Args:
-        decisions: the `Decision` records.
-        use_reentrant: the value in force once they are applied (in warn mode: the value found, nothing is applied).
-        source: who set it: `user`, `plugin`, `trainer`, `unknown`, `unset`, or a launcher; None when the decisions
-            say nothing about it (`where`).
-    """
-
-    def __init__(
-        self, decisions: Iterable[Decision] = (), use_reentrant: Any = None, source: str | None = "unset"
-    ) -> None:
-        super().__init__(decisions)
-        self.use_reentrant = use_reentrant
-        self.source = source
+    @property
+    def in_force(self) -> tuple[Any, str] | None:
+        """The `use_reentrant` they leave in the args and who chose it (`plugin` for a value the plugin writes; in warn
+        mode the value found); None when none of them is about it."""
+        found = None
+        for d in self:
+            if d.setting not in ("use_reentrant", "activation_checkpointing_kwargs"):
+                continue
+            if d.applied:
+                found = d.after, ("plugin" if d.action in ("default", "override") else d.source)
+            elif d.action in ("none", "warn", "error"):
+                found = d.before, d.source
+        return found
 
     def where(self, keep: Callable[[Decision], bool]) -> Decisions:
-        """The decisions `keep` keeps; the value in force stays theirs only where one of them is about it (else
-        `source` is None: they leave the value as it was)."""
-        kept = [d for d in self if keep(d)]
-        if any(d.setting in ("use_reentrant", "activation_checkpointing_kwargs") for d in kept):
-            return Decisions(kept, self.use_reentrant, self.source)
-        return Decisions(kept, None, None)
+        return Decisions(d for d in self if keep(d))
 
 
 def first_sentence(text: str, limit: int = 240) -> str:

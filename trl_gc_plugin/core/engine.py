@@ -112,8 +112,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    out = _decide(facts, mode, rules)
-    return Decisions(out, *_in_force(out, facts.use_reentrant, facts.use_reentrant_source))
+    return Decisions(_decide(facts, mode, rules))
 
 
 def _decide(facts: Facts, mode: Mode, rules: Sequence[Rule]) -> list[Decision]:
@@ -294,9 +293,7 @@ def _other_settings(
         current, who = targets.current(facts, rule.setting)
         out.append(rule.decision("repair", current, rule.value, who, rule.message, facts.stage))
     for rule in by_kind["check"]:
-        current, who = (
-            (value, source) if rule.setting == USE_REENTRANT else targets.current(facts, rule.setting, value, source)
-        )
+        current, who = targets.current(facts, rule.setting, value, source)
         reason = _detail(rule, facts) + rule.message
         said: Action = "none" if rule.level == "info" else "warn"  # an info check is a note, not a warning
         out.append(rule.decision(said, current, current, who, reason, facts.stage, level=rule.level))
@@ -309,15 +306,3 @@ _REPAIRED_ABOVE = frozenset({USE_REENTRANT, "activation_checkpointing_kwargs", "
 def errors(decisions: Sequence[Decision]) -> list[Decision]:
     """The `error` decisions."""
     return [d for d in decisions if d.action == "error"]
-
-
-def _in_force(decisions: Sequence[Decision], value: Any, source: str) -> tuple[Any, str]:
-    """The `use_reentrant` the decisions leave in the args, and who chose it (`plugin` for a value it wrote)."""
-    for d in decisions:
-        if d.setting not in (USE_REENTRANT, "activation_checkpointing_kwargs"):
-            continue
-        if d.applied:
-            value, source = d.after, ("plugin" if d.action in ("default", "override") else d.source)
-        elif d.action in ("none", "warn", "error"):
-            value, source = d.before, d.source
-    return value, source
