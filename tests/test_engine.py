@@ -9,7 +9,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 from trl_gc_plugin import RULES, Facts, Rule, decide
-from trl_gc_plugin.core.engine import applicable, coerce_bool, errors, version_applies
+from trl_gc_plugin.core.engine import applicable, coerce_bool, errors
 
 TF4 = {"transformers": "4.57.6", "torch": "2.13.0"}
 TF5 = {"transformers": "5.23.0", "torch": "2.13.0"}
@@ -170,15 +170,6 @@ def test_opposite_requirements_are_one_error_in_every_mode():
 def test_bad_mode():
     with pytest.raises(ValueError, match="mode"):
         decide(facts(), "lenient")  # type: ignore[arg-type]
-
-
-def test_version_gates():
-    rule = Rule(id="x", title="x", kind="check", setting="s", value=None, when=lambda f: True, condition="c",
-                message="m", evidence=("e",), versions={"transformers": ">=5.23", "deepspeed": "<0.19.3"})
-    assert version_applies(rule, {"transformers": "5.23.0", "deepspeed": "0.19.2"})
-    assert not version_applies(rule, {"transformers": "5.22.0", "deepspeed": "0.19.2"})
-    assert not version_applies(rule, {"transformers": "5.23.0", "deepspeed": None})  # absent package
-    assert version_applies(rule, {"transformers": "5.24.0.dev0", "deepspeed": "0.19.2"})  # pre-releases count
 
 
 def test_stages():
