@@ -1,30 +1,17 @@
-"""The rule table: every rule the plugin applies, as data.
+"""The rule table: every rule the plugin applies, as data (the README's table and `python -m trl_gc_plugin rules` are
+generated from it; `remove_when` says when a rule is dead weight, as TRL's `trl/_compat.py` does for its patches).
 
-Each `Rule` says when it applies (`when`, a predicate on `Facts`, and `condition`, the same in words), what it does
-(`kind`, `setting`, `value`), why (`message`, `evidence`), what the installed stack must be able to do for it to
-apply (`needs`: capabilities detected by `capabilities.py`, checked by the engine), the releases where the evidence
-was read (`versions`, PEP 440 specifiers; not a gate: a version number is wrong off the tested stacks) and when it can
-be deleted (`remove_when`), in the way TRL's
-`trl/_compat.py` documents each of its patches. The engine (`engine.py`) is the only reader; the README's table and
-`python -m trl_gc_plugin rules` are generated from this tuple.
-
-Kinds:
-- `require`: the setting must hold `value`. Unset -> filled (`default`). An explicit other value -> `error` in
-  strict mode, `override` in fix mode, `warn` in warn mode. A value the trainer or the plugin wrote is overridden.
-- `prefer`: the setting should hold `value`. Unset -> filled. An explicit other value is kept, with a warning.
-- `repair`: an upstream inconsistency the plugin fixes in strict and fix mode (logged only in warn mode).
-- `check`: a warning only.
-- `verify`: a check of the running training (stage `runtime`), done by the callback, not by the engine.
-- `state`: what the engine says about the setup as a whole (checkpointing off; rules demanding opposite values); built
-  by the engine itself, never by the generic loop.
-- `plan`: how much to checkpoint within a memory budget (`memory_budget=`), chosen at train begin from a measurement
-  of the model (`planner.py`), not by the engine.
+Kinds: `require` (unset -> filled; an explicit other value -> `error` in strict, `override` in fix, `warn` in warn
+mode; a value the trainer or the plugin wrote is overridden), `prefer` (unset -> filled; an explicit other value kept
+with a warning), `repair` (an upstream inconsistency, fixed), `check` (a warning), `verify` (a check of the running
+training, by the callback), `state` (the engine's answer about the whole setup), `plan` (how much to checkpoint within
+a memory budget, `planner.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from .decisions import Action, Decision, Level, level_of
@@ -43,48 +30,28 @@ NON_REENTRANT_ONLY = frozenset({"context_fn", "debug", "determinism_check", "res
 
 @dataclass(frozen=True, kw_only=True)
 class Rule:
-    """One rule of the table.
-
-    Args:
-        id: stable identifier, used in logs, `gc_decisions.json` and error messages.
-        title: a few words.
-        kind: `require`, `prefer`, `repair` or `check` (see the module docstring).
-        setting: what it acts on (`use_reentrant`, `model.config.use_cache`, ...).
-        value: the value it requires or prefers (`None` for repairs and checks).
-        when: predicate on `Facts`; it only sees facts of the current stage (unknown facts are `None`). Runtime rules
-            (`verify`, `plan`) have none: the running training's checks apply them, never the engine.
-        condition: the predicate in words, for the rule table.
-        message: why, in one or two sentences; what to change when it fails.
-        evidence: links to the upstream issues, PRs and code, and the seed document it comes from.
-        needs: capability name (`Capabilities` field) -> the value it must have for the rule to apply; an unknown
-            capability (`None`: the package is absent) fails the gate.
-        versions: PEP 440 specifiers by distribution name: the releases where the evidence was read (documentation;
-            the gate is `needs`).
-        remove_when: when the rule becomes dead weight.
-        stages: the stages where the rule is evaluated (default: every stage; `runtime` for `verify` and `plan`).
-        stand_back: when it applies, the plugin makes no other decision (another library owns checkpointing).
-        detail: the fact-specific first sentence of a decision's reason (which value, which keys), from the facts;
-            the message follows it.
-        level: how its repairs and checks are logged: `warning` when the user should change something, `info` for
-            routine repairs of upstream behaviour (shown with the Trainer's `log_level="info"`). Refusals are always
-            errors and overrides of a user's value always warnings.
-    """
+    """One rule of the table. `when` is a predicate on the facts of the current stage (`condition` says it in words;
+    runtime rules have none); `needs` maps `Capabilities` fields to the value the rule needs (unknown fails the gate);
+    `versions` are PEP 440 specifiers of the releases where the evidence was read (documentation, not a gate);
+    `stand_back`: when it applies the plugin decides nothing else (another library owns checkpointing); `detail`: the
+    fact-specific first sentence of a reason; `level`: how its repairs and checks are logged (refusals are errors,
+    overrides of a user's value warnings)."""
 
     id: str
     title: str
     kind: RuleKind
     setting: str
+    value: Any = None
     condition: str
     message: str
     evidence: tuple[str, ...]
-    when: Callable[[Facts], bool] = field(default=lambda f: False, compare=False)
-    value: Any = None
     versions: dict[str, str] = field(default_factory=dict)
     needs: dict[str, bool] = field(default_factory=dict)
     remove_when: str = ""
     stages: tuple[str, ...] = ()
     stand_back: bool = False
     level: Level = "warning"
+    when: Callable[[Facts], bool] = field(default=lambda f: False, compare=False)
     detail: Callable[[Facts], str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -121,22 +88,8 @@ class Rule:
 
     def to_dict(self) -> dict[str, Any]:
         """The rule as plain data (the predicate is represented by its `condition` text)."""
-        return {
-            "id": self.id,
-            "title": self.title,
-            "kind": self.kind,
-            "setting": self.setting,
-            "value": self.value,
-            "condition": self.condition,
-            "message": self.message,
-            "evidence": list(self.evidence),
-            "versions": dict(self.versions),
-            "needs": dict(self.needs),
-            "remove_when": self.remove_when,
-            "stages": list(self.stages),
-            "stand_back": self.stand_back,
-            "level": self.level,
-        }
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("when", "detail")}
+        return {**data, "evidence": list(self.evidence), "stages": list(self.stages)}
 
 
 LAYER_KWARGS = ("every_n_layers", "offload")
@@ -186,7 +139,6 @@ RULES: tuple[Rule, ...] = (
         title="rules demand opposite use_reentrant values",
         kind="state",
         setting=USE_REENTRANT,
-        when=lambda f: False,  # decided by the engine from the `require` rules that apply (see `engine.decide`)
         condition="two `require` rules that apply demand opposite `use_reentrant` values",
         message="No value of use_reentrant trains this setup correctly: change one of the settings the rules name.",
         evidence=(
@@ -995,10 +947,6 @@ RULES: tuple[Rule, ...] = (
         stages=("init_end",),
         level="info",
     ),
-)
-
-
-RULES += (
     Rule(
         id="frozen-inputs-observed",
         title="a block ran reentrant with inputs that do not require grad",
@@ -1374,10 +1322,6 @@ RULES += (
         ),
         remove_when="never: a check of the outcome",
     ),
-)
-
-
-RULES += (
     Rule(
         id="memory-plan",
         title="the cheapest checkpointing that fits the memory budget",
