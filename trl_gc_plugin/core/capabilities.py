@@ -48,13 +48,11 @@ DEEPSPEED_RECOMPUTE_FIX = "0.19.3"
 """DeepSpeed PR 8148 (`in_checkpoint_recompute` in `partitioned_param_coordinator.py`): absent in 0.19.2."""
 
 FSDP2_RECOMPUTE_CASTS = "2.13.0"
-"""The first torch whose FSDP2 casts a recompute's inputs and outputs as its forward did (pytorch #159359, fixed for
-2.13.0: `FSDPState._pre_forward` returns `_cast_forward_inputs(...)` in its PRE_BACKWARD branch)."""
+"""The first torch whose FSDP2 casts a recompute's inputs and outputs as its forward did (pytorch #159359)."""
 
 TRL_OFFLOAD_FIXES = "1.14.0"
-"""The first TRL whose `OffloadActivations` has the stream fixes (trl PR 7195: the compute stream read live, the
-clone of offset views before `wait_stream`; PR 5700: `__exit__` syncs and clears its stashes), read in the wheels of
-0.20.0, 0.26.2, 1.10.0-1.15.0 and 1.16.0: 1.10-1.13 have only PR 5700, 0.26.2 and older neither."""
+"""The first TRL whose `OffloadActivations` has the stream fixes of trl PRs 7195 and 5700 (wheels read: 1.10-1.13 have
+only PR 5700, 0.26.2 and older neither)."""
 
 
 @dataclass(frozen=True)
@@ -186,9 +184,8 @@ _CHECKPOINT_DEF = re.compile(r"^def checkpoint\(.*?\)\s*(?:->[^:]*)?:", re.S | r
 
 @functools.lru_cache(maxsize=1)
 def torch_checkpoint_keywords() -> frozenset[str]:
-    """The keywords the installed `torch.utils.checkpoint.checkpoint` reads: its keyword-only parameters (the
-    signature when torch is imported, else its source text; torch is never imported for it) and `preserve_rng_state`,
-    which it pops from `**kwargs`; torch's documented set when torch cannot be read."""
+    """The keywords the installed `torch.utils.checkpoint.checkpoint` reads (torch is never imported for it): its
+    keyword-only parameters and `preserve_rng_state`; torch's documented set when torch cannot be read."""
     module = sys.modules.get("torch.utils.checkpoint")
     named: frozenset[str] = frozenset()
     if module is not None:
@@ -218,12 +215,11 @@ PACKAGES = ("transformers", "trl", "peft", "torch", "accelerate", "deepspeed", "
 
 @functools.lru_cache(maxsize=1)
 def installed_versions() -> dict[str, str | None]:
-    """Installed versions of the packages the rules gate on (from package metadata: nothing is imported)."""
+    """Installed versions of the packages the rules gate on (package metadata: nothing is imported)."""
     return {name: installed_version(name) for name in PACKAGES}
 
 
 def installed_version(name: str) -> str | None:
-    """The installed version of the distribution `name` (package metadata), None when it is not installed."""
     from importlib import metadata
 
     try:

@@ -1,8 +1,4 @@
-"""The `Decision` record, and the `gc_decisions.json` file.
-
-A decision is the one structured thing the plugin produces: the engine returns them, `apply.py` carries them out,
-`report.py` logs them, `gc_decisions.json` stores them and the tests assert on them.
-"""
+"""The `Decision` record (the one structured thing the plugin produces), and the `gc_decisions.json` file."""
 
 from __future__ import annotations
 
@@ -19,10 +15,8 @@ DECISIONS_FILE = "gc_decisions.json"
 
 
 def level_of(action: Action, rule_level: Level = "warning") -> Level:
-    """The log level of a decision: refusals are errors; a value of the user's replaced, or a setup that breaks
-    training kept in warn mode, is a warning; repairs and checks take their rule's level (`warning` when the user
-    should change something, `info` for routine repairs of upstream behaviour); the rest (defaults filled, nothing
-    to do) is information."""
+    """Refusals are errors; overrides and warn-mode findings warnings; repairs take their rule's level; the rest
+    (defaults filled, nothing to do) information."""
     if action == "error":
         return "error"
     if action in ("override", "warn"):
@@ -34,23 +28,10 @@ def level_of(action: Action, rule_level: Level = "warning") -> Level:
 
 @dataclass(frozen=True)
 class Decision:
-    """One decision of the plugin about one setting.
-
-    Args:
-        rule_id: the rule that produced it (see `trl_gc_plugin.RULES`).
-        action: `default` (filled a value nobody set), `override` (replaced an explicit value, fix mode),
-            `repair` (fixed an upstream inconsistency), `warn` (logged only; in warn mode, what strict/fix would
-            do), `error` (strict mode refuses the setup), `none` (checked, nothing to do).
-        setting: what it is about, e.g. `gradient_checkpointing_kwargs.use_reentrant`, `model.config.use_cache`.
-        before: the value found.
-        after: the value set (or that would be set, when `applied` is False).
-        source: who set `before`: `user`, `trainer`, `plugin`, `unset` or `unknown`.
-        reason: one line saying why.
-        evidence: links to the issues, PRs and code behind the rule.
-        applied: whether `after` was written.
-        stage: `post_init`, `init_end` or `train` (runtime checks: `train`).
-        level: how it is logged: `error` (refused), `warning` (the user should change something), `info`.
-    """
+    """One decision of the plugin about one setting. `action`: `default` (filled a value nobody set), `override`
+    (replaced an explicit value, fix mode), `repair` (fixed an upstream inconsistency), `warn` (logged only; in warn
+    mode, what strict/fix would do), `error` (refused), `none` (checked, nothing to do). `source`: who set `before`;
+    `after`: the value set, or that would be set when not `applied`."""
 
     rule_id: str
     action: Action
@@ -81,13 +62,10 @@ class Decision:
 
     @property
     def changes(self) -> bool:
-        """Whether this decision writes (or would write) a new value."""
         return self.action in ("default", "override", "repair") or (self.action == "warn" and self.after != self.before)
 
     def line(self) -> str:
-        """The one-line log form: rule id, action, the change, who set the value before, and the first sentence
-        of the reason (the whole reason is in `gc_decisions.json`; `python -m trl_gc_plugin rules` explains each
-        rule)."""
+        """The one-line log form: rule id, action, the change, who set the value, the reason's first sentence."""
         verb = "" if self.applied or self.action in ("none", "error") else " (not applied)"
         if self.source == "runtime":  # a check of the running training: what it found is the reason
             return f"[{self.rule_id}] {self.action}{verb}: {first_sentence(self.reason)}"
@@ -121,7 +99,6 @@ class Decisions(list[Decision]):
 
 
 def first_sentence(text: str, limit: int = 240) -> str:
-    """The first sentence of `text` (up to `limit` characters)."""
     for end in (". ", "; see "):
         cut = text.find(end)
         if cut != -1:
@@ -131,9 +108,8 @@ def first_sentence(text: str, limit: int = 240) -> str:
 
 
 def write_decisions(decisions: list[Decision], output_dir: str | os.PathLike[str] | None) -> str | None:
-    """Write `decisions` to `<output_dir>/gc_decisions.json`; returns the path, or None when there is no output
-    directory. The directory is never created here: the Trainer creates it on the process that saves, and where it
-    does not exist the plugin writes nothing."""
+    """Write `decisions` to `<output_dir>/gc_decisions.json` and return its path; None (nothing written) without an
+    existing directory: the Trainer creates it on the process that saves."""
     if not output_dir or not os.path.isdir(output_dir):
         return None
     path = os.path.join(os.fspath(output_dir), DECISIONS_FILE)
@@ -144,6 +120,5 @@ def write_decisions(decisions: list[Decision], output_dir: str | os.PathLike[str
 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
-    """Read a `gc_decisions.json` back into `Decision` records."""
     with open(path, encoding="utf-8") as fh:
         return [Decision.from_dict(item) for item in json.load(fh)]

@@ -200,29 +200,26 @@ class GCSettings:
         strict mode for any other bad value."""
         installed = INSTALLED if installed is None else installed
         environ = os.environ if environ is None else environ
-        found: dict[str, tuple[str, Any]] = {}
-        for setting in SETTINGS:
-            if given.get(setting.name) is not None:
-                found[setting.name] = (f"{caller}({setting.name}=...)", given[setting.name])
-            elif installed.get(setting.name) is not None:
-                found[setting.name] = (f"install({setting.name}=...)", installed[setting.name])
-            elif setting.env and str(environ.get(setting.env, "")).strip():
-                found[setting.name] = (f"{setting.env}", environ[setting.env])
-
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = {s.name: s.default for s in SETTINGS}
         bad: list[tuple[Setting, str, Any]] = []
+        origins: list[tuple[str, str]] = []
         for setting in SETTINGS:
-            if setting.name not in found:
-                values[setting.name] = setting.default
+            name = setting.name
+            if given.get(name) is not None:
+                where, raw = f"{caller}({name}=...)", given[name]
+            elif installed.get(name) is not None:
+                where, raw = f"install({name}=...)", installed[name]
+            elif setting.env and str(environ.get(setting.env, "")).strip():
+                where, raw = setting.env, environ[setting.env]
+            else:
                 continue
-            where, raw = found[setting.name]
             try:
-                values[setting.name] = setting.parse(raw)
+                values[name] = setting.parse(raw)
+                origins.append((name, where))
             except ValueError:
-                if setting.name == "mode" and where != setting.env:
+                if name == "mode" and where != setting.env:
                     raise GCConfigError(problem_line(setting, where, raw)) from None
                 bad.append((setting, where, raw))
-                values[setting.name] = setting.default
         lines = tuple(problem_line(s, w, v) for s, w, v in bad)
         refusing = [line for (s, _, _), line in zip(bad, lines, strict=True) if s.name != "mode"]
         if refusing and values["mode"] == "strict":
@@ -233,8 +230,7 @@ class GCSettings:
             )
         for line in lines if say else ():
             report.note(f"{line}; using the default.", "warning", launcher_main_process())
-        origins = tuple((name, where) for name, (where, _) in found.items() if name not in {s.name for s, _, _ in bad})
-        return cls(**values, problems=lines, origins=origins)
+        return cls(**values, problems=lines, origins=tuple(origins))
 
     def origin(self, name: str) -> str:
         """Where the value of setting `name` came from (`name` itself for a default)."""
