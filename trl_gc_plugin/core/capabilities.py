@@ -24,7 +24,7 @@ import inspect
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,9 +87,6 @@ class Capabilities:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-CAPABILITY_NAMES = tuple(f.name for f in fields(Capabilities) if f.name not in ("transformers", "source"))
 
 
 # --- from a version (the config checker, hand-made facts) ----------------------------------------------------------

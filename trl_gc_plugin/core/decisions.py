@@ -50,9 +50,6 @@ class Decision:
         data["evidence"] = list(self.evidence)
         return data
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), default=repr)
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Decision:
         data = dict(data)
