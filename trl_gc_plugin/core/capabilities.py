@@ -24,7 +24,7 @@ import inspect
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +84,6 @@ class Capabilities:
 
     def replace(self, **changes: Any) -> Capabilities:
         return replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # --- from a version (the config checker, hand-made facts) ----------------------------------------------------------
