@@ -158,16 +158,10 @@ def _enable_parameters(tf_dir: Path) -> set[str]:
     module = _imported("transformers.modeling_utils", tf_dir)
     model_cls = getattr(module, "PreTrainedModel", None) if module is not None else None
     if model_cls is not None:
-        names: set[str] = set()
-        for attr in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
-            method = getattr(model_cls, attr, None)
-            if method is not None:
-                names |= set(inspect.signature(method).parameters)
-        return names
-    names = set()
-    for params in _ENABLE_DEF.findall(_read(tf_dir / "modeling_utils.py")):
-        names |= {p.split(":")[0].split("=")[0].strip().lstrip("*") for p in params.split(",")}
-    return names
+        enables = [getattr(model_cls, f"{kind}_checkpointing_enable", None) for kind in ("gradient", "activation")]
+        return {name for method in enables if method is not None for name in inspect.signature(method).parameters}
+    found = _ENABLE_DEF.findall(_read(tf_dir / "modeling_utils.py"))
+    return {p.split(":")[0].split("=")[0].strip().lstrip("*") for params in found for p in params.split(",")}
 
 
 TORCH_POPPED_KWARGS = ("preserve_rng_state",)

@@ -112,12 +112,11 @@ def _decide(facts: Facts, mode: Mode, rules: Sequence[Rule]) -> list[Decision]:
 def _field_disagreement(rule: Rule, facts: Facts, value: Any, source: str, out: list[Decision]) -> tuple[Any, str]:
     """The two field names hold different values: the one written after `__post_init__` wins (the deprecated one when
     unknown); returns the `use_reentrant` that then stands and its source."""
-    winner = facts.changed_field or "legacy"
 
     def repair(before: Any, after: Any, who: str, setting: str, reason: str) -> None:
         out.append(rule.decision("repair", before, after, who, reason, facts.stage, setting=setting))
 
-    if winner == "legacy":
+    if facts.changed_field != "new":
         if facts.legacy_gc is not None:
             why = "`gradient_checkpointing` was written after `__post_init__`; copied to `activation_checkpointing`."
             repair(not facts.legacy_gc, facts.legacy_gc, "unknown", "activation_checkpointing", why)
