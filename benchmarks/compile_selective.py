@@ -32,6 +32,7 @@ def build(arm: str, device: str):
     """The model of `planner_mixed.py` (its `build`, same seed and shape) with `arm`'s checkpointing."""
     import planner_mixed
 
+    from trl_gc_plugin.core.layout import Layout
     from trl_gc_plugin.model import ckpt
 
     planner_mixed.SHAPE.update(SHAPE)
@@ -40,7 +41,7 @@ def build(arm: str, device: str):
     if arm == "none":
         model.gradient_checkpointing_disable()
     if arm in ("selective", "lean"):
-        ckpt.apply(model, ckpt.Spec(layout=ckpt.layout_of(model).checkpointed_as(arm)))
+        ckpt.apply(model, ckpt.Spec(layout=Layout.from_pattern(ckpt.layout_of(model).pattern, arm)))
     return model, batch
 
 

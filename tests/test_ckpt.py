@@ -73,12 +73,12 @@ def test_apply_sets_the_layout_and_keywords_on_every_block() -> None:
         assert keywords["determinism_check"] == "none"
         assert keywords["preserve_rng_state"] is False  # kept
         assert keywords.get("context_fn") is {"selective": selective_context, "lean": lean_context}.get(kind)
-    ckpt.apply(model, ckpt.Spec(layout=layout.checkpointed_as("offload")))
+    ckpt.apply(model, ckpt.Spec(layout=Layout.from_pattern(layout.pattern, "offload")))
     for block in blocks:
         func = ckpt.function_of(block)
         assert "context_fn" not in func.keywords
     assert ckpt.layout_of(model).kinds == ("offload", "none", "offload", "none")
-    ckpt.apply(model, ckpt.Spec(layout=layout.checkpointed_as("full"), keywords={"determinism_check": None}))
+    ckpt.apply(model, ckpt.Spec(layout=Layout.from_pattern(layout.pattern, "full"), keywords={"determinism_check": None}))
     for block in blocks:
         func = ckpt.function_of(block)
         assert func.func is checkpoint and "determinism_check" not in func.keywords

@@ -23,7 +23,7 @@ def test_round_trip_through_json(tmp_path):
     assert {"rule_id", "action", "setting", "before", "after", "source", "reason", "evidence", "applied",
             "stage", "level"} <= set(data[0])
     assert read_decisions(path) == decisions
-    assert Decision.from_dict(json.loads(decisions[0].to_json())) == decisions[0]
+    assert Decision.from_dict(json.loads(json.dumps(decisions[0].to_dict(), default=repr))) == decisions[0]
 
 
 def test_no_output_dir_writes_nothing_and_creates_no_directory(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 from trl_gc_plugin import RULES, Facts, Rule, decide
-from trl_gc_plugin.core.engine import applicable, coerce_bool, errors, version_applies
+from trl_gc_plugin.core.engine import applicable, coerce_bool, errors
 
 TF4 = {"transformers": "4.57.6", "torch": "2.13.0"}
 TF5 = {"transformers": "5.23.0", "torch": "2.13.0"}
@@ -88,7 +88,7 @@ def test_frozen_inputs_without_trainable_block_params_need_nothing():
 def test_string_use_reentrant_is_coerced(raw, coerced):
     ds = decide(facts(use_reentrant=raw, use_reentrant_source="user"))
     assert ds[0].rule_id == "invalid-use-reentrant" and ds[0].action == "repair" and ds[0].after is coerced
-    assert ds.use_reentrant is coerced and ds.source == "user"  # decide says the value it leaves in force
+    assert ds.in_force == (coerced, "user") and ds.in_force[0] is coerced  # decide says the value it leaves in force
 
 
 @pytest.mark.parametrize(("mode", "action"), [("strict", "error"), ("fix", "override"), ("warn", "warn")])
@@ -111,7 +111,7 @@ def test_field_disagreement_last_write_wins_legacy_by_default():
     assert ds[0].rule_id == "field-disagreement" and ds[0].setting == "activation_checkpointing_kwargs"
     assert ds[0].after is True and ds[0].action == "repair"
     assert by_setting(ds).action == "warn"  # the reconciled True has an unknown author: kept
-    assert (ds.use_reentrant, ds.source) == (True, "unknown")
+    assert ds.in_force == (True, "unknown")
 
 
 def test_field_disagreement_new_name_written_last():
@@ -170,15 +170,6 @@ def test_opposite_requirements_are_one_error_in_every_mode():
 def test_bad_mode():
     with pytest.raises(ValueError, match="mode"):
         decide(facts(), "lenient")  # type: ignore[arg-type]
-
-
-def test_version_gates():
-    rule = Rule(id="x", title="x", kind="check", setting="s", value=None, when=lambda f: True, condition="c",
-                message="m", evidence=("e",), versions={"transformers": ">=5.23", "deepspeed": "<0.19.3"})
-    assert version_applies(rule, {"transformers": "5.23.0", "deepspeed": "0.19.2"})
-    assert not version_applies(rule, {"transformers": "5.22.0", "deepspeed": "0.19.2"})
-    assert not version_applies(rule, {"transformers": "5.23.0", "deepspeed": None})  # absent package
-    assert version_applies(rule, {"transformers": "5.24.0.dev0", "deepspeed": "0.19.2"})  # pre-releases count
 
 
 def test_stages():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trl_gc_plugin import SafeGCCallback
+from trl_gc_plugin.core.layout import Layout
 from trl_gc_plugin.model import ckpt, probe
 from trl_gc_plugin.model.ckpt import is_selective
 from trl_gc_plugin.testing import make_model
@@ -52,7 +53,7 @@ def gradients(kind: str, selective: bool | None, lean: bool = False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
         if selective:
-            layout = ckpt.layout_of(model).checkpointed_as("lean" if lean else "selective")
+            layout = Layout.from_pattern(ckpt.layout_of(model).pattern, "lean" if lean else "selective")
             ckpt.apply(model, ckpt.Spec(layout=layout, use_reentrant=False))
     ids = torch.randint(6, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     ids[:, 4] = 5  # aLoRA's invocation token: its adapter acts from there on

@@ -1,17 +1,8 @@
-"""What the installed transformers / TRL / DeepSpeed can do, detected, not inferred from version numbers.
-
-The rules gate on these capabilities; version numbers are only the evidence of where a capability was read. Off the
-pinned stacks a version gate is wrong (transformers honours `every_n_layers` from 5.16, not 5.23), and on a release
-newer than any tested it would refuse for no reason, so each capability is read off the installed package:
-
-- by signature when the package is already imported (`inspect.signature` of
-  `PreTrainedModel.gradient_checkpointing_enable` / `activation_checkpointing_enable`, `TrainingArguments`' fields);
-- otherwise by a text search of its source files, located with `importlib.util.find_spec` (nothing is imported:
-  importing transformers costs seconds and `import trl_gc_plugin` must stay free of it).
-
-The config checker (`trl-gc-check --transformers-version X`) has no installed package for X; `for_versions` maps a
-version to capabilities through `TRANSFORMERS_FIRST`, read from the released wheels. A release newer than every
-tested one gets the newest capabilities: an unknown version is never a reason to refuse.
+"""What the installed transformers / TRL / DeepSpeed / torch can do, read off the installed package (signature when
+imported, else a text search of its sources: importing transformers costs seconds), not inferred from version numbers:
+a version gate is wrong off the pinned stacks (`every_n_layers` works from 5.16, not 5.23) and would refuse on a newer
+release. The checker (`--transformers-version X`) maps a version through `TRANSFORMERS_FIRST`, read from the released
+wheels; a version newer than every tested one gets the newest capabilities.
 
 | capability | transformers | read in the wheels of |
 |---|---|---|
@@ -33,7 +24,7 @@ import inspect
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,43 +48,21 @@ DEEPSPEED_RECOMPUTE_FIX = "0.19.3"
 """DeepSpeed PR 8148 (`in_checkpoint_recompute` in `partitioned_param_coordinator.py`): absent in 0.19.2."""
 
 FSDP2_RECOMPUTE_CASTS = "2.13.0"
-"""The first torch whose FSDP2 casts a recompute's inputs and outputs as its forward did (pytorch #159359, fixed for
-2.13.0: `FSDPState._pre_forward` returns `_cast_forward_inputs(...)` in its PRE_BACKWARD branch)."""
+"""The first torch whose FSDP2 casts a recompute's inputs and outputs as its forward did (pytorch #159359)."""
 
 TRL_OFFLOAD_FIXES = "1.14.0"
-"""The first TRL whose `OffloadActivations` has the stream fixes (trl PR 7195: the compute stream read live, the
-clone of offset views before `wait_stream`; PR 5700: `__exit__` syncs and clears its stashes), read in the wheels of
-0.20.0, 0.26.2, 1.10.0-1.15.0 and 1.16.0: 1.10-1.13 have only PR 5700, 0.26.2 and older neither."""
+"""The first TRL whose `OffloadActivations` has the stream fixes of trl PRs 7195 and 5700 (wheels read: 1.10-1.13 have
+only PR 5700, 0.26.2 and older neither)."""
 
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What the checkpointing stack can do. `None`: not known (the package is absent, or nothing says); a rule that
-    gates on an unknown capability does not apply.
-
-    Args:
-        transformers: the version the transformers capabilities were read from (evidence, not a gate).
-        source: `installed` (detected), `table` (mapped from a version), `newest` (a version newer than every tested
-            one: the newest capabilities), or `unknown`.
-        checkpointing_layer: `transformers.modeling_layers.GradientCheckpointingLayer` exists (4.52+).
-        none_kwargs_reentrant: kwargs None mean reentrant (4.x) rather than non-reentrant (5.x).
-        enable_adds_input_hook: enabling checkpointing registers `enable_input_require_grads()` for models whose
-            `main_input_name` is `input_ids` (one more hook per call).
-        every_n_layers: `gradient_checkpointing_enable(every_n_layers=)` exists and the Trainer takes it out of the
-            kwargs before torch sees them.
-        empty_kwargs_to_none: the Trainer passes `kwargs or None`, so `{}` means the model's default (not torch's).
-        offload: `gradient_checkpointing_enable(offload=)` exists and the Trainer takes it out of the kwargs.
-        activation_fields: `TrainingArguments` has `activation_checkpointing(_kwargs)`; the Trainer reads only them.
-        trl_reenables_per_step: the installed TRL's trainers disable and re-enable checkpointing around reference /
-            generation passes (`disable_gradient_checkpointing`), re-using the raw kwargs.
-        deepspeed_recompute_fix: the installed DeepSpeed keeps frozen ZeRO-3 parameters gathered during a
-            non-reentrant recompute (`in_checkpoint_recompute`).
-        fsdp2_recompute_casts: the installed torch's FSDP2 applies its mixed-precision casts when a checkpointed block
-            is recomputed (`detect_fsdp2_recompute_casts`); without them a non-reentrant recompute under FSDP2 mixed
-            precision fails with a dtype `CheckpointError`.
-        trl_offload_stream_fixes: the installed TRL's activation offloading (`OffloadActivations`) has the stream
-            fixes of `TRL_OFFLOAD_FIXES` (read in its source, `detect_trl_offload`).
-    """
+    """What the checkpointing stack can do; `None`: not known (a rule gating on it does not apply). `source`:
+    `installed`, `table` (mapped from a version), `newest` (newer than every tested one) or `unknown`. Fields beyond
+    the table in the module docstring: `trl_reenables_per_step` (TRL's `disable_gradient_checkpointing` re-enables
+    with the raw kwargs), `deepspeed_recompute_fix` (`in_checkpoint_recompute`), `fsdp2_recompute_casts` (without
+    them a non-reentrant recompute under FSDP2 mixed precision fails with a dtype `CheckpointError`),
+    `trl_offload_stream_fixes` (`TRL_OFFLOAD_FIXES`)."""
 
     transformers: str | None = None
     source: str = "unknown"
@@ -115,12 +84,6 @@ class Capabilities:
 
     def replace(self, **changes: Any) -> Capabilities:
         return replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-CAPABILITY_NAMES = tuple(f.name for f in fields(Capabilities) if f.name not in ("transformers", "source"))
 
 
 # --- from a version (the config checker, hand-made facts) ----------------------------------------------------------
@@ -149,22 +112,13 @@ def _transformers_for(version: str | None) -> Capabilities:
 
 
 def for_versions(versions: Mapping[str, str | None]) -> Capabilities:
-    """Capabilities for a set of versions (a `--transformers-version X` of the checker, or a hand-made `Facts`),
-    from `TRANSFORMERS_FIRST`. TRL's per-step re-enable is left unknown; DeepSpeed's fix is `>= 0.19.3`, TRL's
-    offloading fixes `>= TRL_OFFLOAD_FIXES`."""
+    """Capabilities for a set of versions (`--transformers-version X`, hand-made `Facts`), from `TRANSFORMERS_FIRST`
+    and `PACKAGE_FIXES`; TRL's per-step re-enable is left unknown."""
     caps = _transformers_for(versions.get("transformers"))
-    trl = versions.get("trl")
-    trl_release = _release(trl) if trl else None
-    if trl_release is not None:
-        caps = caps.replace(trl_offload_stream_fixes=_at_least(trl_release, TRL_OFFLOAD_FIXES))
-    torch = versions.get("torch")
-    torch_release = _release(torch) if torch else None
-    if torch_release is not None:
-        caps = caps.replace(fsdp2_recompute_casts=_at_least(torch_release, FSDP2_RECOMPUTE_CASTS))
-    ds = versions.get("deepspeed")
-    ds_release = _release(ds) if ds else None
-    if ds_release is not None:
-        caps = caps.replace(deepspeed_recompute_fix=_at_least(ds_release, DEEPSPEED_RECOMPUTE_FIX))
+    for name, package, first, _ in PACKAGE_FIXES:
+        release = _release(versions.get(package) or "")
+        if release is not None:
+            caps = caps.replace(**{name: _at_least(release, first)})
     return caps
 
 
@@ -204,16 +158,10 @@ def _enable_parameters(tf_dir: Path) -> set[str]:
     module = _imported("transformers.modeling_utils", tf_dir)
     model_cls = getattr(module, "PreTrainedModel", None) if module is not None else None
     if model_cls is not None:
-        names: set[str] = set()
-        for attr in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
-            method = getattr(model_cls, attr, None)
-            if method is not None:
-                names |= set(inspect.signature(method).parameters)
-        return names
-    names = set()
-    for params in _ENABLE_DEF.findall(_read(tf_dir / "modeling_utils.py")):
-        names |= {p.split(":")[0].split("=")[0].strip().lstrip("*") for p in params.split(",")}
-    return names
+        enables = [getattr(model_cls, f"{kind}_checkpointing_enable", None) for kind in ("gradient", "activation")]
+        return {name for method in enables if method is not None for name in inspect.signature(method).parameters}
+    found = _ENABLE_DEF.findall(_read(tf_dir / "modeling_utils.py"))
+    return {p.split(":")[0].split("=")[0].strip().lstrip("*") for params in found for p in params.split(",")}
 
 
 TORCH_POPPED_KWARGS = ("preserve_rng_state",)
@@ -224,17 +172,15 @@ _CHECKPOINT_DEF = re.compile(r"^def checkpoint\(.*?\)\s*(?:->[^:]*)?:", re.S | r
 
 @functools.lru_cache(maxsize=1)
 def torch_checkpoint_keywords() -> frozenset[str]:
-    """The keywords the installed `torch.utils.checkpoint.checkpoint` reads: its keyword-only parameters (the
-    signature when torch is imported, else its source text; torch is never imported for it) and `preserve_rng_state`,
-    which it pops from `**kwargs`; torch's documented set when torch cannot be read."""
+    """The keywords the installed `torch.utils.checkpoint.checkpoint` reads (torch is never imported for it): its
+    keyword-only parameters and `preserve_rng_state`; torch's documented set when torch cannot be read."""
     module = sys.modules.get("torch.utils.checkpoint")
     named: frozenset[str] = frozenset()
     if module is not None:
         params = inspect.signature(module.checkpoint).parameters.values()
         named = frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
     else:
-        torch_dir = _package_dir("torch")
-        found = _CHECKPOINT_DEF.search(_read(torch_dir / "utils" / "checkpoint.py")) if torch_dir else None
+        found = _CHECKPOINT_DEF.search(_source("torch", None, "utils", "checkpoint.py") or "")
         try:
             header = ast.parse(found.group(0) + " pass").body[0] if found is not None else None
         except SyntaxError:
@@ -257,12 +203,11 @@ PACKAGES = ("transformers", "trl", "peft", "torch", "accelerate", "deepspeed", "
 
 @functools.lru_cache(maxsize=1)
 def installed_versions() -> dict[str, str | None]:
-    """Installed versions of the packages the rules gate on (from package metadata: nothing is imported)."""
+    """Installed versions of the packages the rules gate on (package metadata: nothing is imported)."""
     return {name: installed_version(name) for name in PACKAGES}
 
 
 def installed_version(name: str) -> str | None:
-    """The installed version of the distribution `name` (package metadata), None when it is not installed."""
     from importlib import metadata
 
     try:
@@ -305,16 +250,19 @@ _LIVE_STREAM = re.compile(r"@property\s+def s0\(")
 _EXIT = re.compile(r"def __exit__\(.*?(?=\n    def |\Z)", re.S)
 
 
+def _source(package: str, root: Path | None, *parts: str) -> str | None:
+    """The text of `parts` in the package directory `root` (default: the installed `package`'s); None when absent."""
+    root = root or _package_dir(package)
+    path = root.joinpath(*parts) if root is not None else None
+    return _read(path) if path is not None and path.is_file() else None
+
+
 def detect_trl_offload(trl_dir: Path | None = None) -> bool | None:
-    """Whether the installed TRL's `OffloadActivations` has the stream fixes (`TRL_OFFLOAD_FIXES`), read in its source:
-    the compute stream is a property (read when packing, not cached at construction), offset views are cloned before
-    the transfer stream waits on the compute stream, and `__exit__` synchronizes the streams. None without TRL's
-    offloading module."""
-    trl_dir = trl_dir or _package_dir("trl")
-    source = trl_dir / "models" / "activation_offloading.py" if trl_dir is not None else None
-    if source is None or not source.is_file():
+    """Whether TRL's `OffloadActivations` has the stream fixes (`TRL_OFFLOAD_FIXES`): the compute stream a property,
+    offset views cloned before the transfer stream waits, `__exit__` synchronizing."""
+    text = _source("trl", trl_dir, "models", "activation_offloading.py")
+    if text is None:
         return None
-    text = _read(source)
     clone, wait = text.find("activation.clone(memory_format"), text.find("self.s1.wait_stream(self.s0)")
     exit_body = _EXIT.search(text)
     return bool(
@@ -329,56 +277,47 @@ _PRE_BACKWARD = re.compile(r"def _pre_forward\(.*?TrainingState\.PRE_BACKWARD:(.
 
 
 def detect_fsdp2_recompute_casts(torch_dir: Path | None = None) -> bool | None:
-    """Whether the installed torch's FSDP2 casts a recompute's inputs (`FSDPState._pre_forward`'s PRE_BACKWARD branch
-    returns `_cast_forward_inputs(...)`), read in its source; None without FSDP2's state module."""
-    torch_dir = torch_dir or _package_dir("torch")
-    source = torch_dir / "distributed" / "fsdp" / "_fully_shard" / "_fsdp_state.py" if torch_dir else None
-    if source is None or not source.is_file():
+    """Whether torch's FSDP2 casts a recompute's inputs (`FSDPState._pre_forward`'s PRE_BACKWARD branch)."""
+    text = _source("torch", torch_dir, "distributed", "fsdp", "_fully_shard", "_fsdp_state.py")
+    if text is None:
         return None
-    branch = _PRE_BACKWARD.search(_read(source))
+    branch = _PRE_BACKWARD.search(text)
     return branch is not None and "_cast_forward_inputs(" in branch.group(1)
 
 
 def detect_deepspeed(ds_dir: Path | None = None) -> bool | None:
-    """Whether the installed DeepSpeed has the `in_checkpoint_recompute` guard (PR 8148, 0.19.3)."""
-    ds_dir = ds_dir or _package_dir("deepspeed")
-    if ds_dir is None:
-        return None
-    source = ds_dir / "runtime" / "zero" / "partitioned_param_coordinator.py"
-    return "in_checkpoint_recompute" in _read(source) if source.is_file() else None
+    """Whether DeepSpeed has the `in_checkpoint_recompute` guard (PR 8148, 0.19.3)."""
+    text = _source("deepspeed", ds_dir, "runtime", "zero", "partitioned_param_coordinator.py")
+    return None if text is None else "in_checkpoint_recompute" in text
+
+
+PACKAGE_FIXES = (
+    ("trl_offload_stream_fixes", "trl", TRL_OFFLOAD_FIXES, detect_trl_offload),
+    ("fsdp2_recompute_casts", "torch", FSDP2_RECOMPUTE_CASTS, detect_fsdp2_recompute_casts),
+    ("deepspeed_recompute_fix", "deepspeed", DEEPSPEED_RECOMPUTE_FIX, detect_deepspeed),
+)
+"""(capability, distribution, first release with it, its reader of the installed source), beside transformers'."""
 
 
 @functools.lru_cache(maxsize=1)
 def installed() -> Capabilities:
-    """The capabilities of the installed stack (cached: read once per process)."""
-    return detect_transformers().replace(
-        trl_reenables_per_step=detect_trl(),
-        deepspeed_recompute_fix=detect_deepspeed(),
-        trl_offload_stream_fixes=detect_trl_offload(),
-        fsdp2_recompute_casts=detect_fsdp2_recompute_casts(),
-    )
+    """The capabilities of the installed stack (read once per process)."""
+    fixes = {name: detect() for name, _, _, detect in PACKAGE_FIXES}
+    return detect_transformers().replace(trl_reenables_per_step=detect_trl(), **fixes)
 
 
 def for_check(versions: Mapping[str, str | None]) -> Capabilities:
-    """The capabilities for the checker: the installed ones where the version asked for is the installed one, else
-    the table's for that version."""
+    """The capabilities for the checker: per package, the installed ones where the version asked for is the
+    installed one, else the table's for that version."""
     if versions.get("transformers") == installed_version("transformers"):
         caps = installed()
-        ds = versions.get("deepspeed")
-        if ds is not None and ds != installed_version("deepspeed"):
-            caps = caps.replace(deepspeed_recompute_fix=for_versions({"deepspeed": ds}).deepspeed_recompute_fix)
-        trl = versions.get("trl")
-        if trl is not None and trl != installed_version("trl"):
-            caps = caps.replace(trl_offload_stream_fixes=for_versions({"trl": trl}).trl_offload_stream_fixes)
-        torch = versions.get("torch")
-        if torch is not None and torch != installed_version("torch"):
-            caps = caps.replace(fsdp2_recompute_casts=for_versions({"torch": torch}).fsdp2_recompute_casts)
+        for name, package, _, _ in PACKAGE_FIXES:
+            wanted = versions.get(package)
+            if wanted is not None and wanted != installed_version(package):
+                caps = caps.replace(**{name: getattr(for_versions({package: wanted}), name)})
         return caps
     table = for_versions(versions)
-    if versions.get("deepspeed") == installed_version("deepspeed"):
-        table = table.replace(deepspeed_recompute_fix=detect_deepspeed())
-    if versions.get("trl") == installed_version("trl"):
-        table = table.replace(trl_offload_stream_fixes=detect_trl_offload())
-    if versions.get("torch") == installed_version("torch"):
-        table = table.replace(fsdp2_recompute_casts=detect_fsdp2_recompute_casts())
+    for name, package, _, detect in PACKAGE_FIXES:
+        if versions.get(package) == installed_version(package):
+            table = table.replace(**{name: detect()})
     return table

@@ -1,15 +1,6 @@
-"""accelerate's `ParallelismConfig` as the run and the check both read it: the context-parallel size.
-
-One reader for the three places the size can come from, so that `trl-gc-check` and the runtime agree:
-
-- the `TrainingArguments.parallelism_config` object (transformers >= 4.56 passes it to the `Accelerator`);
-- the environment `accelerate launch` exports for a config's `parallelism_config:` block (`ACCELERATE_USE_PARALLELISM_
-  CONFIG=true`, `PARALLELISM_CONFIG_CP_SIZE=N`), which `Accelerator()` reads into a `ParallelismConfig` (Axolotl's
-  `context_parallel_size` sets the same variables);
-- the `parallelism_config:` block of an accelerate config file (keys `parallelism_config_cp_size`, ...).
-
-Stdlib only.
-"""
+"""The context-parallel size of accelerate's `ParallelismConfig`, as the run and `trl-gc-check` both read it: from
+`TrainingArguments.parallelism_config` (transformers >= 4.56), the environment `accelerate launch` (and Axolotl's
+`context_parallel_size`) exports, or an accelerate config file's `parallelism_config:` block."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
-"""The `Decision` record, and the `gc_decisions.json` file.
-
-A decision is the one structured thing the plugin produces: the engine returns them, `apply.py` carries them out,
-`report.py` logs them, `gc_decisions.json` stores them and the tests assert on them.
-"""
+"""The `Decision` record (the one structured thing the plugin produces), and the `gc_decisions.json` file."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -19,10 +15,8 @@ DECISIONS_FILE = "gc_decisions.json"
 
 
 def level_of(action: Action, rule_level: Level = "warning") -> Level:
-    """The log level of a decision: refusals are errors; a value of the user's replaced, or a setup that breaks
-    training kept in warn mode, is a warning; repairs and checks take their rule's level (`warning` when the user
-    should change something, `info` for routine repairs of upstream behaviour); the rest (defaults filled, nothing
-    to do) is information."""
+    """Refusals are errors; overrides and warn-mode findings warnings; repairs take their rule's level; the rest
+    (defaults filled, nothing to do) information."""
     if action == "error":
         return "error"
     if action in ("override", "warn"):
@@ -34,23 +28,10 @@ def level_of(action: Action, rule_level: Level = "warning") -> Level:
 
 @dataclass(frozen=True)
 class Decision:
-    """One decision of the plugin about one setting.
-
-    Args:
-        rule_id: the rule that produced it (see `trl_gc_plugin.RULES`).
-        action: `default` (filled a value nobody set), `override` (replaced an explicit value, fix mode),
-            `repair` (fixed an upstream inconsistency), `warn` (logged only; in warn mode, what strict/fix would
-            do), `error` (strict mode refuses the setup), `none` (checked, nothing to do).
-        setting: what it is about, e.g. `gradient_checkpointing_kwargs.use_reentrant`, `model.config.use_cache`.
-        before: the value found.
-        after: the value set (or that would be set, when `applied` is False).
-        source: who set `before`: `user`, `trainer`, `plugin`, `unset` or `unknown`.
-        reason: one line saying why.
-        evidence: links to the issues, PRs and code behind the rule.
-        applied: whether `after` was written.
-        stage: `post_init`, `init_end` or `train` (runtime checks: `train`).
-        level: how it is logged: `error` (refused), `warning` (the user should change something), `info`.
-    """
+    """One decision of the plugin about one setting. `action`: `default` (filled a value nobody set), `override`
+    (replaced an explicit value, fix mode), `repair` (fixed an upstream inconsistency), `warn` (logged only; in warn
+    mode, what strict/fix would do), `error` (refused), `none` (checked, nothing to do). `source`: who set `before`;
+    `after`: the value set, or that would be set when not `applied`."""
 
     rule_id: str
     action: Action
@@ -69,9 +50,6 @@ class Decision:
         data["evidence"] = list(self.evidence)
         return data
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), default=repr)
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Decision:
         data = dict(data)
@@ -81,13 +59,10 @@ class Decision:
 
     @property
     def changes(self) -> bool:
-        """Whether this decision writes (or would write) a new value."""
         return self.action in ("default", "override", "repair") or (self.action == "warn" and self.after != self.before)
 
     def line(self) -> str:
-        """The one-line log form: rule id, action, the change, who set the value before, and the first sentence
-        of the reason (the whole reason is in `gc_decisions.json`; `python -m trl_gc_plugin rules` explains each
-        rule)."""
+        """The one-line log form: rule id, action, the change, who set the value, the reason's first sentence."""
         verb = "" if self.applied or self.action in ("none", "error") else " (not applied)"
         if self.source == "runtime":  # a check of the running training: what it found is the reason
             return f"[{self.rule_id}] {self.action}{verb}: {first_sentence(self.reason)}"
@@ -100,34 +75,27 @@ class Decision:
 
 
 class Decisions(list[Decision]):
-    """What `engine.decide` returns: the decisions, in the order they are applied, and the `use_reentrant` they leave
-    in force with who set it (`plugin` for a value the plugin writes).
+    """What `engine.decide` returns: the decisions, in the order they are applied."""
 
-    Args:
-        decisions: the `Decision` records.
-        use_reentrant: the value in force once they are applied (in warn mode: the value found, nothing is applied).
-        source: who set it: `user`, `plugin`, `trainer`, `unknown`, `unset`, or a launcher; None when the decisions
-            say nothing about it (`where`).
-    """
-
-    def __init__(
-        self, decisions: Iterable[Decision] = (), use_reentrant: Any = None, source: str | None = "unset"
-    ) -> None:
-        super().__init__(decisions)
-        self.use_reentrant = use_reentrant
-        self.source = source
+    @property
+    def in_force(self) -> tuple[Any, str] | None:
+        """The `use_reentrant` they leave in the args and who chose it (`plugin` for a value the plugin writes; in warn
+        mode the value found); None when none of them is about it."""
+        found = None
+        for d in self:
+            if d.setting not in ("use_reentrant", "activation_checkpointing_kwargs"):
+                continue
+            if d.applied:
+                found = d.after, ("plugin" if d.action in ("default", "override") else d.source)
+            elif d.action in ("none", "warn", "error"):
+                found = d.before, d.source
+        return found
 
     def where(self, keep: Callable[[Decision], bool]) -> Decisions:
-        """The decisions `keep` keeps; the value in force stays theirs only where one of them is about it (else
-        `source` is None: they leave the value as it was)."""
-        kept = [d for d in self if keep(d)]
-        if any(d.setting in ("use_reentrant", "activation_checkpointing_kwargs") for d in kept):
-            return Decisions(kept, self.use_reentrant, self.source)
-        return Decisions(kept, None, None)
+        return Decisions(d for d in self if keep(d))
 
 
 def first_sentence(text: str, limit: int = 240) -> str:
-    """The first sentence of `text` (up to `limit` characters)."""
     for end in (". ", "; see "):
         cut = text.find(end)
         if cut != -1:
@@ -137,9 +105,8 @@ def first_sentence(text: str, limit: int = 240) -> str:
 
 
 def write_decisions(decisions: list[Decision], output_dir: str | os.PathLike[str] | None) -> str | None:
-    """Write `decisions` to `<output_dir>/gc_decisions.json`; returns the path, or None when there is no output
-    directory. The directory is never created here: the Trainer creates it on the process that saves, and where it
-    does not exist the plugin writes nothing."""
+    """Write `decisions` to `<output_dir>/gc_decisions.json` and return its path; None (nothing written) without an
+    existing directory: the Trainer creates it on the process that saves."""
     if not output_dir or not os.path.isdir(output_dir):
         return None
     path = os.path.join(os.fspath(output_dir), DECISIONS_FILE)
@@ -150,6 +117,5 @@ def write_decisions(decisions: list[Decision], output_dir: str | os.PathLike[str
 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
-    """Read a `gc_decisions.json` back into `Decision` records."""
     with open(path, encoding="utf-8") as fh:
         return [Decision.from_dict(item) for item in json.load(fh)]

@@ -20,10 +20,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
-
-from .._base.flags import parse_flag
+from .._base.flags import parse_flag as coerce_bool
 from . import targets
 from .capabilities import Capabilities
 from .decisions import Action, Decision, Decisions, Level
@@ -38,34 +35,13 @@ _VERB = {"error": "is refused", "override": "is OVERRIDDEN", "warn": "breaks tra
 _VERB_DETAIL = {"error": "Refused.", "override": "OVERRIDDEN.", "warn": "This breaks training."}
 
 
-def coerce_bool(value: Any) -> bool | None:
-    """`value` as a bool when it unambiguously spells one (`'false'`, `0`, `'yes'`...), else None."""
-    return parse_flag(value)
-
-
-def version_applies(rule: Rule, versions: dict[str, str | None]) -> bool:
-    """Whether every version gate of `rule` holds for `versions` (a package the gate names must be installed)."""
-    for package, spec in rule.versions.items():
-        installed = versions.get(package)
-        if installed is None:
-            return False
-        try:
-            if not SpecifierSet(spec).contains(Version(installed), prereleases=True):
-                return False
-        except (InvalidSpecifier, InvalidVersion):
-            return False
-    return True
-
-
 def capabilities_apply(rule: Rule, caps: Capabilities) -> bool:
     """Whether the stack can do what `rule.needs` says (an unknown capability, `None`, fails the gate)."""
     return all(getattr(caps, name) is want for name, want in rule.needs.items())
 
 
 def applicable(facts: Facts, rules: Sequence[Rule] = RULES) -> list[Rule]:
-    """The rules whose stage, capability gates and condition hold for `facts`, in table order. Versions are the
-    evidence of a rule, not its gate (`version_applies` says whether a version is among those the evidence was read
-    on)."""
+    """The rules whose stage, capability gates and condition hold for `facts`, in table order."""
     caps = facts.caps
     return [r for r in rules if facts.stage in r.stages and capabilities_apply(r, caps) and r.when(facts)]
 
@@ -93,17 +69,8 @@ def _in_warn_mode(decision: Decision) -> Decision:
 
 
 def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -> Decisions:
-    """Decide what to do for one training setup.
-
-    Args:
-        facts: what is known at this stage.
-        mode: `strict` (default), `fix` or `warn`.
-        rules: the rule table (tests pass their own).
-
-    Returns:
-        `Decisions`: the decisions, in the order they are to be applied, and the `use_reentrant` in force after them
-        with who set it. `error` decisions are never applied; the caller raises `GCConfigError` for them in strict
-        and fix mode.
+    """The decisions for one training setup, in the order they are to be applied. `error` decisions are never
+    applied; the caller raises `GCConfigError` for them in strict and fix mode.
 
     Example:
         >>> from trl_gc_plugin import Facts, decide
@@ -112,8 +79,7 @@ def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    out = _decide(facts, mode, rules)
-    return Decisions(out, *_in_force(out, facts.use_reentrant, facts.use_reentrant_source))
+    return Decisions(_decide(facts, mode, rules))
 
 
 def _decide(facts: Facts, mode: Mode, rules: Sequence[Rule]) -> list[Decision]:
@@ -127,7 +93,8 @@ def _decide(facts: Facts, mode: Mode, rules: Sequence[Rule]) -> list[Decision]:
     rules_here = applicable(facts, rules)
     standing_back = next((r for r in rules_here if r.stand_back), None)
     if standing_back is not None:  # another library owns checkpointing: say so and decide nothing
-        return [_stand_back(standing_back, facts)]
+        value, source, r = facts.use_reentrant, facts.use_reentrant_source, standing_back
+        return [r.decision("warn", value, value, source, r.message, facts.stage, level=r.level)]
     by_kind = {kind: [r for r in rules_here if r.kind == kind] for kind in ("require", "prefer", "repair", "check")}
     repairs = {r.id: r for r in by_kind["repair"]}
     out: list[Decision] = []
@@ -142,20 +109,14 @@ def _decide(facts: Facts, mode: Mode, rules: Sequence[Rule]) -> list[Decision]:
     return [_in_warn_mode(d) for d in out] if mode == "warn" else out
 
 
-def _stand_back(rule: Rule, facts: Facts) -> Decision:
-    value, source = facts.use_reentrant, facts.use_reentrant_source
-    return rule.decision("warn", value, value, source, rule.message, facts.stage, level=rule.level)
-
-
 def _field_disagreement(rule: Rule, facts: Facts, value: Any, source: str, out: list[Decision]) -> tuple[Any, str]:
     """The two field names hold different values: the one written after `__post_init__` wins (the deprecated one when
     unknown); returns the `use_reentrant` that then stands and its source."""
-    winner = facts.changed_field or "legacy"
 
     def repair(before: Any, after: Any, who: str, setting: str, reason: str) -> None:
         out.append(rule.decision("repair", before, after, who, reason, facts.stage, setting=setting))
 
-    if winner == "legacy":
+    if facts.changed_field != "new":
         if facts.legacy_gc is not None:
             why = "`gradient_checkpointing` was written after `__post_init__`; copied to `activation_checkpointing`."
             repair(not facts.legacy_gc, facts.legacy_gc, "unknown", "activation_checkpointing", why)
@@ -226,13 +187,8 @@ def _choose_use_reentrant(
             say("none", value, value, source, f"use_reentrant={value!r} kept ({rule.title}).")
         elif source == "plugin" or (strong and source == "trainer"):
             reason = f"use_reentrant={value!r} (set by the {source}) replaced by {target!r} ({rule.title}). "
-            say(
-                "default" if source == "plugin" else "override",
-                value,
-                target,
-                source,
-                reason + (rule.message if strong else ""),
-            )
+            action: Action = "default" if source == "plugin" else "override"
+            say(action, value, target, source, reason + (rule.message if strong else ""))
             final = target
         elif strong:
             refusal = _refuse_explicit(rule, mode, value, source, facts)
@@ -248,18 +204,10 @@ def _choose_use_reentrant(
 def _stale_model(rule: Rule | None, facts: Facts, final: Any, out: list[Decision]) -> None:
     """The model already checkpoints with another `use_reentrant` than the one in force: rewrite it."""
     effective = final if isinstance(final, bool) else None
-    if rule is not None and effective is not None and facts.model_use_reentrant != effective:
-        out.append(
-            rule.decision(
-                "repair",
-                facts.model_use_reentrant,
-                effective,
-                "trainer",
-                f"The model already checkpoints with use_reentrant={facts.model_use_reentrant!r}; "
-                f"rewritten to {effective!r}. " + rule.message,
-                facts.stage,
-            )
-        )
+    running = facts.model_use_reentrant
+    if rule is not None and effective is not None and running != effective:
+        reason = f"The model already checkpoints with use_reentrant={running!r}; rewritten to {effective!r}. "
+        out.append(rule.decision("repair", running, effective, "trainer", reason + rule.message, facts.stage))
 
 
 def _other_settings(
@@ -275,16 +223,8 @@ def _other_settings(
             continue
         if rule.kind == "prefer" or who not in _EXPLICIT:
             action: Action = "override" if rule.kind == "require" and who == "trainer" else "default"
-            out.append(
-                rule.decision(
-                    action,
-                    current,
-                    rule.value,
-                    who,
-                    f"{rule.title}." + (" " + rule.message if rule.kind == "require" else ""),
-                    facts.stage,
-                )
-            )
+            reason = f"{rule.title}." + (" " + rule.message if rule.kind == "require" else "")
+            out.append(rule.decision(action, current, rule.value, who, reason, facts.stage))
         else:
             out.append(_refuse_explicit(rule, mode, current, who, facts))
     # repairs of a setting other than use_reentrant (those above are repaired on the way to the value)
@@ -294,9 +234,7 @@ def _other_settings(
         current, who = targets.current(facts, rule.setting)
         out.append(rule.decision("repair", current, rule.value, who, rule.message, facts.stage))
     for rule in by_kind["check"]:
-        current, who = (
-            (value, source) if rule.setting == USE_REENTRANT else targets.current(facts, rule.setting, value, source)
-        )
+        current, who = targets.current(facts, rule.setting, value, source)
         reason = _detail(rule, facts) + rule.message
         said: Action = "none" if rule.level == "info" else "warn"  # an info check is a note, not a warning
         out.append(rule.decision(said, current, current, who, reason, facts.stage, level=rule.level))
@@ -309,15 +247,3 @@ _REPAIRED_ABOVE = frozenset({USE_REENTRANT, "activation_checkpointing_kwargs", "
 def errors(decisions: Sequence[Decision]) -> list[Decision]:
     """The `error` decisions."""
     return [d for d in decisions if d.action == "error"]
-
-
-def _in_force(decisions: Sequence[Decision], value: Any, source: str) -> tuple[Any, str]:
-    """The `use_reentrant` the decisions leave in the args, and who chose it (`plugin` for a value it wrote)."""
-    for d in decisions:
-        if d.setting not in (USE_REENTRANT, "activation_checkpointing_kwargs"):
-            continue
-        if d.applied:
-            value, source = d.after, ("plugin" if d.action in ("default", "override") else d.source)
-        elif d.action in ("none", "warn", "error"):
-            value, source = d.before, d.source
-    return value, source

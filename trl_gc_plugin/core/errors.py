@@ -26,15 +26,8 @@ def type_name(value: Any) -> str:
 
 
 class GCConfigError(ValueError):
-    """A gradient-checkpointing configuration that is known to break training.
-
-    Raised in `strict` mode before the first training step. The message names each rule that failed, the setting
-    to change and the evidence; `decisions` holds the structured records.
-
-    Args:
-        message (`str`): the human-readable explanation.
-        decisions (`list[Decision]`, *optional*): the `error` decisions behind it.
-    """
+    """A gradient-checkpointing configuration known to break training, raised in `strict` mode before the first
+    training step; `decisions` holds the `error` decisions behind the message."""
 
     def __init__(self, message: str, decisions: list[Decision] | None = None) -> None:
         super().__init__(message)
@@ -66,15 +59,8 @@ def raise_for_errors(decisions: Sequence[Decision], mode: str) -> None:
 
 @contextlib.contextmanager
 def contained(where: str, on_error: Callable[[Exception], Any] | None = None) -> Iterator[None]:
-    """A plugin bug never stops training; a `GCConfigError` always does. Anything but a `GCConfigError` raised inside
-    is handed to `on_error` (by default: said once, as an internal error in `where`) and the caller goes on.
-
-    Example:
-        ```python
-        with contained("the replayed-state check", lambda exc: ...):
-            judge()
-        ```
-    """
+    """A plugin bug never stops training; a `GCConfigError` always does. Anything else raised inside is handed to
+    `on_error` (by default: said as an internal error in `where`) and the caller goes on."""
     try:
         yield
     except GCConfigError:
@@ -88,7 +74,6 @@ def contained(where: str, on_error: Callable[[Exception], Any] | None = None) ->
 
 
 def internal_error(where: str, exc: Exception) -> str:
-    """The one line said for a plugin bug."""
     return (
         f"internal error in {where} ({type(exc).__name__}: {exc}); training goes on without the plugin's checks. "
         "Please report it."

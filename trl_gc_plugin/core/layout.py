@@ -1,6 +1,5 @@
-"""`Layout`: how each checkpointed block of a model runs, block by block. The one per-block description: the planner
-writes it (`planner.Candidate.layout`), `ckpt.apply` applies it to a model and `ckpt.layout_of` reads it back, and the
-estimate, the plan check and the drift check compare with it. Plain data (no torch)."""
+"""`Layout`: how each checkpointed block of a model runs, the one per-block description the planner writes,
+`ckpt.apply` applies and `ckpt.layout_of` reads back. Plain data (no torch)."""
 
 from __future__ import annotations
 
@@ -9,10 +8,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 Kind = Literal["none", "full", "selective", "lean", "offload"]
-"""What one block runs: `none` (not checkpointed: it keeps every activation), `full` (checkpointed: it keeps its
-inputs), `selective` (checkpointed, keeping matmul and attention outputs: `policies.selective_policy`), `lean`
-(selective less the widening matmuls: `policies.lean_policy`), `offload` (checkpointed, its inputs in pinned host
-memory)."""
+"""`selective` keeps matmul and attention outputs (`policies.selective_policy`), `lean` less the widening matmuls,
+`offload` keeps the inputs in pinned host memory."""
 SELECTIVE: frozenset[str] = frozenset({"selective", "lean"})
 
 
@@ -30,10 +27,6 @@ class Layout:
     def from_pattern(cls, pattern: tuple[bool, ...], kind: Kind = "full") -> Layout:
         """The checkpointed blocks of `pattern` run `kind`, the others nothing."""
         return cls(tuple(kind if on else "none" for on in pattern))
-
-    def checkpointed_as(self, kind: Kind) -> Layout:
-        """The same blocks checkpointed, each running `kind`."""
-        return Layout.from_pattern(self.pattern, kind)
 
     def __len__(self) -> int:
         return len(self.kinds)
@@ -75,17 +68,6 @@ class Layout:
 
     def count(self) -> Counter[str]:
         return Counter(self.kinds)
-
-    def differences(self, other: Layout) -> list[str]:
-        """What differs from `other` among the checkpointed blocks of `other`: `pattern`, `selective`, `offload`
-        (empty: the same layout)."""
-        found = [] if self.pattern == other.pattern else ["pattern"]
-        on = [i for i, k in enumerate(other.kinds) if k != "none"]
-        if any(self.selective[i] != other.selective[i] or self.lean[i] != other.lean[i] for i in on):
-            found.append("selective")
-        if any(self.offload[i] != other.offload[i] for i in on):
-            found.append("offload")
-        return found
 
 
 def every_n_pattern(blocks: int, n: int) -> tuple[bool, ...]:

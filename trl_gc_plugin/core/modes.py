@@ -1,5 +1,4 @@
-"""The plugin's modes (stdlib only). How a mode is chosen (argument > `install()` > `$TRL_GC_PLUGIN_MODE` > strict) is
-the settings layer's (`settings.py`), for every route."""
+"""The plugin's modes (chosen in `settings.py`)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
-"""The plugin's own settings, read and validated in one place, identically on every route.
-
-Every setting of the plugin (`SafeGCCallback(...)`, `install(...)`, the `TRL_GC_PLUGIN_*` variables) is a row of
-`SETTINGS`: its name, its environment variable, the forms it accepts and its default. `GCSettings.resolve` reads them
-with one precedence - the argument, else what `install()` was given, else the environment variable, else the
-default - and one policy for a value that is none of the accepted forms: a one-line message naming the setting, the
-value and what is accepted; in strict mode a `GCConfigError` (before anything runs), in fix and warn mode a warning
-and the documented default. Nothing the user wrote is ever replaced silently.
-
-The checkpointing kwargs (`gradient_checkpointing_kwargs` / `activation_checkpointing_kwargs`) are the Trainer's, not
-the plugin's: `checkpoint_kwargs_problem` and `unknown_checkpoint_keys` turn what is wrong with them into facts, and
-the rule table (`checkpointing-kwargs-not-a-dict`, `checkpointing-kwargs-unknown`) decides, as for every other fact.
-
-Booleans accept what `TrainingArguments` accepts on the command line (`transformers.hf_argparser.string_to_bool`:
-`yes`/`no`, `true`/`false`, `t`/`f`, `y`/`n`, `1`/`0`, any case) plus `on`/`off`, a bool, and the ints 0 and 1;
-nothing else is truthy by accident (`audit="no"` is False, `audit="perhaps"` is an error).
-
-`docs/settings.md` holds `markdown_table()` (a test keeps the two equal).
+"""The plugin's own settings (`SafeGCCallback(...)`, `install(...)`, `TRL_GC_PLUGIN_*`), one row of `SETTINGS` each,
+resolved with one precedence (argument > `install()` > environment > default) and one policy for a bad value: a line
+naming the setting, the value and what is accepted; `GCConfigError` in strict mode, else a warning and the default.
+Booleans take `transformers.hf_argparser.string_to_bool`'s forms plus `on`/`off`, a bool, 0 and 1. The Trainer's
+checkpointing kwargs are turned into facts here (`checkpoint_kwargs_problem`, `unknown_checkpoint_keys`) for the
+rules. `docs/settings.md` holds `markdown_table()`.
 """
 
 from __future__ import annotations
@@ -38,7 +26,6 @@ BOOL_FORMS = FORMS
 
 
 def parse_bool(value: Any) -> bool:
-    """`value` as a bool (`_flags.parse_flag`'s forms); `ValueError` for anything else."""
     flag = parse_flag(value)
     if flag is None:
         raise ValueError(f"expected {BOOL_FORMS}")
@@ -46,7 +33,6 @@ def parse_bool(value: Any) -> bool:
 
 
 def parse_mode(value: Any) -> Mode:
-    """`strict`, `fix` or `warn` in any case, blanks around ignored; `ValueError` for anything else."""
     if isinstance(value, str) and value.strip().lower() in MODES:
         return value.strip().lower()  # type: ignore[return-value]
     raise ValueError(f"expected one of {', '.join(MODES)} (any case)")
@@ -63,16 +49,8 @@ BUDGET_FORMS = (
 
 
 def parse_size(text: str | int | float) -> int:
-    """Bytes from a size: `40GiB`, `512MiB`, `1.5GB`, `800M`, `1073741824`, an int or a float (bytes).
-
-    Binary units (`KiB`..`TiB`, and the bare `K`/`M`/`G`/`T`) are powers of 1024, decimal ones (`KB`..`TB`) powers of
-    1000; case and blanks are ignored. A size in units is rounded to whole bytes; a number of bytes must be whole
-    (`1.5` is no size: it would be rounded to 2 bytes).
-
-    Raises:
-        `ValueError`: one line naming the accepted forms, for anything else (zero, negative, fractional bytes, not
-        finite, a bool).
-    """
+    """Bytes from a size (`40GiB`, `1.5GB`, `800M`, an int or float of bytes; K/M/G/T binary, KB..TB decimal); a
+    number of bytes must be whole. `ValueError` naming the accepted forms for anything else."""
     if isinstance(text, bool) or not isinstance(text, int | float | str):
         raise ValueError(f"memory budget: expected {BUDGET_FORMS}; got {text!r}")
     if isinstance(text, int | float):
@@ -98,7 +76,6 @@ def format_bytes(n: float) -> str:
 
 
 def parse_budget(value: Any) -> int | str:
-    """Bytes (`parse_size`) or `"auto"`; `ValueError` naming the accepted forms for anything else."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     try:
@@ -108,7 +85,6 @@ def parse_budget(value: Any) -> int | str:
 
 
 def parse_dir(value: Any) -> str:
-    """A directory path (a non-empty string); `ValueError` for anything else."""
     if not isinstance(value, str) or not value.strip() or "\x00" in value:
         raise ValueError("expected a directory path")
     return value.strip()
@@ -116,19 +92,8 @@ def parse_dir(value: Any) -> str:
 
 @dataclass(frozen=True)
 class Setting:
-    """One of the plugin's settings.
-
-    Args:
-        name: the keyword of `SafeGCCallback` (and of `install()` when `installable`).
-        env: the environment variable read when neither the argument nor `install()` gives it, or None.
-        accepted: the accepted forms, in words (the error message and the docs say this).
-        parse: turns an accepted form into the value; raises `ValueError` for anything else.
-        default: the value when nothing gives one (and the one used in fix/warn mode for a bad value).
-        help: what it does, in one sentence (docs).
-        installable: `install()` takes it too.
-        callback: a keyword of `SafeGCCallback` (and so a `trl_gc_*` key of the Axolotl plugin); False for a setting
-            of loops without a Trainer only (`guard()`).
-    """
+    """One of the plugin's settings: `parse` raises `ValueError` for what is not `accepted`; `callback`: a keyword of
+    `SafeGCCallback` (and a `trl_gc_*` key of the Axolotl plugin), False for `guard()`-only settings."""
 
     name: str
     env: str | None
@@ -207,17 +172,8 @@ def problem_line(setting: Setting, where: str, value: Any) -> str:
 
 @dataclass(frozen=True)
 class GCSettings:
-    """The settings one `SafeGCCallback` runs with, resolved once.
-
-    Args:
-        mode: `strict`, `fix` or `warn`.
-        audit: the first-step gradient audit.
-        parity_check: the one-off gradient comparison (`None`: automatic).
-        write_json: write `gc_decisions.json`.
-        memory_budget: bytes, `"auto"`, or None (no plan).
-        output_dir: where a loop without a Trainer writes `gc_decisions.json`, or None.
-        problems: the bad values met and reported (one line each), in fix/warn mode.
-    """
+    """The settings one `SafeGCCallback` runs with, resolved once; `problems`: the bad values reported in fix/warn
+    mode."""
 
     mode: Mode = "strict"
     audit: bool = True
@@ -239,39 +195,31 @@ class GCSettings:
         caller: str = "SafeGCCallback",
         say: bool = True,
     ) -> GCSettings:
-        """Resolve every setting: `given[name]` when not None, else what `install()` was given (`installed`: the
-        installed values by default), else the environment, else the default. A bad value is said (`say`: once per
-        process, on the launch's main process) and its default used, or refused.
-
-        Raises:
-            `GCConfigError` (a `ValueError`): for a bad `mode` argument, and in strict mode for any other bad value,
-            one line per value.
-        """
+        """Resolve every setting: `given[name]` when not None, else `installed`, else the environment, else the
+        default. A bad value is said (`say`) and its default used; `GCConfigError` for a bad `mode` argument, and in
+        strict mode for any other bad value."""
         installed = INSTALLED if installed is None else installed
         environ = os.environ if environ is None else environ
-        found: dict[str, tuple[str, Any]] = {}
-        for setting in SETTINGS:
-            if given.get(setting.name) is not None:
-                found[setting.name] = (f"{caller}({setting.name}=...)", given[setting.name])
-            elif installed.get(setting.name) is not None:
-                found[setting.name] = (f"install({setting.name}=...)", installed[setting.name])
-            elif setting.env and str(environ.get(setting.env, "")).strip():
-                found[setting.name] = (f"{setting.env}", environ[setting.env])
-
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = {s.name: s.default for s in SETTINGS}
         bad: list[tuple[Setting, str, Any]] = []
+        origins: list[tuple[str, str]] = []
         for setting in SETTINGS:
-            if setting.name not in found:
-                values[setting.name] = setting.default
+            name = setting.name
+            if given.get(name) is not None:
+                where, raw = f"{caller}({name}=...)", given[name]
+            elif installed.get(name) is not None:
+                where, raw = f"install({name}=...)", installed[name]
+            elif setting.env and str(environ.get(setting.env, "")).strip():
+                where, raw = setting.env, environ[setting.env]
+            else:
                 continue
-            where, raw = found[setting.name]
             try:
-                values[setting.name] = setting.parse(raw)
+                values[name] = setting.parse(raw)
+                origins.append((name, where))
             except ValueError:
-                if setting.name == "mode" and where != setting.env:
+                if name == "mode" and where != setting.env:
                     raise GCConfigError(problem_line(setting, where, raw)) from None
                 bad.append((setting, where, raw))
-                values[setting.name] = setting.default
         lines = tuple(problem_line(s, w, v) for s, w, v in bad)
         refusing = [line for (s, _, _), line in zip(bad, lines, strict=True) if s.name != "mode"]
         if refusing and values["mode"] == "strict":
@@ -282,8 +230,7 @@ class GCSettings:
             )
         for line in lines if say else ():
             report.note(f"{line}; using the default.", "warning", launcher_main_process())
-        origins = tuple((name, where) for name, (where, _) in found.items() if name not in {s.name for s, _, _ in bad})
-        return cls(**values, problems=lines, origins=origins)
+        return cls(**values, problems=lines, origins=tuple(origins))
 
     def origin(self, name: str) -> str:
         """Where the value of setting `name` came from (`name` itself for a default)."""
@@ -299,15 +246,14 @@ INSTALLED: dict[str, Any] = {}
 
 # --- the Trainer's checkpointing kwargs ---------------------------------------------------------------------------
 
-LAYER_KWARGS = ("every_n_layers", "offload")
-"""Read by transformers itself where it can (5.16: every_n_layers; 5.17: offload); taken out by the plugin before."""
-PLUGIN_KWARGS = ("selective",)
-"""Read by the plugin (TRL's `selective: true` spelling of per-op checkpointing)."""
+
+LAYER_KWARGS = ("every_n_layers", "offload")  # as `rules.LAYER_KWARGS` (importing it would make an import cycle)
 
 
 def known_checkpoint_keys() -> frozenset[str]:
-    """Every key of the checkpointing kwargs that something reads (torch, transformers, the plugin)."""
-    return torch_checkpoint_keywords() | frozenset(LAYER_KWARGS) | frozenset(PLUGIN_KWARGS)
+    """Every key of the checkpointing kwargs that something reads: torch, transformers (`LAYER_KWARGS`), the plugin
+    (TRL's `selective: true`)."""
+    return torch_checkpoint_keywords() | frozenset(LAYER_KWARGS) | {"selective"}
 
 
 def unknown_checkpoint_names(keys: Any) -> tuple[str, ...]:

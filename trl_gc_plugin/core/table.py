@@ -37,17 +37,14 @@ def markdown(rules: Sequence[Rule] = RULES) -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
 
-    rows = [
-        "| id | when | action | applies where | evidence | remove when |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rules:
-        evidence = "<br>".join(cell(e) for e in r.evidence)
-        rows.append(
-            f"| `{r.id}` | {cell(r.condition)} | {cell(_action(r))} | {cell(_versions(r))} | {evidence} | "
-            f"{cell(r.remove_when)} |"
-        )
-    return "\n".join(rows)
+    rows = (
+        f"| `{r.id}` | {cell(r.condition)} | {cell(_action(r))} | {cell(_versions(r))} | "
+        f"{'<br>'.join(cell(e) for e in r.evidence)} | {cell(r.remove_when)} |"
+        for r in rules
+    )
+    return "\n".join(
+        ["| id | when | action | applies where | evidence | remove when |", "|---|---|---|---|---|---|", *rows]
+    )
 
 
 def compact(rules: Sequence[Rule] = RULES) -> str:
@@ -75,10 +72,6 @@ def as_json(rules: Sequence[Rule] = RULES) -> str:
     return json.dumps([r.to_dict() for r in rules], indent=2)
 
 
-def rules_doc_path(readme: str) -> Path:
-    return Path(readme).resolve().parent / "docs" / "rules.md"
-
-
 def update_readme(path: str) -> bool:
     """Rewrite the generated block of the README at `path` (the compact table) and `docs/rules.md` beside it (the
     full one); True if either changed."""
@@ -91,7 +84,7 @@ def update_readme(path: str) -> bool:
     if changed:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(new)
-    doc = rules_doc_path(path)
+    doc = Path(path).resolve().parent / "docs" / "rules.md"
     full = DOC_HEADER + markdown() + "\n"
     if not doc.exists() or doc.read_text(encoding="utf-8") != full:
         doc.parent.mkdir(exist_ok=True)

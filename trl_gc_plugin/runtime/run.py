@@ -112,8 +112,8 @@ class Run(Record):
         for d in apply(decisions, self.args, model):
             if d.setting == "inputs_require_grad" and model is not None:
                 self.hooks.undo(functools.partial(remove_input_hook, weakref.ref(model)), repair=True)
-        if isinstance(decisions, Decisions) and decisions.source is not None:
-            self.set_use_reentrant(decisions.use_reentrant, decisions.source)
+        if isinstance(decisions, Decisions) and decisions.in_force is not None:
+            self.set_use_reentrant(*decisions.in_force)
         self.publish(decisions)
 
     def _facts(self, args: Any, model: Any, stage: str) -> Facts:
