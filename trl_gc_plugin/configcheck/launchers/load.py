@@ -78,14 +78,12 @@ SCRIPT_SUFFIXES = (".sh", ".bash")
 
 def _is_command(path: str, text: str) -> bool:
     """A shell script or a text file holding an OpenRLHF command line (not YAML: those are read as configs)."""
-    from .openrlhf import looks_like_command
-
     lower = path.lower()
     if lower.endswith(
         SCRIPT_SUFFIXES
     ):  # a shell script is never YAML: read as the command it runs, or said to have none
         return True
-    return looks_like_command(text) and (lower.endswith(COMMAND_SUFFIXES) or not lower.endswith((".yaml", ".yml")))
+    return "openrlhf.cli." in text and (lower.endswith(COMMAND_SUFFIXES) or not lower.endswith((".yaml", ".yml")))
 
 
 MAX_DEPTH = 1000

@@ -1,18 +1,8 @@
 """A shell script's command, read as bash would expand it, statically: never run.
 
-Launch scripts build their command from variables and bash arrays (`ARGS=( --a 1 --b )` ... `${ARGS[@]}`), heredocs
-(`read -r -d '' cmd <<EOF ... EOF` ... `deepspeed --module $cmd`), and wrap it (`srun ... bash -c "..."`, `ray job
-submit -- python3 -m ...`). `commands(text, marker)` finds the statements that runs `marker` after expansion and returns
-its words. What a static reading cannot know (a value from the environment or a command substitution, a variable set
-in a loop or a function, arithmetic) becomes a placeholder word that names it (`Unresolved`), so a caller can say
-which flags it could not read instead of reading them as absent.
-
-Handled: line continuations, comments, `NAME=value` / `export` / `local` / `declare` assignments, arrays `NAME=(...)`
-over several lines and `NAME+=(...)`, `$NAME`, `${NAME}`, `${NAME:-default}`, `${NAME[@]}`, `${NAME[*]}`,
-`${NAME[i]}`, heredocs (`<<EOF`, `<<'EOF'`, `<<-EOF`) read into a variable by `read` or fed to a command,
-`bash -c` / `sh -c` payloads (read as scripts with the variables known so far), and `source FILE` / `. FILE` (the
-file's assignments, read where it is found next to the script or in the current directory; its commands do not run
-here: a sourced launch script's own command stays its own).
+Variables, arrays, heredocs, `bash -c` payloads and the assignments of sourced files are expanded; what a static
+reading cannot know (the environment, a command's output, a variable set in a loop or function, arithmetic) becomes
+a placeholder word naming it, so a caller can say which flags it could not read instead of reading them as absent.
 """
 
 from __future__ import annotations
@@ -21,6 +11,8 @@ import os
 import re
 import shlex
 from dataclasses import dataclass, field
+
+from .common import find_beside
 
 PLACEHOLDER = "\x00unresolved{}\x00"
 _PLACEHOLDER = re.compile("\x00unresolved(\\d+)\x00")
@@ -46,9 +38,8 @@ _EXPANSION = re.compile(
 
 @dataclass
 class Expanded:
-    """A command's words; `unresolved[i]` says what placeholder i stands for (`$MODEL_PATH: not set in the script`);
-    `many` holds the placeholders that may stand for several words (an array or a command's output the script does
-    not set: flags may hide there), the others for one (a variable's value)."""
+    """A command's words; `unresolved[i]` says what placeholder i stands for; `many` holds the placeholders that may
+    stand for several words (flags may hide there)."""
 
     words: list[str]
     unresolved: list[str] = field(default_factory=list)
@@ -65,14 +56,14 @@ class Expanded:
         return match is not None and (after_a_value or int(match.group(1)) in self.many)
 
 
+@dataclass
 class _Scope:
-    def __init__(self) -> None:
-        self.scalars: dict[str, str] = {}
-        self.arrays: dict[str, list[str]] = {}
-        self.unknown: dict[str, str] = {}  # name -> why it cannot be known
-        self.unresolved: list[str] = []
-        self.many: set[int] = set()
-        self.missing_sources: list[str] = []
+    scalars: dict[str, str] = field(default_factory=dict)
+    arrays: dict[str, list[str]] = field(default_factory=dict)
+    unknown: dict[str, str] = field(default_factory=dict)  # name -> why it cannot be known
+    unresolved: list[str] = field(default_factory=list)
+    many: set[int] = field(default_factory=set)
+    missing_sources: list[str] = field(default_factory=list)
 
     def placeholder(self, what: str, many: bool = False) -> str:
         self.unresolved.append(what)
@@ -264,13 +255,8 @@ def _after_first_word(value: str) -> str:
 
 
 def commands(text: str, marker: str, base_dir: str = ".") -> tuple[list[Expanded], list[str]]:
-    """The words of every statement of the script `text` that runs `marker` (a word containing it) once expanded, a
-    `bash -c` payload read as a script of its own, in order; and the files it sources that were not found (looked for
-    next to the script, `base_dir`, and in the current directory).
-
-    Raises:
-        ValueError: such a statement cannot be split into words (an unclosed quote).
-    """
+    """The words of every statement of `text` that runs `marker` once expanded, in order, and the sourced files not
+    found; `ValueError` when such a statement cannot be split into words."""
     found: list[Expanded] = []
     scope = _Scope()
     _find(scope, text, marker, 0, found, base_dir)
@@ -287,16 +273,17 @@ def _source(scope: _Scope, statement: str, base_dir: str, depth: int) -> bool:
     if _PLACEHOLDER.search(name) or depth >= 3:
         scope.missing_sources.append(readable(name))
         return True
-    for candidate in [name] if os.path.isabs(name) else [os.path.join(base_dir, name), name]:
-        if os.path.isfile(candidate):
-            try:
-                with open(candidate, encoding="utf-8") as fh:
-                    text = fh.read()
-            except (OSError, UnicodeDecodeError):
-                break
-            _find(scope, text, "", depth + 1, [], os.path.dirname(candidate) or ".", assignments_only=True)
-            return True
-    scope.missing_sources.append(name)
+    file = find_beside(name, base_dir, beside_first=True)
+    if file is not None:
+        try:
+            with open(file, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError):
+            file = None
+    if file is None:
+        scope.missing_sources.append(name)
+        return True
+    _find(scope, text, "", depth + 1, [], os.path.dirname(file) or ".", assignments_only=True)
     return True
 
 
