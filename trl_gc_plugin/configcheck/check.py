@@ -1,16 +1,9 @@
 """`trl-gc-check` / `python -m trl_gc_plugin check CONFIG...`: the rule engine on config files, before launching.
 
-For each file: read it (`launchers.load`), tell its format (`launchers.detect`: TRL, Axolotl, LLaMA-Factory or a
-plain `TrainingArguments` JSON), read its facts the way its launcher does (`launchers.<launcher>`: the launcher's
-own parser where it can run, in a clean subprocess, else the plugin's documented model of it), fill what the file
-cannot say from the options and the installed packages (an unknown DeepSpeed release is assumed to be the oldest
-transformers supports, and said), and run `engine.decide` on the result, beside the launcher's own verdicts. Every
-fact says where it came from; a refusal says the one change to make.
-
-Exit status: 0 every file fine; 1 strict mode (or the launcher itself) refuses at least one; 2 at least one file
-cannot be read, has no recognised format, is read only in part where the verdict depends on what was not read (a shell
-variable from the environment, a file it names that is not here: `incomplete`), or an option is invalid. Nothing raises out of `check_files`: a bug in the
-check is reported as an error for that file (exit 2), never as a traceback.
+Each file is read, its format detected, its facts read the way its launcher does (its own parser in a subprocess where
+it can run, else the plugin's model of it), and `engine.decide` run beside the launcher's own verdicts. Exit status: 0
+fine; 1 refused (strict mode or the launcher); 2 unreadable, unrecognised, `incomplete` (the verdict depends on what
+could not be read) or an invalid option. Nothing raises out of `check_files`: a bug is an error for that file.
 """
 
 from __future__ import annotations
@@ -41,12 +34,13 @@ ASSUMED_VERSIONS = {
     "deepspeed": ("0.9.3", "the oldest DeepSpeed transformers supports"),
     "transformers": ("4.53.2", "the oldest transformers the plugin supports"),
 }
-"""Versions assumed when a package is neither installed nor given: the oldest supported, so the rules for old
-releases apply (conservative), and the output says so."""
+"""Versions assumed (and said) when a package is neither installed nor given: the rules for old releases apply."""
 
+COMPILE_KEY = "torch_compile"
+"""The `TrainingArguments` field (TRL, LLaMA-Factory and Axolotl configs pass it through) that compiles the model."""
+PRECISION_KEYS = ("bf16", "fp16")
 LAUNCHER_RULES = {rule.id: rule for module in LAUNCHERS.values() for rule in getattr(module, "RULES", ())}
-"""Every launcher's own verdicts, by id (their decisions in a report are these rules')."""
-READ_KEYS = frozenset().union(*(module.READ_KEYS for module in LAUNCHERS.values()), {"torch_compile"})
+READ_KEYS = frozenset().union(*(module.READ_KEYS for module in LAUNCHERS.values()), {COMPILE_KEY})
 """Every top-level key some launcher module reads: only these values are built from a YAML file."""
 
 FACT_FIELDS = frozenset(f.name for f in dataclasses.fields(Facts))
@@ -55,11 +49,8 @@ Status = Literal["ok", "refused", "incomplete", "error"]
 
 @dataclass(frozen=True)
 class Launch:
-    """The check's options: what the file cannot say, and how to read it. `nproc` None: from the file, else 1,
-    said; `trainer` None: `sft`, said; `versions` to check for instead of the installed ones. `parser`: `auto` (the
-    launcher's own code where it can run, else the plugin's model), `launcher` (only the launcher's own code; a file
-    it cannot read is an error) or `model` (only the model: fast, no imports). `timeout`: seconds for the launchers'
-    own parsers, all files together."""
+    """The check's options. `parser`: `auto` (the launcher's own code where it can run, else the plugin's model),
+    `launcher` (only its own code) or `model`; `timeout`: seconds for the launchers' own parsers, all files."""
 
     nproc: int | None = None
     trainer: str | None = None
@@ -72,10 +63,8 @@ class Launch:
 
 @dataclass
 class Report:
-    """The check of one file: `status` `ok`, `refused` (strict mode or the launcher refuses), `incomplete` (nothing
-    refused on what was read, but the verdict depends on values the check could not read: `unread` names them) or
-    `error` (not checked, `error` says why); `facts` is the engine's input, `sources` where each came from;
-    `decisions` the launcher's verdicts, then the engine's; `change` the one change to make, when refused."""
+    """The check of one file: `facts` is the engine's input, `sources` where each came from, `decisions` the
+    launcher's verdicts then the engine's, `change` the one change to make when refused."""
 
     path: str
     status: Status
@@ -90,8 +79,7 @@ class Report:
     error: str | None = None
     training: bool = True
     unread: list[str] = field(default_factory=list)
-    other: bool = False
-    """The file is no training config of a known launcher (`NotTrainingConfig`): skipped with `--skip-other-files`."""
+    other: bool = False  # `NotTrainingConfig`: skipped with `--skip-other-files`
 
     @property
     def exit_code(self) -> int:
@@ -117,8 +105,7 @@ class Report:
 
 
 def version_facts(launch: Launch, uses_deepspeed: bool) -> dict[str, Fact]:
-    """The version of each package the rules gate on: given, installed, or (for DeepSpeed when the config uses it,
-    and transformers) assumed to be the oldest supported."""
+    """The version of each package the rules gate on: given, installed, or assumed (DeepSpeed only where used)."""
     installed = installed_versions()
     given = dict(launch.versions)
     out: dict[str, Fact] = {}
@@ -140,24 +127,6 @@ def version_facts(launch: Launch, uses_deepspeed: bool) -> dict[str, Fact]:
     return out
 
 
-def _context(launch: Launch, versions: dict[str, Fact]) -> Context:
-    return Context(
-        nproc=launch.nproc,
-        trainer=launch.trainer,
-        accelerate_config=launch.accelerate_config,
-        versions={k: v.value for k, v in versions.items()},
-        version_origins={k: v.origin for k, v in versions.items()},
-    )
-
-
-COMPILE_KEY = "torch_compile"
-"""The `TrainingArguments` field (TRL, LLaMA-Factory and Axolotl configs pass it through) that compiles the model."""
-
-
-PRECISION_KEYS = ("bf16", "fp16")
-"""The `TrainingArguments` fields of mixed precision (TRL, LLaMA-Factory and Axolotl configs pass them through)."""
-
-
 def _facts(reading: Reading, versions: dict[str, Fact], config: Config) -> Facts:
     if parse_flag(config.values.get(COMPILE_KEY)) is True:
         reading.facts.setdefault("compiled", Fact(f"{COMPILE_KEY}=True", "file", COMPILE_KEY))
@@ -174,8 +143,6 @@ ENGINE_CHANGES = {
     "conflict": "upgrade DeepSpeed to >= 0.19.3 (then non-reentrant works under ZeRO-3 and the two rules agree)",
     "invalid-use-reentrant": "write use_reentrant as a boolean: true or false",
 }
-
-
 KWARG_SETTINGS = ("preserve_rng_state", "offload")
 """Settings that are keys of the checkpointing kwargs, spelled like `use_reentrant` in each format."""
 
@@ -222,27 +189,6 @@ def _relabel(decisions: list[Decision], reading: Reading) -> list[Decision]:
     return [dataclasses.replace(d, source=label) if d.source == "unknown" else d for d in decisions]
 
 
-def _native_jobs(items: list[tuple[int, Config, str]], launch: Launch) -> list[dict[str, Any]]:
-    jobs: list[dict[str, Any]] = []
-    if launch.parser == "model":
-        return jobs
-    for index, config, fmt in items:
-        if fmt == "trl" and native.importable("trl"):
-            trainer = launch.trainer or "sft"
-            if trainer in trl.CLI_TRAINERS:
-                jobs.append({"id": index, "launcher": "trl", "path": os.path.abspath(config.path), "trainer": trainer})
-        elif fmt == "llamafactory" and native.importable("llamafactory"):
-            jobs.append(
-                {
-                    "id": index,
-                    "launcher": "llamafactory",
-                    "path": os.path.abspath(config.path),
-                    "training": llamafactory.is_training_config(config),
-                }
-            )
-    return jobs
-
-
 @dataclass
 class _Read:
     """A file read by the plugin's model, waiting for its launcher's own parser."""
@@ -255,12 +201,22 @@ class _Read:
     reading: Reading
 
 
-def check_files(paths: list[str], launch: Launch = Launch(), mode: Mode = "strict") -> list[Report]:
-    """Check every file of `paths`; one `Report` each, in order. Never raises.
+def _native_jobs(pending: list[_Read], launch: Launch) -> list[dict[str, Any]]:
+    if launch.parser == "model":
+        return []
+    jobs: list[dict[str, Any]] = []
+    for p in pending:
+        job = {"id": p.index, "launcher": p.format, "path": os.path.abspath(p.config.path)}
+        if p.format == "trl" and native.importable("trl") and (launch.trainer or "sft") in trl.CLI_TRAINERS:
+            jobs.append({**job, "trainer": launch.trainer or "sft"})
+        elif p.format == "llamafactory" and native.importable("llamafactory"):
+            jobs.append({**job, "training": llamafactory.is_training_config(p.config)})
+    return jobs
 
-    Every file is read, detected and read by the plugin's model first (fast; a wrong type stops it there); the
-    files a launcher's own parser can read then go to one subprocess together; each is finished with what that
-    parser read."""
+
+def check_files(paths: list[str], launch: Launch = Launch(), mode: Mode = "strict") -> list[Report]:
+    """One `Report` per file, in order; never raises. Every file is read by the plugin's model first; those a
+    launcher's own parser can read then go to one subprocess together."""
     reports: list[Report | None] = [None] * len(paths)
     pending: list[_Read] = []
     for i, path in enumerate(paths):
@@ -272,7 +228,7 @@ def check_files(paths: list[str], launch: Launch = Launch(), mode: Mode = "stric
             reports[i] = Report(path=path, status="error", error=str(exc))
         except Exception as exc:  # a bug in the check: never a traceback, never a verdict
             reports[i] = _internal_error(path, exc)
-    jobs = _native_jobs([(p.index, p.config, p.format) for p in pending], launch)
+    jobs = _native_jobs(pending, launch)
     try:
         results = native.run(jobs, launch.timeout)
     except Exception as exc:
@@ -308,7 +264,7 @@ NO_NATIVE = {
     "the training script, which needs flash-attn and CUDA); the command is read by the plugin's model of OpenRLHF "
     "0.11.2",
 }
-"""Why `--parser launcher` is refused for these formats, in the check's words."""
+"""Why `--parser launcher` is refused for these formats."""
 
 
 def _first_read(index: int, path: str, launch: Launch) -> _Read:
@@ -323,7 +279,14 @@ def _first_read(index: int, path: str, launch: Launch) -> _Read:
     uses_deepspeed = (
         "deepspeed" in config.values or launch.accelerate_config is not None or "accelerate_config" in config.values
     )
-    ctx = _context(launch, version_facts(launch, uses_deepspeed=uses_deepspeed))
+    versions = version_facts(launch, uses_deepspeed=uses_deepspeed)
+    ctx = Context(
+        nproc=launch.nproc,
+        trainer=launch.trainer,
+        accelerate_config=launch.accelerate_config,
+        versions={k: v.value for k, v in versions.items()},
+        version_origins={k: v.origin for k, v in versions.items()},
+    )
     return _Read(index, config, fmt, why, ctx, LAUNCHERS[fmt].read(config, ctx))
 
 
@@ -460,8 +423,7 @@ def strip_links(text: str) -> str:
 
 
 def render(report: Report) -> str:
-    """One file's check as text: what it is, the facts and where each came from, the decisions, the verdict and
-    the one change to make."""
+    """One file's check as text: what it is, the facts and their sources, the decisions, the verdict and change."""
     if report.status == "error":
         return f"{report.path}: cannot be checked: {report.error}"
     lines = [f"{report.path}: {report.format} config ({report.detected_by}); read by {report.parser}"]
@@ -509,8 +471,7 @@ def render(report: Report) -> str:
 
 
 def render_brief(report: Report) -> list[str]:
-    """One line per finding (`FILE: STATUS [rule] action: reason`): refusals, warnings and overrides, what could not be
-    read, the error; `FILE: ok` when there is none (a pre-commit hook's output)."""
+    """One line per finding (`FILE: STATUS [rule] action: reason`), `FILE: ok` for none (a pre-commit hook's)."""
     if report.status == "error":
         return [f"{report.path}: error: {report.error}"]
     lines = [

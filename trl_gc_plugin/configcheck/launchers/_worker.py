@@ -1,21 +1,14 @@
-"""Parse configs with the launchers' own code, in a clean process: `python -m trl_gc_plugin.configcheck.launchers._worker`.
+"""Parse configs with the launchers' own code, in a clean process started by `native.py`: reads `{"jobs": [...]}` on
+stdin, writes one JSON line per job on stdout, flushed as each finishes (a parent that stops waiting keeps those).
 
-Reads `{"jobs": [...]}` (JSON) on stdin and writes one JSON line per job on stdout, flushed as each finishes (so a
-parent that stops waiting keeps the finished ones). Started by `native.py` with the distributed variables removed
-(`TrainingArguments.__post_init__` sets up the device, which with `RANK`/`WORLD_SIZE` set waits for other ranks
-forever), no GPU visible, and the Hub offline.
+- `trl` jobs: `make_parser().parse_args_and_config(["--config", path, "--use_cpu", "true"])`, what `trl <command>`
+  runs (`--use_cpu` lets TRL's `bf16=True` default pass without a GPU), then `probe.facts_from_args`; keys TRL hands
+  to `accelerate launch` are checked against accelerate's own launch parser.
+- `llamafactory` jobs: its own `read_args` and `get_train_args` / `get_infer_args`, without the `deepspeed` key
+  (refused outside a distributed launch; the check reads that file itself).
 
-- `trl` jobs: `trl.scripts.<command>.make_parser().parse_args_and_config(["--config", path, "--use_cpu", "true"])`
-  (exactly what `trl <command>` runs; `--use_cpu` only lets TRL's `bf16=True` default pass on a machine without a
-  GPU), then `probe.facts_from_args` on the real `TrainingArguments`, as the callback reads them. Keys TRL hands to
-  `accelerate launch` are checked against accelerate's own launch parser, and `accelerate_config` is resolved by
-  TRL's own `resolve_accelerate_config_argument`.
-- `llamafactory` jobs: LLaMA-Factory's own `read_args` (OmegaConf) and `get_train_args` / `get_infer_args`, without
-  the `deepspeed` key (LLaMA-Factory refuses DeepSpeed outside a distributed launch; the check reads that file
-  itself) and with `DISABLE_VERSION_CHECK=1`.
-
-PyYAML's `safe_load` is pointed at libyaml's C loader here (same YAML 1.1 semantics) so a large file does not take
-minutes. Each job runs with `os.environ` restored afterwards (TRL applies a config's `env:` mapping).
+`yaml.safe_load` uses libyaml here (same semantics) so a large file does not take minutes; `os.environ` is restored
+after each job (TRL applies a config's `env:`).
 """
 
 from __future__ import annotations
@@ -48,7 +41,7 @@ ENVIRONMENT = re.compile(
     r"GPU|CUDA|cuda|Ampere|NPU|XPU|MPS|\bmps\b|bf16|fp16|tf32|not installed|pip install|is not available|"
     r"requires? .* (installed|library)|Output directory|No such file|device|Expected a string path to an existing",
 )
-"""Failures that come from the machine the check runs on, not from the config: the parse falls back to the model."""
+"""Failures of the machine the check runs on, not of the config: the parse falls back to the model."""
 
 
 def _classify(exc: BaseException) -> str:
@@ -138,7 +131,6 @@ _FIELDS: dict[str, set[str]] = {}
 
 
 def _commands_with_field(key: str) -> list[str]:
-    """The `trl` commands whose config has a field `key` (from TRL's own parsers)."""
     try:
         from trl.cli.commands import get_commands
     except ImportError:  # TRL 0.x
@@ -180,7 +172,6 @@ LLAMAFACTORY_FIELDS = {
 
 
 def _plain(value: Any) -> Any:
-    """JSON-able: enums by value, lists kept, other objects by str."""
     value = getattr(value, "value", value)
     if value is None or isinstance(value, (bool, int, float, str, list, dict)):
         return value
