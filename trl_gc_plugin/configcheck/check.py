@@ -155,14 +155,12 @@ def conflicting(facts: Facts | None) -> set[str]:
 
 def change_line(reading: Reading, decisions: list[Decision], facts: Facts | None = None) -> str | None:
     """The one change to make: for the first refusal (the launcher's own first), in the format's spelling."""
-    errors = [d for d in decisions if d.action == "error"]
-    errors.sort(key=lambda d: 0 if ":" in d.rule_id else 1)
+    errors = sorted((d for d in decisions if d.action == "error"), key=lambda d: ":" not in d.rule_id)
     forced: dict[str, str] = reading.extra.get("forced", {})
     for d in errors:
-        if d.rule_id in reading.changes_for:
-            return reading.changes_for[d.rule_id]
-        if d.setting in forced:
-            return forced[d.setting]
+        change = reading.changes_for.get(d.rule_id) or forced.get(d.setting)
+        if change:
+            return change
         if d.rule_id == "conflict" and "zero3-frozen-needs-reentrant" not in conflicting(facts):
             return "the rules demand opposite use_reentrant values: change the launch (see the decision)"
         if d.rule_id in ENGINE_CHANGES:
@@ -293,18 +291,30 @@ def _first_read(index: int, path: str, launch: Launch) -> _Read:
 def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None) -> Report:
     config, fmt, ctx, reading = p.config, p.format, p.ctx, p.reading
     notes: list[str] = []
-    if fmt == "llamafactory" and result is not None and result.get("ok"):
+    parsed = result is not None and result.get("ok")
+    if fmt == "llamafactory" and parsed:
         reading = llamafactory.read_native(config, ctx, result)
-    if fmt == "trl" and result is not None and result.get("ok"):
+    if fmt == "trl" and parsed:
         trl.apply_native(config, ctx, reading, result)
-    if result is not None and not result.get("ok"):
+    if result is not None and not parsed:
         kind, message = result.get("kind"), result.get("message", "")
         launcher_name = NAMES.get(fmt, fmt)
         if kind == "usage":
             raise ConfigError(f"{config.path}: {launcher_name}'s own parser refuses it: {message}")
         if kind == "refused":
             if not any(d.action == "error" and ":" in d.rule_id for d in reading.decisions):
-                reading.decisions.append(_refusal(fmt, launcher_name, message))
+                reading.decisions.append(
+                    Decision(
+                        rule_id=f"{fmt}:refuses",
+                        action="error",
+                        setting="config",
+                        before=None,
+                        after=None,
+                        source="user",
+                        reason=f"{launcher_name}'s own argument parsing refuses this config: {message}",
+                        level="error",
+                    )
+                )
             else:
                 notes.append(f"{launcher_name}'s own parser refuses it too: {message}")
         else:
@@ -323,7 +333,7 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
     for package, fact in versions.items():
         reading.facts[f"versions.{package}"] = fact
     installed_tf = installed_versions().get("transformers")
-    if result is not None and result.get("ok") and versions["transformers"].value != installed_tf:
+    if parsed and versions["transformers"].value != installed_tf:
         notes.append(
             f"parsed with the installed transformers {installed_tf}; the rules are evaluated for "
             f"{versions['transformers'].value}"
@@ -344,19 +354,6 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
         change=change_line(reading, decisions, facts) if refused else None,
         training=reading.training,
         unread=list(reading.unread),
-    )
-
-
-def _refusal(fmt: str, name: str, message: str) -> Decision:
-    return Decision(
-        rule_id=f"{fmt}:refuses",
-        action="error",
-        setting="config",
-        before=None,
-        after=None,
-        source="user",
-        reason=f"{name}'s own argument parsing refuses this config: {message}",
-        level="error",
     )
 
 
@@ -392,6 +389,7 @@ SHOWN = (
     ("peft", "versions.peft"),
     ("deepspeed", "versions.deepspeed"),
 )
+SHOWN_WHEN_SET = frozenset({"offload", "selective", "unsloth", "activation_offloading", "trl_activation_offloading"})
 
 
 def _value(value: Any) -> str:
@@ -434,12 +432,7 @@ def render(report: Report) -> str:
     lines.append("  facts:")
     for label, name in SHOWN:
         fact = report.sources.get(name)
-        if fact is None:
-            continue
-        if (
-            name in ("offload", "selective", "unsloth", "activation_offloading", "trl_activation_offloading")
-            and not fact.value
-        ):
+        if fact is None or (name in SHOWN_WHEN_SET and not fact.value):
             continue
         detail = strip_links(fact.detail)
         where = fact.origin + (f": {detail}" if detail else "")

@@ -283,19 +283,12 @@ def _source(scope: _Scope, statement: str, base_dir: str, depth: int) -> bool:
     if file is None:
         scope.missing_sources.append(name)
         return True
-    _find(scope, text, "", depth + 1, [], os.path.dirname(file) or ".", assignments_only=True)
+    _find(scope, text, "", depth + 1, [], os.path.dirname(file) or ".")
     return True
 
 
-def _find(
-    scope: _Scope,
-    text: str,
-    marker: str,
-    depth: int,
-    found: list[Expanded],
-    base_dir: str,
-    assignments_only: bool = False,
-) -> None:
+def _find(scope: _Scope, text: str, marker: str, depth: int, found: list[Expanded], base_dir: str) -> None:
+    """Read `text`'s assignments into `scope`, and the statements that run `marker` into `found` (none for "")."""
     blocks = 0
     for statement in _statements(text):
         first = statement.split("\n", 1)[0]
@@ -316,7 +309,7 @@ def _find(
         if _assign(scope, statement, in_block=blocks > 0) or _source(scope, statement, base_dir, depth):
             continue
         blocks += int(opens)
-        if assignments_only:
+        if not marker:  # a sourced file: its assignments only
             continue
         expanded = scope.expand(statement)
         if marker not in expanded:
