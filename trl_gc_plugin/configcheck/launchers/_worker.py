@@ -107,12 +107,7 @@ def _trl(job: dict[str, Any]) -> dict[str, Any]:
             elif options[key].nargs == 0:
                 valueless.append(key)
     known_by = {key: _commands_with_field(key) for key in unknown}
-    kwargs_name = (
-        "activation_checkpointing_kwargs"
-        if hasattr(args, "activation_checkpointing_kwargs")
-        else "gradient_checkpointing_kwargs"
-    )
-    kwargs = getattr(args, kwargs_name, None)
+    kwargs = getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None))
     return {
         "version": trl.__version__,
         "facts": {name: getattr(facts, name) for name in FACT_FIELDS if hasattr(facts, name)},
@@ -193,7 +188,6 @@ def _llamafactory(job: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ValueError("LLaMA-Factory read no mapping from the file")
     values.pop("deepspeed", None)
-    result: dict[str, Any] = {"version": getattr(llamafactory, "__version__", "unknown")}
     if job["training"]:
         values["use_cpu"] = True
         model_args, _data, training_args, finetuning_args, _gen = get_train_args(values)
@@ -201,13 +195,13 @@ def _llamafactory(job: dict[str, Any]) -> dict[str, Any]:
         model_args, _data, finetuning_args, _gen = get_infer_args(values)
         training_args = None
     parsed = {"model": model_args, "training": training_args, "finetuning": finetuning_args}
-    result["values"] = {
+    found = {
         name: _plain(getattr(parsed[group], name))
         for group, names in LLAMAFACTORY_FIELDS.items()
         for name in names
         if hasattr(parsed[group], name)  # False for the training arguments of a non-training config (None)
     }
-    return result
+    return {"version": getattr(llamafactory, "__version__", "unknown"), "values": found}
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
@@ -220,8 +214,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         return {"id": job["id"], "ok": True, **out}
     except SystemExit:
         lines = [line for line in err.getvalue().splitlines() if line.strip()]
-        message = lines[-1] if lines else "the parser exited"
-        message = message.split(": error: ", 1)[-1]
+        message = (lines[-1] if lines else "the parser exited").split(": error: ", 1)[-1]
         return {"id": job["id"], "ok": False, "kind": "usage", "message": message}
     except BaseException as exc:  # the launcher's own code: anything may come out of it
         return {"id": job["id"], "ok": False, "kind": _classify(exc), "message": f"{type(exc).__name__}: {exc}"[:400]}
@@ -236,11 +229,9 @@ def main() -> int:
     if hasattr(yaml, "CSafeLoader"):
         c_loader = yaml.CSafeLoader
         yaml.safe_load = lambda stream: yaml.load(stream, Loader=c_loader)  # type: ignore[assignment]
-    request = json.load(sys.stdin)
     real_stdout = sys.stdout
-    for job in request["jobs"]:
-        result = run(job)
-        real_stdout.write(json.dumps(result, default=repr) + "\n")
+    for job in json.load(sys.stdin)["jobs"]:
+        real_stdout.write(json.dumps(run(job), default=repr) + "\n")
         real_stdout.flush()
     return 0
 

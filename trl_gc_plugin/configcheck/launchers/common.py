@@ -120,8 +120,6 @@ class LauncherRule:
             source=source,
             reason=reason,
             evidence=self.evidence,
-            applied=False,
-            stage="init_end",
             level=level,
         )
 

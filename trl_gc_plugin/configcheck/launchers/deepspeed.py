@@ -27,16 +27,12 @@ class DeepSpeedConfig:
     overlap_comm: bool | None = None
 
     def set_facts(self, reading: Reading) -> None:
-        reading.set("zero_stage", self.stage, self.origin, f"{self.detail}: zero_optimization.stage")
-        reading.set(
-            "deepspeed_activation_checkpointing",
-            self.activation_checkpointing,
-            self.origin,
-            f"{self.detail}: activation_checkpointing",
-        )
-        reading.set(
-            "zero_overlap_comm", self.overlap_comm, self.origin, f"{self.detail}: zero_optimization.overlap_comm"
-        )
+        for name, value, key in (
+            ("zero_stage", self.stage, "zero_optimization.stage"),
+            ("deepspeed_activation_checkpointing", self.activation_checkpointing, "activation_checkpointing"),
+            ("zero_overlap_comm", self.overlap_comm, "zero_optimization.overlap_comm"),
+        ):
+            reading.set(name, value, self.origin, f"{self.detail}: {key}")
         if self.note:
             reading.notes.append(self.note)
 

@@ -107,12 +107,9 @@ def _check_nesting(text: str, path: str) -> None:
                         refuse(match.start())
                 elif depth:
                     depth -= 1
-    indent = " " * MAX_DEPTH
-    if text.startswith(indent):
-        refuse(0)
-    deep = text.find("\n" + indent)
+    deep = ("\n" + text).find("\n" + " " * MAX_DEPTH)  # at the start of a line
     if deep != -1:
-        refuse(deep + 1)
+        refuse(deep)
     if "- -" in text or "-\t" in text:
         found = _COMPACT_SEQUENCES.search(text)
         if found is not None:
@@ -163,8 +160,7 @@ def _yaml_message(exc: Any, text: str = "") -> str:
     """Where (line, column) and what, in one line."""
     mark = getattr(exc, "problem_mark", None)
     if mark is None and isinstance(getattr(exc, "position", None), int):  # a ReaderError: a character YAML refuses
-        position = exc.position
-        line = text.count("\n", 0, position) + 1 if text else None
+        line = text.count("\n", 0, exc.position) + 1 if text else None
         character = getattr(exc, "character", "")
         code = f"#x{ord(character):04x}" if isinstance(character, str) and len(character) == 1 else repr(character)
         return (f"line {line}: " if line else "") + f"character {code}: {getattr(exc, 'reason', 'not allowed')}"
@@ -219,17 +215,15 @@ def _split_top_level(text: str, wanted: frozenset[str]) -> tuple[dict[str, Any],
     if loader is None:
         raise _WholeDocument
     starts: list[tuple[int, str]] = []  # (offset, key)
-    seen_key = False
     for match in _TOP_LINE.finditer(text):
         line_text = match.group(0)
         if _DOCUMENT_MARK.match(line_text):
-            if seen_key:
+            if starts:
                 raise _WholeDocument  # a document marker after the first key: several documents, or an odd file
             continue
         key_match = _PLAIN_KEY.match(line_text)
         if key_match is None:
             raise _WholeDocument  # a quoted or complex key, a top-level list or flow mapping, a continuation line
-        seen_key = True
         starts.append((match.start(), key_match.group(1)))
         if len(starts) > MAX_TOP_LEVEL_KEYS:
             raise _WholeDocument
