@@ -393,12 +393,8 @@ SHOWN_WHEN_SET = frozenset({"offload", "selective", "unsloth", "activation_offlo
 
 
 def _value(value: Any) -> str:
-    if value is True:
-        return "yes"
-    if value is False:
-        return "no"
-    if value is None:
-        return "-"
+    if value is None or isinstance(value, bool):
+        return {True: "yes", False: "no", None: "-"}[value]
     if isinstance(value, tuple):
         return ", ".join(map(str, value)) or "-"
     return repr(value) if isinstance(value, str) and value in ("", "true", "false") else str(value)
@@ -408,10 +404,9 @@ def strip_links(text: str) -> str:
     """`text` without its source links (`(https://... (what))`): they stay in the JSON, the text keeps the words."""
     while True:
         start = text.find(" (https://")
+        start = start if start != -1 else text.find("(https://")
         if start == -1:
-            start = text.find("(https://")
-            if start == -1:
-                return text
+            return text
         depth, end = 0, start
         for end in range(text.index("(", start), len(text)):
             depth += {"(": 1, ")": -1}.get(text[end], 0)
@@ -444,11 +439,9 @@ def render(report: Report) -> str:
         if rule is not None and rule.disagreement:
             lines.append(f"      disagrees on purpose: {rule.disagreement}")
     if report.notes:
-        lines.append("  notes:")
-        lines += [f"    - {note}" for note in report.notes]
+        lines += ["  notes:", *(f"    - {note}" for note in report.notes)]
     if report.unread:
-        lines.append("  could not be read (the verdict depends on them):")
-        lines += [f"    - {what}" for what in report.unread]
+        lines += ["  could not be read (the verdict depends on them):", *(f"    - {what}" for what in report.unread)]
     if report.status == "refused":
         lines.append("  verdict: REFUSED (strict mode, or the launcher itself, stops this run)")
         lines.append(f"  change: {report.change}" if report.change else "  change: see the decisions above")

@@ -144,33 +144,22 @@ def _statements(text: str) -> list[str]:
     out: list[str] = []
     i = 0
     while i < len(lines):
-        line = lines[i]
-        stripped = line.strip()
+        stripped = lines[i].strip()
         heredoc = _HEREDOC.search(stripped) if not stripped.startswith("#") else None
-        if heredoc:
-            end = heredoc.group(3)
-            body = []
-            i += 1
-            while i < len(lines) and lines[i].strip() != end:
-                body.append(lines[i])
-                i += 1
-            out.append(stripped + "\n" + "\n".join(body))
-            i += 1
-            continue
         assign = _ASSIGN.match(stripped)
-        if assign and assign.group(3).lstrip().startswith("(") and not _closed(assign.group(3)):
-            parts = [stripped]
+        if heredoc:  # up to the line that ends it
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == heredoc.group(3)), len(lines))
+            out.append(stripped + "\n" + "\n".join(lines[i + 1 : end]))
+            i = end + 1
+        elif assign and assign.group(3).lstrip().startswith("(") and not _closed(assign.group(3)):
+            value = assign.group(3)  # an array, up to the line that closes it
+            ends = (j for j in range(i + 1, len(lines)) if _closed("\n".join([value, *lines[i + 1 : j + 1]])))
+            end = next(ends, len(lines) - 1)
+            out.append("\n".join([stripped, *lines[i + 1 : end + 1]]))
+            i = end + 1
+        else:
+            out.append(stripped)
             i += 1
-            while i < len(lines):
-                parts.append(lines[i])
-                if _closed("\n".join(p if j else _ASSIGN.match(p).group(3) for j, p in enumerate(parts))):  # type: ignore[union-attr]
-                    break
-                i += 1
-            out.append("\n".join(parts))
-            i += 1
-            continue
-        out.append(stripped)
-        i += 1
     return out
 
 

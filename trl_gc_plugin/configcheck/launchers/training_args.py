@@ -36,21 +36,10 @@ KEYS = frozenset(
 )
 """Fields that tell a plain arguments file (when no launcher's key is present)."""
 
-READ_KEYS = frozenset(
-    {
-        "gradient_checkpointing",
-        "activation_checkpointing",
-        "gradient_checkpointing_kwargs",
-        "activation_checkpointing_kwargs",
-        "deepspeed",
-        "fsdp",
-        "fsdp_config",
-        "ddp_find_unused_parameters",
-        "ddp_static_graph",
-    }
-)
-
 BOOL_KEYS = ("gradient_checkpointing", "activation_checkpointing", "ddp_find_unused_parameters", "ddp_static_graph")
+READ_KEYS = frozenset(
+    {*BOOL_KEYS, "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "deepspeed", "fsdp", "fsdp_config"}
+)
 
 
 RULES: tuple[LauncherRule, ...] = (
