@@ -86,21 +86,18 @@ def parse_command(path: str, text: str) -> Config:
     i = start + 1
     while i < len(tokens) and tokens[i] not in _END and not _REDIRECT.match(tokens[i]):
         token = tokens[i]
-        if expanded.hides_words(token):
+        i += 1
+        if not token.startswith("--"):  # `$EXTRA_ARGS` alone: unquoted, bash splits it into words (flags)
             hidden += expanded.what(token)
-            i += 1
-        elif token.startswith("--"):
-            name, eq, inline = token[2:].partition("=")
-            hidden += expanded.what(name)  # `--${PREFIX}flag`: which flag is not known
-            following = [] if eq else _values_after(tokens, i + 1, expanded)
-            values[name] = inline if eq else (following[0] if len(following) == 1 else following or True)
-            unread = [what for word in ([inline] if eq else following) for what in expanded.what(word)]
-            if unread:
-                unread_values[name] = unread
-            i += 1 + len(following)
-        else:
-            hidden += expanded.what(token)  # `$EXTRA_ARGS` alone: unquoted, bash splits it into words (flags)
-            i += 1
+            continue
+        name, eq, inline = token[2:].partition("=")
+        hidden += expanded.what(name)  # `--${PREFIX}flag`: which flag is not known
+        following = [] if eq else _values_after(tokens, i, expanded)
+        values[name] = inline if eq else (following[0] if len(following) == 1 else following or True)
+        unread = [what for word in ([inline] if eq else following) for what in expanded.what(word)]
+        if unread:
+            unread_values[name] = unread
+        i += len(following)
     if others:
         hidden.append(
             f"{others} other command(s) run {entry} with other flags (branches of the script?); the first was read"
@@ -128,14 +125,8 @@ def _launcher_processes(tokens: list[str], expanded: shell.Expanded) -> tuple[in
     unread: list[str] = []
 
     def number(flag: str) -> int | None:
-        for j, t in enumerate(tokens):
-            value = (
-                t.split("=", 1)[1]
-                if t.startswith(flag + "=")
-                else tokens[j + 1]
-                if t == flag and j + 1 < len(tokens)
-                else None
-            )
+        for t, following in zip(tokens, [*tokens[1:], None], strict=True):
+            value = t[len(flag) + 1 :] if t.startswith(flag + "=") else following if t == flag else None
             if value is not None and expanded.what(value):
                 unread.extend(f"{flag} {what}" for what in expanded.what(value))
                 return None
