@@ -62,5 +62,4 @@ def read_model_facts(name: Any, key: str, reading: Reading) -> str | None:
         if isinstance(c.get(k), (int, float)) and not isinstance(c.get(k), bool)
     ]
     reading.set("dropout", any(rate > 0 for rate in rates), "model config", f"{detail}: dropout probabilities")
-    model_type = config.get("model_type")
-    return model_type if isinstance(model_type, str) else None
+    return config["model_type"] if isinstance(config.get("model_type"), str) else None
