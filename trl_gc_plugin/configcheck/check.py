@@ -1,9 +1,7 @@
-"""`trl-gc-check` / `python -m trl_gc_plugin check CONFIG...`: the rule engine on config files, before launching.
-
-Each file is read, its format detected, its facts read the way its launcher does (its own parser in a subprocess where
-it can run, else the plugin's model of it), and `engine.decide` run beside the launcher's own verdicts. Exit status: 0
-fine; 1 refused (strict mode or the launcher); 2 unreadable, unrecognised, `incomplete` (the verdict depends on what
-could not be read) or an invalid option. Nothing raises out of `check_files`: a bug is an error for that file.
+"""`trl-gc-check`: each file read as its launcher reads it (its own parser in a subprocess where it can run, else the
+plugin's model of it), then `engine.decide` beside the launcher's own verdicts. Exit status: 0 fine; 1 refused; 2
+unreadable, unrecognised, `incomplete` (the verdict depends on what could not be read) or an invalid option. Nothing
+raises out of `check_files`: a bug is an error for that file.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Parse configs with the launchers' own code, in a clean process started by `native.py`: reads `{"jobs": [...]}` on
-stdin, writes one JSON line per job on stdout, flushed as each finishes (a parent that stops waiting keeps those).
-
-- `trl` jobs: `make_parser().parse_args_and_config(["--config", path, "--use_cpu", "true"])`, what `trl <command>`
-  runs (`--use_cpu` lets TRL's `bf16=True` default pass without a GPU), then `probe.facts_from_args`; keys TRL hands
-  to `accelerate launch` are checked against accelerate's own launch parser.
-- `llamafactory` jobs: its own `read_args` and `get_train_args` / `get_infer_args`, without the `deepspeed` key
-  (refused outside a distributed launch; the check reads that file itself).
-
-`yaml.safe_load` uses libyaml here (same semantics) so a large file does not take minutes; `os.environ` is restored
-after each job (TRL applies a config's `env:`).
+"""Parse configs with the launchers' own code, in a clean process started by `native.py`: `{"jobs": [...]}` on stdin,
+one JSON line per job on stdout, flushed as each finishes (a parent that stops waiting keeps those). TRL: what `trl
+<command>` runs (`--use_cpu` lets TRL's `bf16=True` default pass without a GPU), then `probe.facts_from_args`; keys
+TRL hands to `accelerate launch` are checked by accelerate's own parser. LLaMA-Factory: its `read_args` and
+`get_train_args` / `get_infer_args`, without the `deepspeed` key (refused outside a distributed launch).
 """
 
 from __future__ import annotations
@@ -206,7 +200,7 @@ def _llamafactory(job: dict[str, Any]) -> dict[str, Any]:
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
     """One job, never raising: `{"id", "ok": True, ...}` or `{"id", "ok": False, "kind", "message"}`."""
-    saved = dict(os.environ)
+    saved = dict(os.environ)  # TRL applies a config's `env:`
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -226,7 +220,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     import yaml
 
-    if hasattr(yaml, "CSafeLoader"):
+    if hasattr(yaml, "CSafeLoader"):  # libyaml for the launchers' safe_load: same YAML, a large file in seconds
         c_loader = yaml.CSafeLoader
         yaml.safe_load = lambda stream: yaml.load(stream, Loader=c_loader)  # type: ignore[assignment]
     real_stdout = sys.stdout

@@ -1,9 +1,6 @@
-"""Read an accelerate config (`accelerate launch --config_file`): the launch facts it gives the ranks.
-
-A model of accelerate 1.15's `_validate_launch_command` and `prepare_*_env` (read, not imported; `EVIDENCE`): what it
-exports (`ACCELERATE_DEEPSPEED_ZERO_STAGE`, default 2; `FSDP_ACTIVATION_CHECKPOINTING`, `FSDP_VERSION`, the FSDP
-sharding, `PARALLELISM_CONFIG_CP_SIZE`, `ACCELERATE_DYNAMO_BACKEND`); an `fsdp_config` key without the `fsdp_` prefix
-gets it. TRL's bundled configs (`accelerate_config: zero3`) are found in the installed TRL without importing it.
+"""Read an accelerate config (`accelerate launch --config_file`): a model of accelerate 1.15's
+`_validate_launch_command` and `prepare_*_env` (read, not imported; `EVIDENCE`), and TRL's bundled configs
+(`accelerate_config: zero3`), found in the installed TRL without importing it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Read a config file into a `Config`, or one `ConfigError` naming the file and line or key.
-
-YAML is read as the launchers read it (PyYAML's safe loader, YAML 1.1), with libyaml; only the values of the keys
-some reader needs are built: the text is split at its top-level keys, every part syntax-checked by libyaml's parser
-(no Python objects) and only the wanted ones loaded, so a 5 MB `datasets:` list stays under a second. A file the split
-cannot handle faithfully is read whole: slower, same result. JSON is read with the standard library; a shell script or
-a text file holding an OpenRLHF command line is read as its flags (`openrlhf.parse_command`).
+"""Read a config file into a `Config`, or one `ConfigError` naming the file and line or key. YAML as the launchers
+read it (PyYAML's safe loader), building only the keys some reader needs (`_split_top_level`: a 5 MB `datasets:` list
+stays under a second); JSON with the standard library; an OpenRLHF command line as its flags (`openrlhf`).
 """
 
 from __future__ import annotations

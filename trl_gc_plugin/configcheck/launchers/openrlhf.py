@@ -1,14 +1,8 @@
-"""OpenRLHF command lines (`deepspeed --module openrlhf.cli.train_sft ...`), in a shell script or a text file.
-
-OpenRLHF trains in its own DeepSpeed loops, without a Trainer: the plugin reaches it through the model route. This is
-the plugin's model of what OpenRLHF 0.11.2 does with its flags (`SOURCES`; the flat flags of <= 0.9 too): with
-`--model.gradient_checkpointing_enable` (`--actor.` in `train_ppo_ray`, whose critic uses the actor's flags) it always
-passes `use_reentrant` (`--model.gradient_checkpointing_reentrant`, default false) to `gradient_checkpointing_enable`;
-`--ds.lora.rank N` > 0 wraps the model in LoRA after `enable_input_require_grads()`; `--ds.zero_stage` defaults to 2.
-It refuses nothing about checkpointing itself: no launcher rules.
-
-The script is read as bash would expand it (`shell.commands`), never run; a flag the rules read whose value comes from
-the environment, or an expansion that may hold flags, makes the check `incomplete` (`Reading.unread`).
+"""OpenRLHF command lines (`deepspeed --module openrlhf.cli.train_sft ...`) in a shell script or a text file, read as
+bash would expand them (`shell.commands`), never run: the plugin's model of what OpenRLHF 0.11.2 (and the flat flags of
+<= 0.9) does with its flags (`SOURCES`). OpenRLHF trains without a Trainer (the plugin acts through the model route)
+and refuses nothing about checkpointing itself: no launcher rules. A flag the rules read whose value comes from the
+environment, or an expansion that may hold flags, makes the check `incomplete` (`Reading.unread`).
 """
 
 from __future__ import annotations

@@ -123,12 +123,8 @@ class _Scope:
             return self.scalars[name]
         if name in self.arrays:
             return self.arrays[name][0] if self.arrays[name] else ""
-        why = self.unknown.get(name)
-        if why is None:
-            why = (
-                "a script argument" if name.isdigit() or name in "@*#" else "not set in the script (the environment's)"
-            )
-        return self.placeholder(f"{spelled}: {why}", many=name in "@*")
+        why = "a script argument" if name.isdigit() or name in "@*#" else "not set in the script (the environment's)"
+        return self.placeholder(f"{spelled}: {self.unknown.get(name, why)}", many=name in "@*")
 
     def words(self, text: str) -> list[str]:
         """The words of `text` after expansion (quotes removed, comments dropped)."""
