@@ -61,8 +61,7 @@ class Launch:
 
 @dataclass
 class Report:
-    """The check of one file: `facts` is the engine's input, `sources` where each came from, `decisions` the
-    launcher's verdicts then the engine's, `change` the one change to make when refused."""
+    """One file's check: `sources` say where each fact came from; `decisions` the launcher's, then the engine's."""
 
     path: str
     status: Status
@@ -177,8 +176,7 @@ def change_line(reading: Reading, decisions: list[Decision], facts: Facts | None
 
 
 def _relabel(decisions: list[Decision], reading: Reading) -> list[Decision]:
-    """A `use_reentrant` the launcher wrote is `unknown` to the engine (treated as set explicitly, as the plugin
-    treats it at runtime); the output names the launcher."""
+    """A `use_reentrant` the launcher wrote is `unknown` to the engine (as at runtime); the output names the launcher."""
     if reading.value("use_reentrant_source") != "unknown":
         return decisions
     label = f"launcher ({reading.format})"
@@ -187,8 +185,6 @@ def _relabel(decisions: list[Decision], reading: Reading) -> list[Decision]:
 
 @dataclass
 class _Read:
-    """A file read by the plugin's model, waiting for its launcher's own parser."""
-
     index: int
     config: Config
     format: str
@@ -211,8 +207,7 @@ def _native_jobs(pending: list[_Read], launch: Launch) -> list[dict[str, Any]]:
 
 
 def check_files(paths: list[str], launch: Launch = Launch(), mode: Mode = "strict") -> list[Report]:
-    """One `Report` per file, in order; never raises. Every file is read by the plugin's model first; those a
-    launcher's own parser can read then go to one subprocess together."""
+    """One `Report` per file, in order; never raises. The launchers' own parsers read the files in one subprocess."""
     reports: list[Report | None] = [None] * len(paths)
     pending: list[_Read] = []
     for i, path in enumerate(paths):
@@ -414,7 +409,6 @@ def strip_links(text: str) -> str:
 
 
 def render(report: Report) -> str:
-    """One file's check as text: what it is, the facts and their sources, the decisions, the verdict and change."""
     if report.status == "error":
         return f"{report.path}: cannot be checked: {report.error}"
     lines = [f"{report.path}: {report.format} config ({report.detected_by}); read by {report.parser}"]

@@ -69,7 +69,6 @@ class AccelerateConfig:
 
 
 def _trl_config_dirs() -> list[str]:
-    """The `accelerate_configs` folders of the installed TRL (located, not imported)."""
     try:
         spec = importlib.util.find_spec("trl")
     except (ImportError, ValueError):

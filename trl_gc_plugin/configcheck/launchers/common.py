@@ -178,7 +178,6 @@ class Reading:
         before: Callable[[LauncherRule], Any],
         source: Callable[[LauncherRule], str] = lambda rule: "user",
     ) -> None:
-        """Add the decision of every rule whose predicate holds for `view`."""
         for rule in rules:
             if rule.when(view):
                 self.decisions.append(rule.decision(version, before=before(rule), source=source(rule)))
@@ -203,7 +202,6 @@ def where(path: str, key: str, lines: Mapping[str, int] | None = None) -> str:
 def expect_mapping(
     value: Any, path: str, key: str, lines: Mapping[str, int] | None = None, example: str = ""
 ) -> dict[str, Any]:
-    """`value` when it is a mapping with string keys; `ConfigError` naming the key otherwise."""
     if not isinstance(value, dict):
         hint = f" such as {example}" if example else ""
         raise ConfigError(f"{where(path, key, lines)}: expected a mapping{hint}, got {type_name(value)} {short(value)}")

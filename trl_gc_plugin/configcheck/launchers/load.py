@@ -47,7 +47,7 @@ def read_text(path: str, what: str = "") -> str:
 
 
 def load(path: str, wanted: frozenset[str] | None = None) -> Config:
-    """Read the config at `path`; build the values of the top-level keys in `wanted` (all when None)."""
+    """The config at `path`, with the values of the top-level keys in `wanted` (all when None)."""
     text = read_text(path)
     if not text.strip():
         raise ConfigError(f"{path}: the file is empty; a config is a mapping of keys")
@@ -62,8 +62,7 @@ def load(path: str, wanted: frozenset[str] | None = None) -> Config:
 
 
 def _is_command(path: str, text: str) -> bool:
-    """A shell script (never YAML: read as the command it runs, or said to have none), or a text file that is not
-    YAML holding an OpenRLHF command line."""
+    """A shell script (never YAML), or a text file that is not YAML holding an OpenRLHF command line."""
     lower = path.lower()
     if lower.endswith((".sh", ".bash")):
         return True
@@ -153,7 +152,6 @@ def _loader_class() -> Any:
 
 
 def _yaml_message(exc: Any, text: str = "") -> str:
-    """Where (line, column) and what, in one line."""
     mark = getattr(exc, "problem_mark", None)
     if mark is None and isinstance(getattr(exc, "position", None), int):  # a ReaderError: a character YAML refuses
         line = text.count("\n", 0, exc.position) + 1 if text else None

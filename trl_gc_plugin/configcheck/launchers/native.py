@@ -51,7 +51,6 @@ def importable(package: str) -> bool:
 
 
 def clean_environment() -> dict[str, str]:
-    """This environment without the distributed and plugin variables, no GPU, Hub offline, this package importable."""
     env = {
         k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARIABLES and not k.startswith(DISTRIBUTED_PREFIXES)
     }

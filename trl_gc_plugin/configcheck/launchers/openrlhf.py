@@ -203,8 +203,7 @@ def read(config: Config, ctx: Context) -> Reading:
 
 
 def _unread(config: Config, reading: Reading, ctx: Context, flags: set[str]) -> None:
-    """Say what the command's expansion left unread: in `Reading.unread` where the verdict depends on it (a flag the
-    rules read, an expansion that may hold flags, the launcher's process count without --nproc), else as a note."""
+    """What the expansion left unread: in `Reading.unread` where the verdict depends on it, else as a note."""
     unread = config.values.get(UNREAD) or {}
     for what in unread.get("hidden", []):
         reading.unread.append(f"{shell.readable(what)}: may hold any flag (checkpointing, LoRA, 4-bit, ZeRO stage)")

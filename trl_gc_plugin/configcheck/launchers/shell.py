@@ -127,7 +127,6 @@ class _Scope:
         return self.placeholder(f"{spelled}: {self.unknown.get(name, why)}", many=name in "@*")
 
     def words(self, text: str) -> list[str]:
-        """The words of `text` after expansion (quotes removed, comments dropped)."""
         try:
             return shlex.split(self.expand(text), comments=True)
         except ValueError:
@@ -211,8 +210,7 @@ def _assign(scope: _Scope, statement: str, in_block: bool) -> bool:
 
 
 def _after_first_word(value: str) -> str:
-    """What follows the first shell word of `value` (quotes, `$(...)`, `${...}` and backquotes kept in the word);
-    empty when `value` is one word, or one word and a comment."""
+    """What follows the first shell word of `value` (quotes, `$(...)`, `${...}` kept in it); "" if only a comment."""
     depth, quote, i = 0, "", 0
     while i < len(value):
         ch = value[i]
@@ -313,7 +311,6 @@ def _find(scope: _Scope, text: str, marker: str, depth: int, found: list[Expande
 
 
 def readable(text: str) -> str:
-    """`text` with the placeholders inside it shown as `<unread>` (for messages)."""
     return _PLACEHOLDER.sub("<unread>", text)
 
 
