@@ -310,11 +310,11 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
                 )
             else:
                 notes.append(f"{launcher_name}'s own parser refuses it too: {message}")
+        elif launch.parser == "launcher":
+            raise ConfigError(
+                f"{config.path}: --parser launcher: {launcher_name}'s own parser could not run here: {message}"
+            )
         else:
-            if launch.parser == "launcher":
-                raise ConfigError(
-                    f"{config.path}: --parser launcher: {launcher_name}'s own parser could not run here: {message}"
-                )
             reading.parser += f" ({launcher_name}'s own parser could not run here: {first_sentence(message, 160)})"
     elif result is None and launch.parser == "launcher":
         raise ConfigError(f"{config.path}: --parser launcher: {fmt}'s own code is not importable here")

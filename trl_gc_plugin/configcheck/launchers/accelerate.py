@@ -141,7 +141,7 @@ def read_accelerate(file: str, overrides: dict[str, Any] | None = None) -> Accel
         fc = {(k if str(k).startswith("fsdp") else f"fsdp_{k}"): v for k, v in fc.items()}
         fsdp_version = whole_number(overrides.get("fsdp_version", fc.get("fsdp_version", 1)), label, "fsdp_version", 1)
         raw = overrides.get("fsdp_activation_checkpointing", fc.get("fsdp_activation_checkpointing", False))
-        parsed = pydantic_bool(raw) if not isinstance(raw, str) else pydantic_bool(raw.lower())
+        parsed = pydantic_bool(raw.lower() if isinstance(raw, str) else raw)
         if parsed is None:
             raise ConfigError(f"{label}: key 'fsdp_activation_checkpointing': expected true or false, got {short(raw)}")
         fsdp_ac = parsed

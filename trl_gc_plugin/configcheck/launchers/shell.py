@@ -281,12 +281,11 @@ def _find(scope: _Scope, text: str, marker: str, depth: int, found: list[Expande
             blocks = max(0, blocks - 1)
             continue
         opens = bool(_BLOCK_OPEN.match(first)) and not _CLOSES_ITSELF.search(statement)
-        if "\n" in statement and _HEREDOC.search(first):
+        if "\n" in statement and (heredoc := _HEREDOC.search(first)):
             head, body = statement.split("\n", 1)
-            quoted = _HEREDOC.search(head).group(2)  # type: ignore[union-attr]
             into = _READ_INTO.match(head)
-            if into:
-                scope.scalars[into.group(1)] = body if quoted else scope.expand(body)
+            if into:  # `<<'EOF'` (quoted): the body is not expanded
+                scope.scalars[into.group(1)] = body if heredoc.group(2) else scope.expand(body)
                 continue
             statement = head + " " + body
         if _assign(scope, statement, in_block=blocks > 0) or _source(scope, statement, base_dir, depth):
