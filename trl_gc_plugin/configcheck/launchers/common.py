@@ -194,8 +194,7 @@ class Reading:
 
 def where(path: str, key: str, lines: Mapping[str, int] | None = None) -> str:
     """`path: key 'k' (line n)`: the prefix of every message about a key."""
-    top = key.split(".", 1)[0]
-    line = (lines or {}).get(top)
+    line = (lines or {}).get(key.split(".", 1)[0])
     return f"{path}: key {key!r}" + (f" (line {line})" if line else "")
 
 
