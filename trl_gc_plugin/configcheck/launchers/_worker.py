@@ -161,10 +161,8 @@ LLAMAFACTORY_FIELDS = {
 
 
 def _plain(value: Any) -> Any:
-    value = getattr(value, "value", value)
-    if value is None or isinstance(value, (bool, int, float, str, list, dict)):
-        return value
-    return str(value)
+    value = getattr(value, "value", value)  # an enum's
+    return value if value is None or isinstance(value, (bool, int, float, str, list, dict)) else str(value)
 
 
 def _llamafactory(job: dict[str, Any]) -> dict[str, Any]:

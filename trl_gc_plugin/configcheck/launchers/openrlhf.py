@@ -268,8 +268,7 @@ def _model(config: Config, reading: Reading, prefix: str, flags: Flags) -> None:
     name = config.values.get(
         "model.model_name_or_path", config.values.get(f"{prefix}model_name_or_path", config.values.get("pretrain"))
     )
-    if isinstance(name, str):
-        read_model_facts(name, "--model.model_name_or_path", reading)
+    read_model_facts(name, "--model.model_name_or_path", reading)  # nothing unless a local model directory
 
 
 def _launch(config: Config, ctx: Context, reading: Reading, ppo: bool, flags: Flags) -> None:
