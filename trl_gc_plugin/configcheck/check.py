@@ -1,16 +1,7 @@
-"""`trl-gc-check` / `python -m trl_gc_plugin check CONFIG...`: the rule engine on config files, before launching.
-
-For each file: read it (`launchers.load`), tell its format (`launchers.detect`: TRL, Axolotl, LLaMA-Factory or a
-plain `TrainingArguments` JSON), read its facts the way its launcher does (`launchers.<launcher>`: the launcher's
-own parser where it can run, in a clean subprocess, else the plugin's documented model of it), fill what the file
-cannot say from the options and the installed packages (an unknown DeepSpeed release is assumed to be the oldest
-transformers supports, and said), and run `engine.decide` on the result, beside the launcher's own verdicts. Every
-fact says where it came from; a refusal says the one change to make.
-
-Exit status: 0 every file fine; 1 strict mode (or the launcher itself) refuses at least one; 2 at least one file
-cannot be read, has no recognised format, is read only in part where the verdict depends on what was not read (a shell
-variable from the environment, a file it names that is not here: `incomplete`), or an option is invalid. Nothing raises out of `check_files`: a bug in the
-check is reported as an error for that file (exit 2), never as a traceback.
+"""`trl-gc-check`: each file read as its launcher reads it (its own parser in a subprocess where it can run, else the
+plugin's model of it), then `engine.decide` beside the launcher's own verdicts. Exit status: 0 fine; 1 refused; 2
+unreadable, unrecognised, `incomplete` (the verdict depends on what could not be read) or an invalid option. Nothing
+raises out of `check_files`: a bug is an error for that file.
 """
 
 from __future__ import annotations
@@ -41,12 +32,13 @@ ASSUMED_VERSIONS = {
     "deepspeed": ("0.9.3", "the oldest DeepSpeed transformers supports"),
     "transformers": ("4.53.2", "the oldest transformers the plugin supports"),
 }
-"""Versions assumed when a package is neither installed nor given: the oldest supported, so the rules for old
-releases apply (conservative), and the output says so."""
+"""Versions assumed (and said) when a package is neither installed nor given: the rules for old releases apply."""
 
+COMPILE_KEY = "torch_compile"
+"""The `TrainingArguments` field (TRL, LLaMA-Factory and Axolotl configs pass it through) that compiles the model."""
+PRECISION_KEYS = ("bf16", "fp16")
 LAUNCHER_RULES = {rule.id: rule for module in LAUNCHERS.values() for rule in getattr(module, "RULES", ())}
-"""Every launcher's own verdicts, by id (their decisions in a report are these rules')."""
-READ_KEYS = frozenset().union(*(module.READ_KEYS for module in LAUNCHERS.values()), {"torch_compile"})
+READ_KEYS = frozenset().union(*(module.READ_KEYS for module in LAUNCHERS.values()), {COMPILE_KEY})
 """Every top-level key some launcher module reads: only these values are built from a YAML file."""
 
 FACT_FIELDS = frozenset(f.name for f in dataclasses.fields(Facts))
@@ -55,11 +47,8 @@ Status = Literal["ok", "refused", "incomplete", "error"]
 
 @dataclass(frozen=True)
 class Launch:
-    """The check's options: what the file cannot say, and how to read it. `nproc` None: from the file, else 1,
-    said; `trainer` None: `sft`, said; `versions` to check for instead of the installed ones. `parser`: `auto` (the
-    launcher's own code where it can run, else the plugin's model), `launcher` (only the launcher's own code; a file
-    it cannot read is an error) or `model` (only the model: fast, no imports). `timeout`: seconds for the launchers'
-    own parsers, all files together."""
+    """The check's options. `parser`: `auto` (the launcher's own code where it can run, else the plugin's model),
+    `launcher` (only its own code) or `model`; `timeout`: seconds for the launchers' own parsers, all files."""
 
     nproc: int | None = None
     trainer: str | None = None
@@ -72,10 +61,7 @@ class Launch:
 
 @dataclass
 class Report:
-    """The check of one file: `status` `ok`, `refused` (strict mode or the launcher refuses), `incomplete` (nothing
-    refused on what was read, but the verdict depends on values the check could not read: `unread` names them) or
-    `error` (not checked, `error` says why); `facts` is the engine's input, `sources` where each came from;
-    `decisions` the launcher's verdicts, then the engine's; `change` the one change to make, when refused."""
+    """One file's check: `sources` say where each fact came from; `decisions` the launcher's, then the engine's."""
 
     path: str
     status: Status
@@ -90,8 +76,7 @@ class Report:
     error: str | None = None
     training: bool = True
     unread: list[str] = field(default_factory=list)
-    other: bool = False
-    """The file is no training config of a known launcher (`NotTrainingConfig`): skipped with `--skip-other-files`."""
+    other: bool = False  # `NotTrainingConfig`: skipped with `--skip-other-files`
 
     @property
     def exit_code(self) -> int:
@@ -117,8 +102,7 @@ class Report:
 
 
 def version_facts(launch: Launch, uses_deepspeed: bool) -> dict[str, Fact]:
-    """The version of each package the rules gate on: given, installed, or (for DeepSpeed when the config uses it,
-    and transformers) assumed to be the oldest supported."""
+    """The version of each package the rules gate on: given, installed, or assumed (DeepSpeed only where used)."""
     installed = installed_versions()
     given = dict(launch.versions)
     out: dict[str, Fact] = {}
@@ -140,24 +124,6 @@ def version_facts(launch: Launch, uses_deepspeed: bool) -> dict[str, Fact]:
     return out
 
 
-def _context(launch: Launch, versions: dict[str, Fact]) -> Context:
-    return Context(
-        nproc=launch.nproc,
-        trainer=launch.trainer,
-        accelerate_config=launch.accelerate_config,
-        versions={k: v.value for k, v in versions.items()},
-        version_origins={k: v.origin for k, v in versions.items()},
-    )
-
-
-COMPILE_KEY = "torch_compile"
-"""The `TrainingArguments` field (TRL, LLaMA-Factory and Axolotl configs pass it through) that compiles the model."""
-
-
-PRECISION_KEYS = ("bf16", "fp16")
-"""The `TrainingArguments` fields of mixed precision (TRL, LLaMA-Factory and Axolotl configs pass them through)."""
-
-
 def _facts(reading: Reading, versions: dict[str, Fact], config: Config) -> Facts:
     if parse_flag(config.values.get(COMPILE_KEY)) is True:
         reading.facts.setdefault("compiled", Fact(f"{COMPILE_KEY}=True", "file", COMPILE_KEY))
@@ -174,8 +140,6 @@ ENGINE_CHANGES = {
     "conflict": "upgrade DeepSpeed to >= 0.19.3 (then non-reentrant works under ZeRO-3 and the two rules agree)",
     "invalid-use-reentrant": "write use_reentrant as a boolean: true or false",
 }
-
-
 KWARG_SETTINGS = ("preserve_rng_state", "offload")
 """Settings that are keys of the checkpointing kwargs, spelled like `use_reentrant` in each format."""
 
@@ -188,14 +152,12 @@ def conflicting(facts: Facts | None) -> set[str]:
 
 def change_line(reading: Reading, decisions: list[Decision], facts: Facts | None = None) -> str | None:
     """The one change to make: for the first refusal (the launcher's own first), in the format's spelling."""
-    errors = [d for d in decisions if d.action == "error"]
-    errors.sort(key=lambda d: 0 if ":" in d.rule_id else 1)
+    errors = sorted((d for d in decisions if d.action == "error"), key=lambda d: ":" not in d.rule_id)
     forced: dict[str, str] = reading.extra.get("forced", {})
     for d in errors:
-        if d.rule_id in reading.changes_for:
-            return reading.changes_for[d.rule_id]
-        if d.setting in forced:
-            return forced[d.setting]
+        change = reading.changes_for.get(d.rule_id) or forced.get(d.setting)
+        if change:
+            return change
         if d.rule_id == "conflict" and "zero3-frozen-needs-reentrant" not in conflicting(facts):
             return "the rules demand opposite use_reentrant values: change the launch (see the decision)"
         if d.rule_id in ENGINE_CHANGES:
@@ -214,39 +176,15 @@ def change_line(reading: Reading, decisions: list[Decision], facts: Facts | None
 
 
 def _relabel(decisions: list[Decision], reading: Reading) -> list[Decision]:
-    """A `use_reentrant` the launcher wrote is `unknown` to the engine (treated as set explicitly, as the plugin
-    treats it at runtime); the output names the launcher."""
+    """A `use_reentrant` the launcher wrote is `unknown` to the engine (as at runtime); the output names the launcher."""
     if reading.value("use_reentrant_source") != "unknown":
         return decisions
     label = f"launcher ({reading.format})"
     return [dataclasses.replace(d, source=label) if d.source == "unknown" else d for d in decisions]
 
 
-def _native_jobs(items: list[tuple[int, Config, str]], launch: Launch) -> list[dict[str, Any]]:
-    jobs: list[dict[str, Any]] = []
-    if launch.parser == "model":
-        return jobs
-    for index, config, fmt in items:
-        if fmt == "trl" and native.importable("trl"):
-            trainer = launch.trainer or "sft"
-            if trainer in trl.CLI_TRAINERS:
-                jobs.append({"id": index, "launcher": "trl", "path": os.path.abspath(config.path), "trainer": trainer})
-        elif fmt == "llamafactory" and native.importable("llamafactory"):
-            jobs.append(
-                {
-                    "id": index,
-                    "launcher": "llamafactory",
-                    "path": os.path.abspath(config.path),
-                    "training": llamafactory.is_training_config(config),
-                }
-            )
-    return jobs
-
-
 @dataclass
 class _Read:
-    """A file read by the plugin's model, waiting for its launcher's own parser."""
-
     index: int
     config: Config
     format: str
@@ -255,12 +193,21 @@ class _Read:
     reading: Reading
 
 
-def check_files(paths: list[str], launch: Launch = Launch(), mode: Mode = "strict") -> list[Report]:
-    """Check every file of `paths`; one `Report` each, in order. Never raises.
+def _native_jobs(pending: list[_Read], launch: Launch) -> list[dict[str, Any]]:
+    if launch.parser == "model":
+        return []
+    jobs: list[dict[str, Any]] = []
+    for p in pending:
+        job = {"id": p.index, "launcher": p.format, "path": os.path.abspath(p.config.path)}
+        if p.format == "trl" and native.importable("trl") and (launch.trainer or "sft") in trl.CLI_TRAINERS:
+            jobs.append({**job, "trainer": launch.trainer or "sft"})
+        elif p.format == "llamafactory" and native.importable("llamafactory"):
+            jobs.append({**job, "training": llamafactory.is_training_config(p.config)})
+    return jobs
 
-    Every file is read, detected and read by the plugin's model first (fast; a wrong type stops it there); the
-    files a launcher's own parser can read then go to one subprocess together; each is finished with what that
-    parser read."""
+
+def check_files(paths: list[str], launch: Launch = Launch(), mode: Mode = "strict") -> list[Report]:
+    """One `Report` per file, in order; never raises. The launchers' own parsers read the files in one subprocess."""
     reports: list[Report | None] = [None] * len(paths)
     pending: list[_Read] = []
     for i, path in enumerate(paths):
@@ -272,7 +219,7 @@ def check_files(paths: list[str], launch: Launch = Launch(), mode: Mode = "stric
             reports[i] = Report(path=path, status="error", error=str(exc))
         except Exception as exc:  # a bug in the check: never a traceback, never a verdict
             reports[i] = _internal_error(path, exc)
-    jobs = _native_jobs([(p.index, p.config, p.format) for p in pending], launch)
+    jobs = _native_jobs(pending, launch)
     try:
         results = native.run(jobs, launch.timeout)
     except Exception as exc:
@@ -308,7 +255,7 @@ NO_NATIVE = {
     "the training script, which needs flash-attn and CUDA); the command is read by the plugin's model of OpenRLHF "
     "0.11.2",
 }
-"""Why `--parser launcher` is refused for these formats, in the check's words."""
+"""Why `--parser launcher` is refused for these formats."""
 
 
 def _first_read(index: int, path: str, launch: Launch) -> _Read:
@@ -323,32 +270,51 @@ def _first_read(index: int, path: str, launch: Launch) -> _Read:
     uses_deepspeed = (
         "deepspeed" in config.values or launch.accelerate_config is not None or "accelerate_config" in config.values
     )
-    ctx = _context(launch, version_facts(launch, uses_deepspeed=uses_deepspeed))
+    versions = version_facts(launch, uses_deepspeed=uses_deepspeed)
+    ctx = Context(
+        nproc=launch.nproc,
+        trainer=launch.trainer,
+        accelerate_config=launch.accelerate_config,
+        versions={k: v.value for k, v in versions.items()},
+        version_origins={k: v.origin for k, v in versions.items()},
+    )
     return _Read(index, config, fmt, why, ctx, LAUNCHERS[fmt].read(config, ctx))
 
 
 def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None) -> Report:
     config, fmt, ctx, reading = p.config, p.format, p.ctx, p.reading
     notes: list[str] = []
-    if fmt == "llamafactory" and result is not None and result.get("ok"):
+    parsed = result is not None and result.get("ok")
+    if fmt == "llamafactory" and parsed:
         reading = llamafactory.read_native(config, ctx, result)
-    if fmt == "trl" and result is not None and result.get("ok"):
+    if fmt == "trl" and parsed:
         trl.apply_native(config, ctx, reading, result)
-    if result is not None and not result.get("ok"):
+    if result is not None and not parsed:
         kind, message = result.get("kind"), result.get("message", "")
         launcher_name = NAMES.get(fmt, fmt)
         if kind == "usage":
             raise ConfigError(f"{config.path}: {launcher_name}'s own parser refuses it: {message}")
         if kind == "refused":
             if not any(d.action == "error" and ":" in d.rule_id for d in reading.decisions):
-                reading.decisions.append(_refusal(fmt, launcher_name, message))
+                reading.decisions.append(
+                    Decision(
+                        rule_id=f"{fmt}:refuses",
+                        action="error",
+                        setting="config",
+                        before=None,
+                        after=None,
+                        source="user",
+                        reason=f"{launcher_name}'s own argument parsing refuses this config: {message}",
+                        level="error",
+                    )
+                )
             else:
                 notes.append(f"{launcher_name}'s own parser refuses it too: {message}")
+        elif launch.parser == "launcher":
+            raise ConfigError(
+                f"{config.path}: --parser launcher: {launcher_name}'s own parser could not run here: {message}"
+            )
         else:
-            if launch.parser == "launcher":
-                raise ConfigError(
-                    f"{config.path}: --parser launcher: {launcher_name}'s own parser could not run here: {message}"
-                )
             reading.parser += f" ({launcher_name}'s own parser could not run here: {first_sentence(message, 160)})"
     elif result is None and launch.parser == "launcher":
         raise ConfigError(f"{config.path}: --parser launcher: {fmt}'s own code is not importable here")
@@ -360,7 +326,7 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
     for package, fact in versions.items():
         reading.facts[f"versions.{package}"] = fact
     installed_tf = installed_versions().get("transformers")
-    if result is not None and result.get("ok") and versions["transformers"].value != installed_tf:
+    if parsed and versions["transformers"].value != installed_tf:
         notes.append(
             f"parsed with the installed transformers {installed_tf}; the rules are evaluated for "
             f"{versions['transformers'].value}"
@@ -381,19 +347,6 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
         change=change_line(reading, decisions, facts) if refused else None,
         training=reading.training,
         unread=list(reading.unread),
-    )
-
-
-def _refusal(fmt: str, name: str, message: str) -> Decision:
-    return Decision(
-        rule_id=f"{fmt}:refuses",
-        action="error",
-        setting="config",
-        before=None,
-        after=None,
-        source="user",
-        reason=f"{name}'s own argument parsing refuses this config: {message}",
-        level="error",
     )
 
 
@@ -429,15 +382,12 @@ SHOWN = (
     ("peft", "versions.peft"),
     ("deepspeed", "versions.deepspeed"),
 )
+SHOWN_WHEN_SET = frozenset({"offload", "selective", "unsloth", "activation_offloading", "trl_activation_offloading"})
 
 
 def _value(value: Any) -> str:
-    if value is True:
-        return "yes"
-    if value is False:
-        return "no"
-    if value is None:
-        return "-"
+    if value is None or isinstance(value, bool):
+        return {True: "yes", False: "no", None: "-"}[value]
     if isinstance(value, tuple):
         return ", ".join(map(str, value)) or "-"
     return repr(value) if isinstance(value, str) and value in ("", "true", "false") else str(value)
@@ -447,10 +397,9 @@ def strip_links(text: str) -> str:
     """`text` without its source links (`(https://... (what))`): they stay in the JSON, the text keeps the words."""
     while True:
         start = text.find(" (https://")
+        start = start if start != -1 else text.find("(https://")
         if start == -1:
-            start = text.find("(https://")
-            if start == -1:
-                return text
+            return text
         depth, end = 0, start
         for end in range(text.index("(", start), len(text)):
             depth += {"(": 1, ")": -1}.get(text[end], 0)
@@ -460,8 +409,6 @@ def strip_links(text: str) -> str:
 
 
 def render(report: Report) -> str:
-    """One file's check as text: what it is, the facts and where each came from, the decisions, the verdict and
-    the one change to make."""
     if report.status == "error":
         return f"{report.path}: cannot be checked: {report.error}"
     lines = [f"{report.path}: {report.format} config ({report.detected_by}); read by {report.parser}"]
@@ -472,12 +419,7 @@ def render(report: Report) -> str:
     lines.append("  facts:")
     for label, name in SHOWN:
         fact = report.sources.get(name)
-        if fact is None:
-            continue
-        if (
-            name in ("offload", "selective", "unsloth", "activation_offloading", "trl_activation_offloading")
-            and not fact.value
-        ):
+        if fact is None or (name in SHOWN_WHEN_SET and not fact.value):
             continue
         detail = strip_links(fact.detail)
         where = fact.origin + (f": {detail}" if detail else "")
@@ -489,11 +431,9 @@ def render(report: Report) -> str:
         if rule is not None and rule.disagreement:
             lines.append(f"      disagrees on purpose: {rule.disagreement}")
     if report.notes:
-        lines.append("  notes:")
-        lines += [f"    - {note}" for note in report.notes]
+        lines += ["  notes:", *(f"    - {note}" for note in report.notes)]
     if report.unread:
-        lines.append("  could not be read (the verdict depends on them):")
-        lines += [f"    - {what}" for what in report.unread]
+        lines += ["  could not be read (the verdict depends on them):", *(f"    - {what}" for what in report.unread)]
     if report.status == "refused":
         lines.append("  verdict: REFUSED (strict mode, or the launcher itself, stops this run)")
         lines.append(f"  change: {report.change}" if report.change else "  change: see the decisions above")
@@ -509,8 +449,7 @@ def render(report: Report) -> str:
 
 
 def render_brief(report: Report) -> list[str]:
-    """One line per finding (`FILE: STATUS [rule] action: reason`): refusals, warnings and overrides, what could not be
-    read, the error; `FILE: ok` when there is none (a pre-commit hook's output)."""
+    """One line per finding (`FILE: STATUS [rule] action: reason`), `FILE: ok` for none (a pre-commit hook's)."""
     if report.status == "error":
         return [f"{report.path}: error: {report.error}"]
     lines = [

@@ -1,21 +1,8 @@
-"""Parse configs with the launchers' own code, in a clean process: `python -m trl_gc_plugin.configcheck.launchers._worker`.
-
-Reads `{"jobs": [...]}` (JSON) on stdin and writes one JSON line per job on stdout, flushed as each finishes (so a
-parent that stops waiting keeps the finished ones). Started by `native.py` with the distributed variables removed
-(`TrainingArguments.__post_init__` sets up the device, which with `RANK`/`WORLD_SIZE` set waits for other ranks
-forever), no GPU visible, and the Hub offline.
-
-- `trl` jobs: `trl.scripts.<command>.make_parser().parse_args_and_config(["--config", path, "--use_cpu", "true"])`
-  (exactly what `trl <command>` runs; `--use_cpu` only lets TRL's `bf16=True` default pass on a machine without a
-  GPU), then `probe.facts_from_args` on the real `TrainingArguments`, as the callback reads them. Keys TRL hands to
-  `accelerate launch` are checked against accelerate's own launch parser, and `accelerate_config` is resolved by
-  TRL's own `resolve_accelerate_config_argument`.
-- `llamafactory` jobs: LLaMA-Factory's own `read_args` (OmegaConf) and `get_train_args` / `get_infer_args`, without
-  the `deepspeed` key (LLaMA-Factory refuses DeepSpeed outside a distributed launch; the check reads that file
-  itself) and with `DISABLE_VERSION_CHECK=1`.
-
-PyYAML's `safe_load` is pointed at libyaml's C loader here (same YAML 1.1 semantics) so a large file does not take
-minutes. Each job runs with `os.environ` restored afterwards (TRL applies a config's `env:` mapping).
+"""Parse configs with the launchers' own code, in a clean process started by `native.py`: `{"jobs": [...]}` on stdin,
+one JSON line per job on stdout, flushed as each finishes (a parent that stops waiting keeps those). TRL: what `trl
+<command>` runs (`--use_cpu` lets TRL's `bf16=True` default pass without a GPU), then `probe.facts_from_args`; keys
+TRL hands to `accelerate launch` are checked by accelerate's own parser. LLaMA-Factory: its `read_args` and
+`get_train_args` / `get_infer_args`, without the `deepspeed` key (refused outside a distributed launch).
 """
 
 from __future__ import annotations
@@ -48,7 +35,7 @@ ENVIRONMENT = re.compile(
     r"GPU|CUDA|cuda|Ampere|NPU|XPU|MPS|\bmps\b|bf16|fp16|tf32|not installed|pip install|is not available|"
     r"requires? .* (installed|library)|Output directory|No such file|device|Expected a string path to an existing",
 )
-"""Failures that come from the machine the check runs on, not from the config: the parse falls back to the model."""
+"""Failures of the machine the check runs on, not of the config: the parse falls back to the model."""
 
 
 def _classify(exc: BaseException) -> str:
@@ -114,12 +101,7 @@ def _trl(job: dict[str, Any]) -> dict[str, Any]:
             elif options[key].nargs == 0:
                 valueless.append(key)
     known_by = {key: _commands_with_field(key) for key in unknown}
-    kwargs_name = (
-        "activation_checkpointing_kwargs"
-        if hasattr(args, "activation_checkpointing_kwargs")
-        else "gradient_checkpointing_kwargs"
-    )
-    kwargs = getattr(args, kwargs_name, None)
+    kwargs = getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None))
     return {
         "version": trl.__version__,
         "facts": {name: getattr(facts, name) for name in FACT_FIELDS if hasattr(facts, name)},
@@ -138,7 +120,6 @@ _FIELDS: dict[str, set[str]] = {}
 
 
 def _commands_with_field(key: str) -> list[str]:
-    """The `trl` commands whose config has a field `key` (from TRL's own parsers)."""
     try:
         from trl.cli.commands import get_commands
     except ImportError:  # TRL 0.x
@@ -180,11 +161,8 @@ LLAMAFACTORY_FIELDS = {
 
 
 def _plain(value: Any) -> Any:
-    """JSON-able: enums by value, lists kept, other objects by str."""
-    value = getattr(value, "value", value)
-    if value is None or isinstance(value, (bool, int, float, str, list, dict)):
-        return value
-    return str(value)
+    value = getattr(value, "value", value)  # an enum's
+    return value if value is None or isinstance(value, (bool, int, float, str, list, dict)) else str(value)
 
 
 def _llamafactory(job: dict[str, Any]) -> dict[str, Any]:
@@ -202,7 +180,6 @@ def _llamafactory(job: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ValueError("LLaMA-Factory read no mapping from the file")
     values.pop("deepspeed", None)
-    result: dict[str, Any] = {"version": getattr(llamafactory, "__version__", "unknown")}
     if job["training"]:
         values["use_cpu"] = True
         model_args, _data, training_args, finetuning_args, _gen = get_train_args(values)
@@ -210,18 +187,18 @@ def _llamafactory(job: dict[str, Any]) -> dict[str, Any]:
         model_args, _data, finetuning_args, _gen = get_infer_args(values)
         training_args = None
     parsed = {"model": model_args, "training": training_args, "finetuning": finetuning_args}
-    result["values"] = {
+    found = {
         name: _plain(getattr(parsed[group], name))
         for group, names in LLAMAFACTORY_FIELDS.items()
         for name in names
         if hasattr(parsed[group], name)  # False for the training arguments of a non-training config (None)
     }
-    return result
+    return {"version": getattr(llamafactory, "__version__", "unknown"), "values": found}
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
     """One job, never raising: `{"id", "ok": True, ...}` or `{"id", "ok": False, "kind", "message"}`."""
-    saved = dict(os.environ)
+    saved = dict(os.environ)  # TRL applies a config's `env:`
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -229,8 +206,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         return {"id": job["id"], "ok": True, **out}
     except SystemExit:
         lines = [line for line in err.getvalue().splitlines() if line.strip()]
-        message = lines[-1] if lines else "the parser exited"
-        message = message.split(": error: ", 1)[-1]
+        message = (lines[-1] if lines else "the parser exited").split(": error: ", 1)[-1]
         return {"id": job["id"], "ok": False, "kind": "usage", "message": message}
     except BaseException as exc:  # the launcher's own code: anything may come out of it
         return {"id": job["id"], "ok": False, "kind": _classify(exc), "message": f"{type(exc).__name__}: {exc}"[:400]}
@@ -242,14 +218,12 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     import yaml
 
-    if hasattr(yaml, "CSafeLoader"):
+    if hasattr(yaml, "CSafeLoader"):  # libyaml for the launchers' safe_load: same YAML, a large file in seconds
         c_loader = yaml.CSafeLoader
         yaml.safe_load = lambda stream: yaml.load(stream, Loader=c_loader)  # type: ignore[assignment]
-    request = json.load(sys.stdin)
     real_stdout = sys.stdout
-    for job in request["jobs"]:
-        result = run(job)
-        real_stdout.write(json.dumps(result, default=repr) + "\n")
+    for job in json.load(sys.stdin)["jobs"]:
+        real_stdout.write(json.dumps(run(job), default=repr) + "\n")
         real_stdout.flush()
     return 0
 

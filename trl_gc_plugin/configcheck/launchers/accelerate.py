@@ -1,15 +1,6 @@
-"""Read an accelerate config (`accelerate launch --config_file`): the launch facts it gives the ranks.
-
-A model of accelerate 1.15's `_validate_launch_command` and `prepare_*_env` (read, not imported; citations in
-`EVIDENCE`): `distributed_type` chooses DeepSpeed, FSDP or DDP; `num_processes` is the total process count;
-`deepspeed_config.zero_stage` (or the stage in `deepspeed_config.deepspeed_config_file`) is the ZeRO stage, 2 when
-neither gives one; `fsdp_config.fsdp_activation_checkpointing` (default false) and `fsdp_version` (default 1) are
-exported as `FSDP_ACTIVATION_CHECKPOINTING` / `FSDP_VERSION`; FSDP1 shards as `fsdp_sharding_strategy` says (default
-`FULL_SHARD`: the launcher always exports `FSDP_SHARDING_STRATEGY`, which the plugin prefers to
-`fsdp_reshard_after_forward`), FSDP2 as `fsdp_reshard_after_forward` (default true); an `fsdp_config` key without the
-`fsdp_` prefix gets it (`_validate_launch_command`); a `parallelism_config` block's `parallelism_config_cp_size`
-and `dynamo_config.dynamo_backend` are exported as `PARALLELISM_CONFIG_CP_SIZE` / `ACCELERATE_DYNAMO_BACKEND`. TRL's bundled configs (`accelerate_config: zero3`) are
-read from the installed TRL's `accelerate_configs/` directory, found without importing TRL.
+"""Read an accelerate config (`accelerate launch --config_file`): a model of accelerate 1.15's
+`_validate_launch_command` and `prepare_*_env` (read, not imported; `EVIDENCE`), and TRL's bundled configs
+(`accelerate_config: zero3`), found in the installed TRL without importing it.
 """
 
 from __future__ import annotations
@@ -60,11 +51,8 @@ DISTRIBUTED_TYPES = frozenset(
 
 @dataclass(frozen=True)
 class AccelerateConfig:
-    """The launch facts of an accelerate config (None, or 1 for `num_machines` and `cp_size`: the file does not
-    say). `deepspeed_activation_checkpointing`: the `activation_checkpointing` block of the DeepSpeed config file it
-    names asks for something. `fsdp_sharding`: under FSDP, how it shards, as an FSDP1 strategy name
-    (`FSDP_SHARDING_STRATEGIES`); FSDP2's `reshard_after_forward` true is `FULL_SHARD`, false `SHARD_GRAD_OP`.
-    `dynamo_backend`: `dynamo_config.dynamo_backend` when it compiles (exported as `ACCELERATE_DYNAMO_BACKEND`)."""
+    """The launch facts of an accelerate config (None, or 1: the file does not say). `fsdp_sharding` is an FSDP1
+    strategy name (FSDP2's `reshard_after_forward` true is `FULL_SHARD`, false `SHARD_GRAD_OP`)."""
 
     path: str
     distributed_type: str
@@ -81,7 +69,6 @@ class AccelerateConfig:
 
 
 def _trl_config_dirs() -> list[str]:
-    """The `accelerate_configs` folders of the installed TRL (located, not imported)."""
     try:
         spec = importlib.util.find_spec("trl")
     except (ImportError, ValueError):
@@ -91,18 +78,17 @@ def _trl_config_dirs() -> list[str]:
 
 
 def trl_bundled(name: str) -> str | None:
-    """The path of TRL's bundled accelerate config `name` (`zero3`, `fsdp2`, ...) in the installed TRL, or None."""
+    """The path of the installed TRL's bundled accelerate config `name` (`zero3`, `fsdp2`, ...), or None."""
     files = (os.path.join(d, f"{name}.yaml") for d in _trl_config_dirs())
     return next((f for f in files if os.path.isfile(f)), None)
 
 
 def trl_bundled_names() -> list[str]:
-    """The names of the installed TRL's bundled accelerate configs."""
     return [n for d in _trl_config_dirs() for n in sorted(f[:-5] for f in os.listdir(d) if f.endswith(".yaml"))]
 
 
 def whole_number(value: Any, label: str, key: str, minimum: int) -> int:
-    """`value` as an int >= `minimum` (accelerate reads these keys as ints); `ConfigError` naming the key."""
+    """`value` as an int >= `minimum` (accelerate reads these keys as ints)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ConfigError(f"{label}: key {key!r}: expected a whole number, got {type_name(value)} {short(value)}")
     try:
@@ -115,8 +101,8 @@ def whole_number(value: Any, label: str, key: str, minimum: int) -> int:
 
 
 def read_accelerate(file: str, overrides: dict[str, Any] | None = None) -> AccelerateConfig:
-    """Read the accelerate config at `file`; `overrides` are launch arguments given beside it (TRL passes the
-    YAML's top-level `num_processes`, `zero_stage`, `fsdp_version`, ... to `accelerate launch`), which win."""
+    """Read the accelerate config at `file`; `overrides` are launch arguments given beside it, which win (TRL passes
+    the YAML's top-level `num_processes`, `zero_stage`, ... to `accelerate launch`)."""
     label = f"accelerate config {file}"
     data = load_yaml_file(file, "accelerate config")
     data = expect_mapping({} if data is None else data, label, "(top level)")
@@ -155,7 +141,7 @@ def read_accelerate(file: str, overrides: dict[str, Any] | None = None) -> Accel
         fc = {(k if str(k).startswith("fsdp") else f"fsdp_{k}"): v for k, v in fc.items()}
         fsdp_version = whole_number(overrides.get("fsdp_version", fc.get("fsdp_version", 1)), label, "fsdp_version", 1)
         raw = overrides.get("fsdp_activation_checkpointing", fc.get("fsdp_activation_checkpointing", False))
-        parsed = pydantic_bool(raw) if not isinstance(raw, str) else pydantic_bool(raw.lower())
+        parsed = pydantic_bool(raw.lower() if isinstance(raw, str) else raw)
         if parsed is None:
             raise ConfigError(f"{label}: key 'fsdp_activation_checkpointing': expected true or false, got {short(raw)}")
         fsdp_ac = parsed
@@ -205,8 +191,7 @@ def _fsdp_sharding(fc: dict[str, Any], version: int, label: str) -> str:
 
 
 def set_accelerate_facts(reading: Any, accel: AccelerateConfig | None, where_accel: str) -> None:
-    """The facts of an accelerate config beside the launch ones: its context-parallel size and its compile backend
-    (the run reads both from the environment `accelerate launch` exports)."""
+    """The context-parallel size and compile backend (the run reads both from what `accelerate launch` exports)."""
     if accel is None:
         return
     if accel.cp_size > 1:

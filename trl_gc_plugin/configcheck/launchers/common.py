@@ -1,8 +1,5 @@
-"""Shared pieces of the config check: where a fact came from, what one launcher's reading of a file gives, the
-launchers' own verdicts as data, and typed access to config values with errors that name the key.
-
-Standard library only (plus this package's records): reading a config never imports torch or transformers.
-"""
+"""The check's records (`Fact`, `Reading`, `LauncherRule`, `Context`) and typed access to config values with errors
+that name the key. Standard library only: reading a config never imports torch or transformers."""
 
 from __future__ import annotations
 
@@ -26,15 +23,11 @@ Origin = Literal[
     "installed",
     "assumed",
 ]
-"""Where a fact comes from: the config file itself; a default of the launcher (the key is absent); a value the
-launcher writes itself (Axolotl's `normalize_config`, TRL's trainers, LLaMA-Factory's model patching); the
-accelerate or DeepSpeed config the launch uses; the `config.json` of a local model directory the config names; a
-command-line option of the check; the packages installed where the check runs; or an assumption the check makes and
-says (an unknown version, an unknown process count)."""
+"""Where a fact comes from; `launcher rewrite` is a value the launcher writes itself (Axolotl's `normalize_config`,
+TRL's trainers, LLaMA-Factory's model patching), `assumed` one the check assumes and says."""
 
 
 def line_link(src: str, file: str, first: int, last: int, what: str) -> str:
-    """A link to lines `first`-`last` of `file` under the source tree `src`, with what they show."""
     return f"{src}{file}#L{first}-L{last} ({what})"
 
 
@@ -45,21 +38,26 @@ def release(version: str | None) -> tuple[int, int]:
 
 
 class ConfigError(ValueError):
-    """A config (or a file it names) cannot be read, or a check option is invalid. The message is one line that
-    names the file and the key or line, and what to change; the CLI exits 2 with it."""
+    """A config (or a file it names, or an option) is invalid: one line naming the file and key or line; exit 2."""
 
 
 class NotTrainingConfig(ConfigError):
-    """The file is no training config of a known launcher (an accelerate or DeepSpeed config, a shell script without
-    an OpenRLHF command, a YAML file of no launcher): an error for a file given to check, skipped with
-    `--skip-other-files` (a pre-commit hook over every YAML file of a repository)."""
+    """No training config of a known launcher: skipped with `--skip-other-files` (a pre-commit hook)."""
+
+
+def find_beside(
+    name: str, base_dir: str, exists: Callable[[str], bool] = os.path.isfile, beside_first: bool = False
+) -> str | None:
+    """The first of `name` from the current directory (where launchers read it) and `name` next to the config in
+    `base_dir` that `exists`; None for neither."""
+    candidates = [name] if os.path.isabs(name) else [name, os.path.join(base_dir, name)]
+    return next((c for c in (candidates[::-1] if beside_first else candidates) if exists(c)), None)
 
 
 @dataclass(frozen=True)
 class Config:
-    """A config file as the check sees it: `values` of the top-level keys the check reads (every key for JSON),
-    every key in file order, the 1-based line of each (YAML only); `kind` is `yaml`, `json`, or `command` (an
-    OpenRLHF command line's flags)."""
+    """`values` of the top-level keys the check reads (every key for JSON), all `keys` in file order, the line of
+    each (YAML only); `kind` is `yaml`, `json`, or `command` (an OpenRLHF command line's flags)."""
 
     path: str
     values: dict[str, Any]
@@ -80,8 +78,7 @@ class Config:
 
 @dataclass(frozen=True)
 class Fact:
-    """One fact read for the rule engine (a `Facts` field), where it came from, and the key, file, option or source
-    location behind it, in words."""
+    """One `Facts` field's value, where it came from, and the key, file or option behind it, in words."""
 
     value: Any
     origin: Origin
@@ -93,15 +90,10 @@ class Fact:
 
 @dataclass(frozen=True, kw_only=True)
 class LauncherRule:
-    """A verdict of a launcher's own code about a config, kept as data like the plugin's rules.
-
-    `id` is `<launcher>:<name>` (`trl:`, `axolotl:`, `llamafactory:`, `training-args:`). `action` is `error` when the
-    launcher refuses to start on the config, `warn` when it starts but warns or reads the config differently from
-    what it seems to say, `none` for information (e.g. where the plugin disagrees with the launcher on purpose).
-    `change` is the one change to make in the file ("" when nothing needs changing), `evidence` links to the
-    launcher's source at the version modelled, `when` a predicate on the launcher module's view of the config, and
-    `disagreement` why the plugin decides otherwise on purpose ("" when it agrees).
-    """
+    """A verdict of a launcher's own code about a config, as data: `id` is `<launcher>:<name>`; `action` `error`
+    (it refuses to start), `warn` (it warns, or reads the file otherwise than it seems to say) or `none`; `when` a
+    predicate on the launcher module's view; `change` the one change to make; `disagreement` why the plugin decides
+    otherwise on purpose."""
 
     id: str
     action: Action
@@ -114,9 +106,7 @@ class LauncherRule:
     disagreement: str = ""
 
     def decision(self, version: str, before: Any = None, source: str = "user") -> Decision:
-        """This rule's verdict as a `Decision` (never applied: the check changes nothing). `before` is the value
-        the rule is about and `source` who set it (`user` for the file, `launcher (...)` for a launcher's value);
-        the rule id's prefix (`axolotl:`) says whose verdict it is."""
+        """This rule's verdict, never applied; `before` is the value it is about, `source` who set it."""
         level: Level = "error" if self.action == "error" else "warning" if self.action == "warn" else "info"
         reason = f"{self.message} ({version})"
         if self.disagreement:
@@ -130,17 +120,14 @@ class LauncherRule:
             source=source,
             reason=reason,
             evidence=self.evidence,
-            applied=False,
-            stage="init_end",
             level=level,
         )
 
 
 @dataclass(frozen=True)
 class Context:
-    """What the check's options and the machine say beside the file (None: the option is not given; without
-    `--nproc` the launcher module takes the file's or assumes 1). `versions` are those the rules are evaluated for,
-    `version_origins` where each comes from: `installed`, `option` or `assumed`."""
+    """The check's options (None: not given) and the versions the rules are evaluated for, with where each comes
+    from (`installed`, `option` or `assumed`)."""
 
     nproc: int | None = None
     trainer: str | None = None
@@ -151,19 +138,12 @@ class Context:
 
 @dataclass
 class Reading:
-    """What one launcher module read from one config file.
-
-    `parser` says who read it: the launcher's own code (`TRL 1.16.0 TrlParser (trl sft)`) or the plugin's model of
-    it (`the plugin's model of Axolotl main@067b021c`). `notes` are what the reader wants said (ignored keys,
-    assumptions, fallbacks), one line each. `changes` spell a setting in this format, for the "change:" line
-    (`use_reentrant` -> `gradient_checkpointing_kwargs: {{use_reentrant: {value}}}`, a `str.format` template: `{value}`
-    is the value in YAML spelling, `{not_value}` its negation; a command-line switch starts with `{switch}`: `add` or
-    `remove`). `training` is False for a config that trains nothing (LLaMA-Factory chat / export configs);
-    `changes_for` holds `LauncherRule.change` by rule id; `extra` values a launcher module keeps between reading and
-    finishing (not facts); `unread` what the reader could not read and the verdict depends on (a shell variable set
-    from the environment in a flag the rules read, a file the config names that is not here): the check then says
-    `incomplete`, never `ok`.
-    """
+    """What one launcher module read from one config file. `parser` names the launcher's own code or the plugin's
+    model of it. `changes` spell a setting in this format for the "change:" line, a `str.format` template (`{value}`
+    in YAML spelling, `{not_value}` its negation; a command-line switch starts with `{switch}`: `add` or `remove`).
+    `training` is False for a config that trains nothing; `changes_for` holds `LauncherRule.change` by rule id;
+    `extra` what a module keeps between reading and finishing; `unread` what the verdict depends on but could not be
+    read: the check then says `incomplete`, never `ok`."""
 
     format: str
     parser: str
@@ -198,8 +178,6 @@ class Reading:
         before: Callable[[LauncherRule], Any],
         source: Callable[[LauncherRule], str] = lambda rule: "user",
     ) -> None:
-        """Add the decision of every rule of `rules` whose predicate holds for `view`; `before(rule)` is the value
-        the rule is about, `source(rule)` who set it."""
         for rule in rules:
             if rule.when(view):
                 self.decisions.append(rule.decision(version, before=before(rule), source=source(rule)))
@@ -207,7 +185,6 @@ class Reading:
                     self.changes_for[rule.id] = rule.change
 
     def reentrant_source(self) -> str:
-        """Who set the `use_reentrant` the engine sees, in the words of a decision's `source`."""
         value = self.value("use_reentrant_source", "unset")
         return f"launcher ({self.format})" if value == "unknown" else str(value)
 
@@ -217,15 +194,13 @@ class Reading:
 
 def where(path: str, key: str, lines: Mapping[str, int] | None = None) -> str:
     """`path: key 'k' (line n)`: the prefix of every message about a key."""
-    top = key.split(".", 1)[0]
-    line = (lines or {}).get(top)
+    line = (lines or {}).get(key.split(".", 1)[0])
     return f"{path}: key {key!r}" + (f" (line {line})" if line else "")
 
 
 def expect_mapping(
     value: Any, path: str, key: str, lines: Mapping[str, int] | None = None, example: str = ""
 ) -> dict[str, Any]:
-    """`value` when it is a mapping with string keys; `ConfigError` naming the key otherwise."""
     if not isinstance(value, dict):
         hint = f" such as {example}" if example else ""
         raise ConfigError(f"{where(path, key, lines)}: expected a mapping{hint}, got {type_name(value)} {short(value)}")
@@ -238,8 +213,7 @@ def expect_mapping(
 def json_object_or_mapping(
     value: Any, path: str, key: str, lines: Mapping[str, int] | None = None, example: str = ""
 ) -> dict[str, Any]:
-    """A mapping, or a JSON object written as a string (`'{"use_reentrant": false}'`, which `TrainingArguments`
-    decodes itself); `ConfigError` for anything else."""
+    """A mapping, or a JSON object written as a string (which `TrainingArguments` decodes itself)."""
     if isinstance(value, str) and value.strip().startswith("{"):
         try:
             value = json.loads(value)
@@ -254,19 +228,15 @@ KWARGS_CHANGES = {
 }
 """`Reading.changes` of the YAML formats that take transformers' `gradient_checkpointing_kwargs` (copy it)."""
 
-TRUE_WORDS = frozenset({"yes", "true", "t", "y", "1"})
-FALSE_WORDS = frozenset({"no", "false", "f", "n", "0"})
+BOOL_WORDS = {
+    **dict.fromkeys(("yes", "true", "t", "y", "1"), True),
+    **dict.fromkeys(("no", "false", "f", "n", "0"), False),
+}
 
 
 def string_to_bool(text: str) -> bool | None:
-    """How argparse-based parsers read a boolean option (`transformers.hf_argparser.string_to_bool`, which TRL's
-    `TrlParser` uses): yes/true/t/y/1 and no/false/f/n/0, any case; None for anything else (the parser refuses)."""
-    low = text.lower()
-    if low in TRUE_WORDS:
-        return True
-    if low in FALSE_WORDS:
-        return False
-    return None
+    """A boolean option as `transformers.hf_argparser.string_to_bool` (TRL's `TrlParser`) reads it; None: refused."""
+    return BOOL_WORDS.get(text.lower())
 
 
 def yaml_bool(value: bool) -> str:

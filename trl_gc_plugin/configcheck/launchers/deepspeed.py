@@ -1,11 +1,6 @@
-"""Read the DeepSpeed config a training config names: its ZeRO stage, `overlap_comm`, and whether its
-`activation_checkpointing` block asks for something, through `trl_gc_plugin.core.deepspeed_config` (the reading the running
-plugin uses too). Launchers read a relative path from the directory the launch runs in; the check looks there first,
-then next to the config file (and says so), then in the launcher's table of the configs it ships (Axolotl's
-`deepspeed_configs/zero3.json`, LLaMA-Factory's `examples/deepspeed/ds_z3_config.json`), which examples name without
-shipping. A file that is none of these, that is not a JSON object, or with a value the run would fail on (the reader's
-`problems`), is a `ConfigError`.
-"""
+"""The DeepSpeed config a training config names, read by `core.deepspeed_config` (as the running plugin reads it).
+A relative path is looked for where the launch runs, then next to the config (said), then in the launcher's table of
+the configs it ships, which examples name without shipping."""
 
 from __future__ import annotations
 
@@ -15,18 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...core.deepspeed_config import deepspeed_facts
-from .common import ConfigError, Origin, Reading, short, type_name, where
+from .common import ConfigError, Origin, Reading, find_beside, short, type_name, where
 from .load import load_json_file
 
 
 @dataclass(frozen=True)
 class DeepSpeedConfig:
-    """What the check needs from a DeepSpeed config: the ZeRO stage (0 when the config has no
-    `zero_optimization.stage`, as DeepSpeed defaults; `"auto"` is accelerate's 2); whether the
-    `activation_checkpointing` block sets one of DeepSpeed's keys to a truthy value; `overlap_comm` as DeepSpeed
-    resolves it (unset or `auto`: True at stage 3, else False; None for a shipped config that was not read). `origin`
-    is `deepspeed config` (read) or `launcher default` (a config the launcher ships, not found on disk); `note` is
-    what the output must say (found next to the config rather than in the launch directory)."""
+    """`overlap_comm` is None for a shipped config that was not read (`origin` `launcher default`); `note` what the
+    output must say."""
 
     stage: int
     activation_checkpointing: bool
@@ -36,16 +27,12 @@ class DeepSpeedConfig:
     overlap_comm: bool | None = None
 
     def set_facts(self, reading: Reading) -> None:
-        reading.set("zero_stage", self.stage, self.origin, f"{self.detail}: zero_optimization.stage")
-        reading.set(
-            "deepspeed_activation_checkpointing",
-            self.activation_checkpointing,
-            self.origin,
-            f"{self.detail}: activation_checkpointing",
-        )
-        reading.set(
-            "zero_overlap_comm", self.overlap_comm, self.origin, f"{self.detail}: zero_optimization.overlap_comm"
-        )
+        for name, value, key in (
+            ("zero_stage", self.stage, "zero_optimization.stage"),
+            ("deepspeed_activation_checkpointing", self.activation_checkpointing, "activation_checkpointing"),
+            ("zero_overlap_comm", self.overlap_comm, "zero_optimization.overlap_comm"),
+        ):
+            reading.set(name, value, self.origin, f"{self.detail}: {key}")
         if self.note:
             reading.notes.append(self.note)
 
@@ -59,28 +46,25 @@ def read_deepspeed(
     bundled_where: str,
     lines: Mapping[str, int] | None = None,
 ) -> DeepSpeedConfig:
-    """The DeepSpeed config `value` (a mapping or a non-empty path) that `key` of the config at `path` holds. A
-    relative path is looked for in the current directory, then in `base_dir` (the config file's); `bundled` maps the
-    launcher's shipped configs to their ZeRO stage, `bundled_where` says where it ships them."""
+    """The DeepSpeed config `value` (a mapping or a path) of `key`; `bundled` maps the launcher's shipped configs to
+    their ZeRO stage, `bundled_where` says where it ships them."""
     if isinstance(value, dict):
         return _parse(value, f"{key} (inline)", path, key, f"key {key!r} (inline mapping)")
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(
             f"{where(path, key, lines)}: expected a path to a DeepSpeed JSON file or a mapping, got {type_name(value)} {short(value)}"
         )
-    candidates = [value] if os.path.isabs(value) else [value, os.path.join(base_dir, value)]
-    for i, file in enumerate(candidates):
-        if os.path.isfile(file):
-            data = load_json_file(file, f"DeepSpeed config ({key!r})")
-            note = ""
-            if i == 1:
-                note = (
-                    f"{key}: {value!r} is not in the current directory {os.getcwd()!r}; read it next to the config "
-                    f"({file}). The launcher reads it relative to the directory you launch from."
-                )
-            return _parse(data, file, path, key, file, note)
-        if os.path.exists(file):
+    file = find_beside(value, base_dir, os.path.exists)
+    if file is not None:
+        if not os.path.isfile(file):
             raise ConfigError(f"{where(path, key, lines)}: {file} is not a regular file")
+        note = ""
+        if file != value:
+            note = (
+                f"{key}: {value!r} is not in the current directory {os.getcwd()!r}; read it next to the config "
+                f"({file}). The launcher reads it relative to the directory you launch from."
+            )
+        return _parse(load_json_file(file, f"DeepSpeed config ({key!r})"), file, path, key, file, note)
     name = os.path.basename(value)
     if name in bundled:
         stage = bundled[name]

@@ -1,12 +1,7 @@
-"""Which launcher a config is for, from its keys.
-
-Each launcher module lists its `MARKERS`, keys that only its configs use, and among them `STRONG_MARKERS`, keys
-that decide (Axolotl's required `base_model`; LLaMA-Factory's `stage`, `finetuning_type`, `template`; TRL's
-`use_peft`, `dataset_name`, `accelerate_config`). One launcher's strong markers -> that launcher; several ->
-ambiguous, refused (`--format` says which). Without strong markers, the same with all markers. None: `model_name_or_path` alone means a TRL config
-(the CLI's model key; LLaMA-Factory configs carry their own markers), a JSON file with `TrainingArguments` fields a
-plain arguments file; anything else is unrecognised. An accelerate or DeepSpeed config given by mistake is named
-as such. The result always says why, so the format is never guessed silently.
+"""Which launcher a config is for, from its keys: one launcher's strong markers, else its markers, decide; several
+are ambiguous and refused (`--format` says which). Without markers, `model_name_or_path` means TRL and a JSON file of
+`TrainingArguments` fields a plain arguments file; an accelerate or DeepSpeed config is named as such. The result
+always says why: the format is never guessed silently.
 """
 
 from __future__ import annotations
@@ -14,11 +9,11 @@ from __future__ import annotations
 from . import training_args
 from .common import ConfigError, NotTrainingConfig
 from .load import Config
-from .registry import DETECTED, LAUNCHERS
+from .registry import LAUNCHERS, NAMES
 
 FORMATS = tuple(LAUNCHERS)
-MARKERS = {name: LAUNCHERS[name].MARKERS for name in DETECTED}
-STRONG = {name: LAUNCHERS[name].STRONG_MARKERS for name in DETECTED}
+MARKERS = {name: LAUNCHERS[name].MARKERS for name in NAMES}
+STRONG = {name: LAUNCHERS[name].STRONG_MARKERS for name in NAMES}
 ACCELERATE_KEYS = frozenset({"distributed_type", "compute_environment"})
 DEEPSPEED_KEYS = frozenset({"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size"})
 LLAMAFACTORY_V1_KEYS = frozenset({"model_class", "dist_config", "peft_config", "train_dataset"})
@@ -29,7 +24,7 @@ def _names(keys: set[str]) -> str:
 
 
 def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
-    """`(format, why)` for `config`; `ConfigError` when it is none of the formats, or ambiguous."""
+    """`(format, why)` for `config`."""
     keys = set(config.keys)
     if forced != "auto":
         return forced, "--format"

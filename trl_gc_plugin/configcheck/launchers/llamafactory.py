@@ -25,7 +25,6 @@ its sources (`SRC`); `_worker.py` runs LLaMA-Factory's own `get_train_args` inst
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -37,6 +36,7 @@ from .common import (
     LauncherRule,
     Origin,
     Reading,
+    find_beside,
     json_object_or_mapping,
     line_link,
     release,
@@ -472,8 +472,7 @@ def _read_hyper_parallel(config: Config, parsed: Parsed, reading: Reading) -> st
             f"{type_name(value)} {short(value)}"
         )
     else:
-        candidates = [value] if os.path.isabs(value) else [value, os.path.join(config.base_dir, value)]
-        found = next((c for c in candidates if os.path.isfile(c)), None)
+        found = find_beside(value, config.base_dir)
         if found is None:
             reading.unread.append(
                 f"hyper_parallel_args: {value!r} not found (current directory or next to the config): HyperParallel's "

@@ -1,20 +1,11 @@
-"""Read a config file into a `Config`: the top-level keys, and the values of the keys the check reads.
-
-YAML is read the way the launchers read it (PyYAML's safe loader, YAML 1.1: unquoted `yes`/`off` are booleans),
-with libyaml's C loader. Only the values of the keys some launcher module reads are built into Python objects: the
-text is split at the lines that start a top-level key, every part is syntax-checked by libyaml's C parser (which
-builds no Python objects), and only the wanted parts are loaded. That keeps a 5 MB file with a long `datasets:` list
-under a second, where building it all takes several. A file the split cannot handle faithfully (an alias into
-another part, a merge key, quoted keys, several documents, no libyaml) is read whole instead: slower, same result.
-
-JSON files (`.json`) are read with the standard library; a shell script or text file holding an OpenRLHF command line
-(`openrlhf.cli.train_*`) is read as its flags (`openrlhf.parse_command`). Every problem is a `ConfigError` with one line naming the
-file and the line or key: binary and UTF-16/32 files, invalid UTF-8, syntax errors, tags a safe loader refuses,
-nesting too deep to build, a top level that is not a mapping, non-string top-level keys.
+"""Read a config file into a `Config`, or one `ConfigError` naming the file and line or key. YAML as the launchers
+read it (PyYAML's safe loader), building only the keys some reader needs (`_split_top_level`: a 5 MB `datasets:` list
+stays under a second); JSON with the standard library; an OpenRLHF command line as its flags (`openrlhf`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -23,13 +14,11 @@ from typing import Any
 
 from .common import Config, ConfigError, NotTrainingConfig, short, type_name
 
-MAX_BYTES = 64 * 1024 * 1024
-"""Larger files are not configs; they are refused before being read."""
+MAX_BYTES = 64 * 1024 * 1024  # larger files are no configs: refused before being read
 
 
 def read_text(path: str, what: str = "") -> str:
-    """The file as text: `ConfigError` for a missing or unreadable file, a directory, a file over `MAX_BYTES`,
-    binary or UTF-16/32 content, or invalid UTF-8. A UTF-8 byte-order mark is dropped."""
+    """The file as UTF-8 text without a byte-order mark; `ConfigError` for anything else."""
     label = f"{what} {path}".strip()
     try:
         if os.path.isdir(path):
@@ -58,12 +47,12 @@ def read_text(path: str, what: str = "") -> str:
 
 
 def load(path: str, wanted: frozenset[str] | None = None) -> Config:
-    """Read the config at `path`; build the values of the top-level keys in `wanted` (all when None)."""
+    """The config at `path`, with the values of the top-level keys in `wanted` (all when None)."""
     text = read_text(path)
     if not text.strip():
         raise ConfigError(f"{path}: the file is empty; a config is a mapping of keys")
     if path.lower().endswith(".json"):
-        return _load_json(path, text, wanted)
+        return _whole(path, _json(text, path), wanted, "json")
     if _is_command(path, text):
         from .openrlhf import parse_command
 
@@ -72,20 +61,12 @@ def load(path: str, wanted: frozenset[str] | None = None) -> Config:
     return _load_yaml(path, text, wanted)
 
 
-COMMAND_SUFFIXES = (".sh", ".bash", ".txt", ".cmd")
-SCRIPT_SUFFIXES = (".sh", ".bash")
-
-
 def _is_command(path: str, text: str) -> bool:
-    """A shell script or a text file holding an OpenRLHF command line (not YAML: those are read as configs)."""
-    from .openrlhf import looks_like_command
-
+    """A shell script (never YAML), or a text file that is not YAML holding an OpenRLHF command line."""
     lower = path.lower()
-    if lower.endswith(
-        SCRIPT_SUFFIXES
-    ):  # a shell script is never YAML: read as the command it runs, or said to have none
+    if lower.endswith((".sh", ".bash")):
         return True
-    return looks_like_command(text) and (lower.endswith(COMMAND_SUFFIXES) or not lower.endswith((".yaml", ".yml")))
+    return "openrlhf.cli." in text and (lower.endswith((".txt", ".cmd")) or not lower.endswith((".yaml", ".yml")))
 
 
 MAX_DEPTH = 1000
@@ -99,7 +80,7 @@ _COMPACT_SEQUENCES = re.compile(rf"(?:-[ \t]+){{{MAX_DEPTH // 2}}}")
 
 def _check_nesting(text: str, path: str) -> None:
     """`ConfigError` when the YAML text may nest more than `MAX_DEPTH` levels: flow brackets (counted, inside strings
-    too), indentation, or compact `- - -` sequences. A few C-speed scans for an ordinary file, 5 MB included."""
+    too), indentation, or compact `- - -` sequences."""
 
     def refuse(offset: int) -> None:
         line = text.count("\n", 0, offset) + 1
@@ -121,12 +102,9 @@ def _check_nesting(text: str, path: str) -> None:
                         refuse(match.start())
                 elif depth:
                     depth -= 1
-    indent = " " * MAX_DEPTH
-    if text.startswith(indent):
-        refuse(0)
-    deep = text.find("\n" + indent)
+    deep = ("\n" + text).find("\n" + " " * MAX_DEPTH)  # at the start of a line
     if deep != -1:
-        refuse(deep + 1)
+        refuse(deep)
     if "- -" in text or "-\t" in text:
         found = _COMPACT_SEQUENCES.search(text)
         if found is not None:
@@ -134,7 +112,6 @@ def _check_nesting(text: str, path: str) -> None:
 
 
 def _json(text: str, label: str) -> Any:
-    """`text` as JSON; a `ConfigError` that starts with `label` says where it fails or what cannot be read."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -144,12 +121,12 @@ def _json(text: str, label: str) -> Any:
 
 
 def load_json_file(path: str, what: str) -> Any:
-    """A JSON file another config names (a DeepSpeed or FSDP config): its value; `ConfigError` naming it."""
+    """A JSON file another config names (a DeepSpeed or FSDP config)."""
     return _json(read_text(path, what), f"{what} {path}")
 
 
 def load_yaml_file(path: str, what: str) -> Any:
-    """A YAML file another config names (an accelerate config): its value; `ConfigError` naming it."""
+    """A YAML file another config names (an accelerate config)."""
     import yaml
 
     text = read_text(path, what)
@@ -161,19 +138,11 @@ def load_yaml_file(path: str, what: str) -> Any:
         raise ConfigError(f"{what} {path}: cannot read: {type(exc).__name__}: {short(str(exc), 120)}") from None
 
 
-def _load_json(path: str, text: str, wanted: frozenset[str] | None) -> Config:
-    return _whole(path, _json(text, path), wanted, "json")
-
-
 def _whole(path: str, data: Any, wanted: frozenset[str] | None, kind: str) -> Config:
-    """A config read whole: its top level must be a mapping; only the `wanted` keys are kept (all for None)."""
     if not isinstance(data, dict):
         raise NotTrainingConfig(f"{path}: the top level must be a mapping of keys, not {type_name(data)}") from None
     values = data if wanted is None else {k: v for k, v in data.items() if k in wanted}
     return Config(path=path, values=values, keys=tuple(data), kind=kind)
-
-
-# --- YAML ------------------------------------------------------------------------------------------------------
 
 
 def _loader_class() -> Any:
@@ -183,11 +152,9 @@ def _loader_class() -> Any:
 
 
 def _yaml_message(exc: Any, text: str = "") -> str:
-    """One line: where (line, column) and what, from a PyYAML error."""
     mark = getattr(exc, "problem_mark", None)
     if mark is None and isinstance(getattr(exc, "position", None), int):  # a ReaderError: a character YAML refuses
-        position = exc.position
-        line = text.count("\n", 0, position) + 1 if text else None
+        line = text.count("\n", 0, exc.position) + 1 if text else None
         character = getattr(exc, "character", "")
         code = f"#x{ord(character):04x}" if isinstance(character, str) and len(character) == 1 else repr(character)
         return (f"line {line}: " if line else "") + f"character {code}: {getattr(exc, 'reason', 'not allowed')}"
@@ -212,19 +179,16 @@ def _load_yaml(path: str, text: str, wanted: frozenset[str] | None) -> Config:
     import yaml
 
     try:
-        try:
-            if wanted is None:
-                raise _WholeDocument
-            values, keys, lines = _split_top_level(text, wanted)
-            return Config(path=path, values=values, keys=keys, lines=lines)
-        except _WholeDocument:
-            data = yaml.load(text, Loader=_loader_class())
-            if data is None:
-                raise ConfigError(f"{path}: the file holds no keys (empty, or only comments)") from None
-            for key in data if isinstance(data, dict) else ():
-                if not isinstance(key, str):
-                    raise NotTrainingConfig(f"{path}: top-level key {short(key)} is not a string") from None
-            return _whole(path, data, wanted, "yaml")
+        if wanted is not None:
+            with contextlib.suppress(_WholeDocument):
+                return Config(path, *_split_top_level(text, wanted))
+        data = yaml.load(text, Loader=_loader_class())
+        if data is None:
+            raise ConfigError(f"{path}: the file holds no keys (empty, or only comments)")
+        for key in data if isinstance(data, dict) else ():
+            if not isinstance(key, str):
+                raise NotTrainingConfig(f"{path}: top-level key {short(key)} is not a string")
+        return _whole(path, data, wanted, "yaml")
     except ConfigError:
         raise
     except yaml.YAMLError as exc:
@@ -236,39 +200,37 @@ def _load_yaml(path: str, text: str, wanted: frozenset[str] | None) -> Config:
 
 
 def _split_top_level(text: str, wanted: frozenset[str]) -> tuple[dict[str, Any], tuple[str, ...], dict[str, int]]:
-    """The fast path for a block mapping at column 0 (what every launcher's config is): split the text at the
-    lines that start a top-level key, check the syntax of every part with libyaml's C parser (no Python objects),
-    and build only the parts whose key is wanted. Anything unusual (flow or list top level, directives or document
-    markers after the start, complex, quoted or merge keys, an alias into another part, no C parser) raises
-    `_WholeDocument`, and the file is read whole instead: slower, never different."""
+    """The fast path for a block mapping at column 0 (every launcher's config); anything unusual (flow or list top
+    level, document markers after the start, complex, quoted or merge keys, an alias into another part, no C parser)
+    raises `_WholeDocument`."""
     import yaml
 
     loader = getattr(yaml, "CSafeLoader", None)
     if loader is None:
         raise _WholeDocument
     starts: list[tuple[int, str]] = []  # (offset, key)
-    seen_key = False
     for match in _TOP_LINE.finditer(text):
         line_text = match.group(0)
         if _DOCUMENT_MARK.match(line_text):
-            if seen_key:
+            if starts:
                 raise _WholeDocument  # a document marker after the first key: several documents, or an odd file
             continue
         key_match = _PLAIN_KEY.match(line_text)
         if key_match is None:
             raise _WholeDocument  # a quoted or complex key, a top-level list or flow mapping, a continuation line
-        seen_key = True
         starts.append((match.start(), key_match.group(1)))
         if len(starts) > MAX_TOP_LEVEL_KEYS:
             raise _WholeDocument
     if not starts:
         raise _WholeDocument
-    lines_at = _line_numbers(text, [offset for offset, _ in starts])
     resolver = _resolver()
     values: dict[str, Any] = {}
     keys: dict[str, None] = {}
     lines: dict[str, int] = {}
+    line, last = 1, 0
     for i, (offset, key) in enumerate(starts):
+        line += text.count("\n", last, offset)
+        last = offset
         end = starts[i + 1][0] if i + 1 < len(starts) else len(text)
         part = text[offset:end]
         if resolver(key) != "tag:yaml.org,2002:str" or key == "<<":
@@ -288,19 +250,8 @@ def _split_top_level(text: str, wanted: frozenset[str]) -> tuple[dict[str, Any],
                 raise _WholeDocument from None  # the full loader reports it with the file's own line numbers
         keys.pop(key, None)  # a repeated key: the last one wins, as in a full load
         keys[key] = None
-        lines[key] = lines_at[i]
+        lines[key] = line
     return values, tuple(keys), lines
-
-
-def _line_numbers(text: str, offsets: list[int]) -> list[int]:
-    """1-based line numbers of increasing offsets, counting newlines once."""
-    out: list[int] = []
-    line, last = 1, 0
-    for offset in offsets:
-        line += text.count("\n", last, offset)
-        last = offset
-        out.append(line)
-    return out
 
 
 @functools.lru_cache(maxsize=1)
@@ -309,9 +260,4 @@ def _resolver() -> Any:
     from yaml.nodes import ScalarNode
     from yaml.resolver import Resolver
 
-    resolver = Resolver()
-
-    def resolve(value: str) -> str:
-        return resolver.resolve(ScalarNode, value, (True, False))
-
-    return resolve
+    return functools.partial(Resolver().resolve, ScalarNode, implicit=(True, False))

@@ -1,9 +1,6 @@
-"""Facts from the model's own `config.json`, when the config names a local model directory.
-
-The check downloads nothing: for a Hub id these facts stay unknown (the callback reads them from the model at
-runtime). For a local directory it reads what the rules need: cross-layer KV sharing (`num_kv_shared_layers` > 0,
-Gemma 4 and Gemma 3n: `shared_state_layers`), a dropout probability > 0 (`dropout`), and `model_type` (Axolotl's
-Gemma 4 rewrite). Sub-configs (`text_config`, `decoder`, ...) count as the model reads them.
+"""Facts from the `config.json` of a local model directory the config names (the check downloads nothing: for a Hub
+id they stay unknown): cross-layer KV sharing (`num_kv_shared_layers` > 0), a dropout > 0, and `model_type`; sub-configs
+(`text_config`, ...) count as the model reads them.
 """
 
 from __future__ import annotations
@@ -48,8 +45,8 @@ def _configs(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def read_model_facts(name: Any, key: str, reading: Reading) -> str | None:
-    """Set `shared_state_layers` and `dropout` from the local model config `name` (named by `key`); returns its
-    `model_type`, or None when `name` is no local model directory."""
+    """Set `shared_state_layers` and `dropout` from the local model `name` (named by `key`); its `model_type`, or None
+    when `name` is no local model directory."""
     found = local_model_config(name)
     if found is None:
         return None
@@ -65,5 +62,4 @@ def read_model_facts(name: Any, key: str, reading: Reading) -> str | None:
         if isinstance(c.get(k), (int, float)) and not isinstance(c.get(k), bool)
     ]
     reading.set("dropout", any(rate > 0 for rate in rates), "model config", f"{detail}: dropout probabilities")
-    model_type = config.get("model_type")
-    return model_type if isinstance(model_type, str) else None
+    return config["model_type"] if isinstance(config.get("model_type"), str) else None

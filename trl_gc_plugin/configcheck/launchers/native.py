@@ -1,10 +1,6 @@
-"""Run `_worker.py` for a batch of configs, with a time limit, in a clean environment.
-
-One subprocess for every config of a run that a launcher's own code can read, so the launcher's import (TRL
-imports torch and transformers: seconds) is paid once. The child gets no distributed variables (`RANK`,
-`WORLD_SIZE`, `MASTER_ADDR`, MPI's, accelerate's and FSDP's: with them `TrainingArguments` waits for other ranks),
-no visible GPU, and an offline Hub; it is killed when the time limit passes, and every config it did not finish
-is read by the plugin's model instead, which the output says.
+"""Run `_worker.py` for a batch of configs in one subprocess (the launchers' imports are paid once), with a time
+limit, no distributed variables (with them `TrainingArguments` waits for other ranks), no GPU and an offline Hub; a
+config it did not finish is read by the plugin's model instead, which the output says.
 """
 
 from __future__ import annotations
@@ -48,7 +44,6 @@ DISTRIBUTED_PREFIXES = (
 
 
 def importable(package: str) -> bool:
-    """Whether `package` can be imported here (found, not imported)."""
     try:
         return importlib.util.find_spec(package) is not None
     except (ImportError, ValueError):
@@ -56,8 +51,6 @@ def importable(package: str) -> bool:
 
 
 def clean_environment() -> dict[str, str]:
-    """The environment for the worker: this one without the distributed and plugin variables, no GPU, Hub offline,
-    and this package importable."""
     env = {
         k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARIABLES and not k.startswith(DISTRIBUTED_PREFIXES)
     }
@@ -70,8 +63,7 @@ def clean_environment() -> dict[str, str]:
 
 
 def run(jobs: list[dict[str, Any]], timeout: float) -> dict[int, dict[str, Any]]:
-    """The worker's result for each job id; a job it did not finish gets `{"ok": False, "kind": "environment"}`
-    with the reason (time limit, crash)."""
+    """The worker's result by job id; a job it did not finish gets `{"ok": False, "kind": "environment"}`."""
     if not jobs:
         return {}
     results: dict[int, dict[str, Any]] = {}

@@ -1,28 +1,8 @@
-"""OpenRLHF command lines (`deepspeed --module openrlhf.cli.train_sft ...`, `python -m openrlhf.cli.train_dpo ...`, the
-`train_ppo_ray` actor flags), in a shell script or a text file holding the command.
-
-OpenRLHF trains in its own DeepSpeed loops, without a Trainer: the plugin reaches such a run through the model route
-(`trl_gc_plugin.routes.model_route`: `TRL_GC_PLUGIN=1`, the patched `gradient_checkpointing_enable`). This module is the plugin's
-model of what OpenRLHF 0.11.2 does with its flags (read in its sources, `SRC`; the flat flags of OpenRLHF <= 0.9 are
-read too):
-
-1. `cli/train_*.py`: with `--model.gradient_checkpointing_enable` (`--actor.` in `train_ppo_ray`, whose critic uses the
-   actor's flags; `--gradient_checkpointing` before 0.10) it calls
-   `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": <flag>})`, the flag being
-   `--model.gradient_checkpointing_reentrant` (`--gradient_checkpointing_use_reentrant`), false by default: the value
-   is always passed, so the run keeps it as the user's.
-2. `models/actor.py`: `--ds.lora.rank N` (`--lora_rank`) > 0 wraps the model in PEFT LoRA after
-   `enable_input_require_grads()`; `--ds.load_in_4bit` (`--load_in_4bit`) loads it in 4 bits (with LoRA).
-3. `--ds.zero_stage` (`--zero_stage`), default 2: the DeepSpeed ZeRO stage of its strategy.
-4. The processes: `deepspeed --num_gpus N` / `--num_nodes`, `torchrun --nproc_per_node N`, `--actor.num_nodes` x
-   `--actor.num_gpus_per_node` under Ray; else `--nproc`, else one.
-
-OpenRLHF refuses nothing about checkpointing itself: this module has no launcher rules.
-
-A script's command is read as bash would expand it (`shell.commands`: variables, arrays, heredocs, `bash -c`
-payloads), never run. What cannot be read statically is said: a flag the rules read whose value comes from the
-environment, or an expansion that may hold flags (an array the script does not set, a command's output), makes the
-check `incomplete` (`Reading.unread`), never `ok`; other flags' unread values are notes.
+"""OpenRLHF command lines (`deepspeed --module openrlhf.cli.train_sft ...`) in a shell script or a text file, read as
+bash would expand them (`shell.commands`), never run: the plugin's model of what OpenRLHF 0.11.2 (and the flat flags of
+<= 0.9) does with its flags (`SOURCES`). OpenRLHF trains without a Trainer (the plugin acts through the model route)
+and refuses nothing about checkpointing itself: no launcher rules. A flag the rules read whose value comes from the
+environment, or an expansion that may hold flags, makes the check `incomplete` (`Reading.unread`).
 """
 
 from __future__ import annotations
@@ -44,10 +24,9 @@ SOURCES = {
     "zero": SRC + "cli/train_sft.py#L178 (--ds.zero_stage, default 2)",
 }
 ENTRY = "openrlhf_entry"
-"""The pseudo-key a command line's entry point is read into (`train_sft`, `train_ppo_ray`, ...)."""
+"""The pseudo-key of the command's entry point (`train_sft`, ...)."""
 UNREAD = "openrlhf_unread"
-"""The pseudo-key of what the command's expansion left unread: `{"values": {flag: [what]}, "hidden": [what],
-"launch": [what]}`."""
+"""The pseudo-key of what the expansion left unread: `{"values": {flag: [what]}, "hidden": [...], "launch": [...]}`."""
 MARKERS = frozenset({ENTRY})
 STRONG_MARKERS = MARKERS
 READ_KEYS = frozenset({ENTRY})  # a command line is parsed whole (`parse_command`)
@@ -68,19 +47,12 @@ GENERATING = frozenset({"ppo"})
 
 _ENTRY_TOKEN = re.compile(r"^openrlhf\.cli\.([A-Za-z_][A-Za-z0-9_]*)$")
 _END = frozenset({"&&", "||", ";", "|", "EOF", "&"})
-_REDIRECT = re.compile(r"^(?:\d*[<>]|&>)")
-"""A redirection (`> log`, `2>&1`, `&>> log`): the command's words end there."""
-
-
-def looks_like_command(text: str) -> bool:
-    """Whether a file's text holds an OpenRLHF command line (`openrlhf.cli.<entry>`)."""
-    return "openrlhf.cli." in text
+_REDIRECT = re.compile(r"^(?:\d*[<>]|&>)")  # `> log`, `2>&1`: the command's words end there
 
 
 def parse_command(path: str, text: str) -> Config:
-    """The flags of the OpenRLHF command in `text` as a `Config`: `--a.b 3` -> `{"a.b": "3"}`, a bare flag -> True,
-    `ENTRY` -> the entry point; `openrlhf_nproc` -> the process count the launcher before it says, when it says one;
-    `UNREAD` -> what its expansion could not read (`shell.Expanded`)."""
+    """The flags of the OpenRLHF command in `text`: `--a.b 3` -> `{"a.b": "3"}`, a bare flag -> True; `ENTRY`,
+    `UNREAD`, and `openrlhf_nproc` when the launcher before it says the process count."""
     try:
         found, missing = shell.commands(text, "openrlhf.cli.", os.path.dirname(os.path.abspath(path)))
     except ValueError as exc:
@@ -108,21 +80,18 @@ def parse_command(path: str, text: str) -> Config:
     i = start + 1
     while i < len(tokens) and tokens[i] not in _END and not _REDIRECT.match(tokens[i]):
         token = tokens[i]
-        if expanded.hides_words(token):
+        i += 1
+        if not token.startswith("--"):  # `$EXTRA_ARGS` alone: unquoted, bash splits it into words (flags)
             hidden += expanded.what(token)
-            i += 1
-        elif token.startswith("--"):
-            name, eq, inline = token[2:].partition("=")
-            hidden += expanded.what(name)  # `--${PREFIX}flag`: which flag is not known
-            following = [] if eq else _values_after(tokens, i + 1, expanded)
-            values[name] = inline if eq else (following[0] if len(following) == 1 else following or True)
-            unread = [what for word in ([inline] if eq else following) for what in expanded.what(word)]
-            if unread:
-                unread_values[name] = unread
-            i += 1 + len(following)
-        else:
-            hidden += expanded.what(token)  # `$EXTRA_ARGS` alone: unquoted, bash splits it into words (flags)
-            i += 1
+            continue
+        name, eq, inline = token[2:].partition("=")
+        hidden += expanded.what(name)  # `--${PREFIX}flag`: which flag is not known
+        following = [] if eq else _values_after(tokens, i, expanded)
+        values[name] = inline if eq else (following[0] if len(following) == 1 else following or True)
+        unread = [what for word in ([inline] if eq else following) for what in expanded.what(word)]
+        if unread:
+            unread_values[name] = unread
+        i += len(following)
     if others:
         hidden.append(
             f"{others} other command(s) run {entry} with other flags (branches of the script?); the first was read"
@@ -146,18 +115,12 @@ def _values_after(tokens: list[str], i: int, expanded: shell.Expanded) -> list[s
 
 def _launcher_processes(tokens: list[str], expanded: shell.Expanded) -> tuple[int | None, list[str]]:
     """Processes per launch from `deepspeed --num_gpus N [--num_nodes M]` or `torchrun --nproc_per_node N
-    [--nnodes M]`, wherever the launcher line is in the script; and what of those numbers could not be read."""
+    [--nnodes M]`, and what of those numbers could not be read."""
     unread: list[str] = []
 
     def number(flag: str) -> int | None:
-        for j, t in enumerate(tokens):
-            value = (
-                t.split("=", 1)[1]
-                if t.startswith(flag + "=")
-                else tokens[j + 1]
-                if t == flag and j + 1 < len(tokens)
-                else None
-            )
+        for t, following in zip(tokens, [*tokens[1:], None], strict=True):
+            value = t[len(flag) + 1 :] if t.startswith(flag + "=") else following if t == flag else None
             if value is not None and expanded.what(value):
                 unread.extend(f"{flag} {what}" for what in expanded.what(value))
                 return None
@@ -174,33 +137,48 @@ def _launcher_processes(tokens: list[str], expanded: shell.Expanded) -> tuple[in
     return None, unread
 
 
+Flags = dict[str, tuple[str, str]]
+
+
+def _flags(prefix: str) -> Flags:
+    """The flags the rules read (their values decide the verdict), each as spelled now and before OpenRLHF 0.10."""
+    return {
+        "enable": (f"{prefix}gradient_checkpointing_enable", "gradient_checkpointing"),
+        "reentrant": (f"{prefix}gradient_checkpointing_reentrant", "gradient_checkpointing_use_reentrant"),
+        "lora_rank": ("ds.lora.rank", "lora_rank"),
+        "4bit": ("ds.load_in_4bit", "load_in_4bit"),
+        "zero_stage": ("ds.zero_stage", "zero_stage"),
+        "nodes": ("actor.num_nodes", "actor_num_nodes"),
+        "gpus": ("actor.num_gpus_per_node", "actor_num_gpus_per_node"),
+    }
+
+
+def _given(config: Config, names: tuple[str, ...]) -> tuple[Any, str | None]:
+    """(value, spelling) of the first of `names` the command has; a value the expansion could not read counts as
+    absent (`Reading.unread` says so)."""
+    unread = (config.values.get(UNREAD) or {}).get("values", {})
+    return next(((config.values[n], n) for n in names if n in config.values and n not in unread), (None, None))
+
+
 def _flag(config: Config, names: tuple[str, ...]) -> tuple[bool, str | None]:
-    """(the flag's value, the spelling found) for the first of `names` the command has (a value the expansion could
-    not read counts as absent: `Reading.unread` says so)."""
-    for name in names:
-        if name in config.values and name not in _unread_values(config):
-            value = config.values[name]
-            if value is True or (isinstance(value, str) and value.lower() in ("true", "1")):
-                return True, name
-            raise ConfigError(f"{config.path}: --{name} is a switch (store_true) and takes no value, got {value!r}")
-    return False, None
+    value, name = _given(config, names)
+    if name is None or value is True or (isinstance(value, str) and value.lower() in ("true", "1")):
+        return name is not None, name
+    raise ConfigError(f"{config.path}: --{name} is a switch (store_true) and takes no value, got {value!r}")
 
 
 def _int(config: Config, names: tuple[str, ...], default: int) -> tuple[int, str | None]:
-    for name in names:
-        if name in config.values and name not in _unread_values(config):
-            value = config.values[name]
-            if isinstance(value, str) and value.lstrip("-").isdigit():
-                return int(value), name
-            raise ConfigError(f"{config.path}: --{name} takes a whole number, got {value!r}")
-    return default, None
+    value, name = _given(config, names)
+    if name is None or (isinstance(value, str) and value.lstrip("-").isdigit()):
+        return (default if name is None else int(value)), name
+    raise ConfigError(f"{config.path}: --{name} takes a whole number, got {value!r}")
 
 
 def read(config: Config, ctx: Context) -> Reading:
-    """The plugin's model of what OpenRLHF does with the command's flags (see the module docstring)."""
     entry = str(config.values[ENTRY])
     ppo = entry == "train_ppo_ray"
     prefix = "actor." if ppo else "model."
+    flags = _flags(prefix)
     reading = Reading(
         format="openrlhf",
         parser=f"the plugin's model of {VERSION_MODELLED} (OpenRLHF is not imported)",
@@ -209,10 +187,10 @@ def read(config: Config, ctx: Context) -> Reading:
             "activation_checkpointing": "{switch} " + f"--{prefix}gradient_checkpointing_enable",
         },
     )
-    _checkpointing(config, reading, prefix, ppo)
-    _model(config, reading, prefix)
-    _launch(config, ctx, reading, ppo)
-    _unread(config, reading, prefix, ctx)
+    _checkpointing(config, reading, prefix, ppo, flags)
+    _model(config, reading, prefix, flags)
+    _launch(config, ctx, reading, ppo, flags)
+    _unread(config, reading, ctx, {name for names in flags.values() for name in names})
     kind = KINDS.get(entry, "sft")
     reading.set("trainer_kind", kind, "file", f"openrlhf.cli.{entry}")
     reading.set("rl_trainer", kind in RL, "file", f"openrlhf.cli.{entry}")
@@ -224,39 +202,11 @@ def read(config: Config, ctx: Context) -> Reading:
     return reading
 
 
-def _unread_values(config: Config) -> dict[str, list[str]]:
-    return dict((config.values.get(UNREAD) or {}).get("values", {}))
-
-
-def read_flags(prefix: str) -> frozenset[str]:
-    """The flags the rules read (their values decide the verdict)."""
-    return frozenset(
-        {
-            f"{prefix}gradient_checkpointing_enable",
-            "gradient_checkpointing",
-            f"{prefix}gradient_checkpointing_reentrant",
-            "gradient_checkpointing_use_reentrant",
-            "ds.lora.rank",
-            "lora_rank",
-            "ds.load_in_4bit",
-            "load_in_4bit",
-            "ds.zero_stage",
-            "zero_stage",
-            "actor.num_nodes",
-            "actor_num_nodes",
-            "actor.num_gpus_per_node",
-            "actor_num_gpus_per_node",
-        }
-    )
-
-
-def _unread(config: Config, reading: Reading, prefix: str, ctx: Context) -> None:
-    """Say what the command's expansion left unread: in `Reading.unread` where the verdict depends on it (a flag the
-    rules read, an expansion that may hold flags, the launcher's process count without --nproc), else as a note."""
+def _unread(config: Config, reading: Reading, ctx: Context, flags: set[str]) -> None:
+    """What the expansion left unread: in `Reading.unread` where the verdict depends on it, else as a note."""
     unread = config.values.get(UNREAD) or {}
     for what in unread.get("hidden", []):
         reading.unread.append(f"{shell.readable(what)}: may hold any flag (checkpointing, LoRA, 4-bit, ZeRO stage)")
-    flags = read_flags(prefix)
     for name, whats in unread.get("values", {}).items():
         said = ", ".join(shell.readable(w) for w in whats)
         if name in flags:
@@ -269,11 +219,9 @@ def _unread(config: Config, reading: Reading, prefix: str, ctx: Context) -> None
         ]
 
 
-def _checkpointing(config: Config, reading: Reading, prefix: str, ppo: bool) -> None:
-    on, on_name = _flag(config, (f"{prefix}gradient_checkpointing_enable", "gradient_checkpointing"))
-    reentrant, re_name = _flag(
-        config, (f"{prefix}gradient_checkpointing_reentrant", "gradient_checkpointing_use_reentrant")
-    )
+def _checkpointing(config: Config, reading: Reading, prefix: str, ppo: bool, flags: Flags) -> None:
+    on, on_name = _flag(config, flags["enable"])
+    reentrant, re_name = _flag(config, flags["reentrant"])
     detail = f"--{on_name}" if on_name else f"no --{prefix}gradient_checkpointing_enable: OpenRLHF's default is off"
     if ppo:
         detail += f"; the critic checkpoints with the actor's flags ({SOURCES['critic']})"
@@ -293,9 +241,9 @@ def _checkpointing(config: Config, reading: Reading, prefix: str, ppo: bool) -> 
     reading.set("kwargs_given", True, origin, why)
 
 
-def _model(config: Config, reading: Reading, prefix: str) -> None:
-    rank, rank_name = _int(config, ("ds.lora.rank", "lora_rank"), 0)
-    four, four_name = _flag(config, ("ds.load_in_4bit", "load_in_4bit"))
+def _model(config: Config, reading: Reading, prefix: str, flags: Flags) -> None:
+    rank, rank_name = _int(config, flags["lora_rank"], 0)
+    four, four_name = _flag(config, flags["4bit"])
     peft = rank > 0
     reading.set(
         "is_peft",
@@ -320,20 +268,19 @@ def _model(config: Config, reading: Reading, prefix: str) -> None:
     name = config.values.get(
         "model.model_name_or_path", config.values.get(f"{prefix}model_name_or_path", config.values.get("pretrain"))
     )
-    if isinstance(name, str):
-        read_model_facts(name, "--model.model_name_or_path", reading)
+    read_model_facts(name, "--model.model_name_or_path", reading)  # nothing unless a local model directory
 
 
-def _launch(config: Config, ctx: Context, reading: Reading, ppo: bool) -> None:
-    stage, stage_name = _int(config, ("ds.zero_stage", "zero_stage"), 2)
+def _launch(config: Config, ctx: Context, reading: Reading, ppo: bool, flags: Flags) -> None:
+    stage, stage_name = _int(config, flags["zero_stage"], 2)
     reading.set(
         "zero_stage",
         stage,
         "file" if stage_name else "launcher default",
         f"--{stage_name}" if stage_name else f"OpenRLHF's default ZeRO stage ({SOURCES['zero']})",
     )
-    nodes, _ = _int(config, ("actor.num_nodes", "actor_num_nodes"), 1)
-    gpus, gpus_name = _int(config, ("actor.num_gpus_per_node", "actor_num_gpus_per_node"), 1)
+    nodes, _ = _int(config, flags["nodes"], 1)
+    gpus, gpus_name = _int(config, flags["gpus"], 1)
     launched = config.values.get("openrlhf_nproc")
     if ctx.nproc is not None:
         reading.set("world_size", ctx.nproc, "option", "--nproc")

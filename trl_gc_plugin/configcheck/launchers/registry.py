@@ -1,5 +1,5 @@
-"""The launchers the check reads, by format name: each module has `MARKERS` (the keys that tell its configs, `detect`)
-and `STRONG_MARKERS` (those that decide the format even beside another launcher's weaker markers), `READ_KEYS` (the keys it reads, `load`) and `read(config, ctx) -> Reading`."""
+"""The launchers the check reads, by format name. Each module has `MARKERS` (keys only its configs use),
+`STRONG_MARKERS` (those that decide beside another launcher's markers), `READ_KEYS` and `read(config, ctx)`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,4 @@ LAUNCHERS: dict[str, ModuleType] = {
     "training-args": training_args,
 }
 NAMES = {"trl": "TRL", "axolotl": "Axolotl", "llamafactory": "LLaMA-Factory", "openrlhf": "OpenRLHF"}
-"""How the check's messages name each launcher."""
-DETECTED = ("trl", "axolotl", "llamafactory", "openrlhf")
-"""The formats `detect` tells by marker keys (a plain arguments file is told by its fields)."""
+"""How messages name the launchers `detect` tells by marker keys (a plain arguments file is told by its fields)."""

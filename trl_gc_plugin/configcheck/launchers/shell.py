@@ -1,18 +1,8 @@
 """A shell script's command, read as bash would expand it, statically: never run.
 
-Launch scripts build their command from variables and bash arrays (`ARGS=( --a 1 --b )` ... `${ARGS[@]}`), heredocs
-(`read -r -d '' cmd <<EOF ... EOF` ... `deepspeed --module $cmd`), and wrap it (`srun ... bash -c "..."`, `ray job
-submit -- python3 -m ...`). `commands(text, marker)` finds the statements that runs `marker` after expansion and returns
-its words. What a static reading cannot know (a value from the environment or a command substitution, a variable set
-in a loop or a function, arithmetic) becomes a placeholder word that names it (`Unresolved`), so a caller can say
-which flags it could not read instead of reading them as absent.
-
-Handled: line continuations, comments, `NAME=value` / `export` / `local` / `declare` assignments, arrays `NAME=(...)`
-over several lines and `NAME+=(...)`, `$NAME`, `${NAME}`, `${NAME:-default}`, `${NAME[@]}`, `${NAME[*]}`,
-`${NAME[i]}`, heredocs (`<<EOF`, `<<'EOF'`, `<<-EOF`) read into a variable by `read` or fed to a command,
-`bash -c` / `sh -c` payloads (read as scripts with the variables known so far), and `source FILE` / `. FILE` (the
-file's assignments, read where it is found next to the script or in the current directory; its commands do not run
-here: a sourced launch script's own command stays its own).
+Variables, arrays, heredocs, `bash -c` payloads and the assignments of sourced files are expanded; what a static
+reading cannot know (the environment, a command's output, a variable set in a loop or function, arithmetic) becomes
+a placeholder word naming it, so a caller can say which flags it could not read instead of reading them as absent.
 """
 
 from __future__ import annotations
@@ -21,6 +11,8 @@ import os
 import re
 import shlex
 from dataclasses import dataclass, field
+
+from .common import find_beside
 
 PLACEHOLDER = "\x00unresolved{}\x00"
 _PLACEHOLDER = re.compile("\x00unresolved(\\d+)\x00")
@@ -46,9 +38,8 @@ _EXPANSION = re.compile(
 
 @dataclass
 class Expanded:
-    """A command's words; `unresolved[i]` says what placeholder i stands for (`$MODEL_PATH: not set in the script`);
-    `many` holds the placeholders that may stand for several words (an array or a command's output the script does
-    not set: flags may hide there), the others for one (a variable's value)."""
+    """A command's words; `unresolved[i]` says what placeholder i stands for; `many` holds the placeholders that may
+    stand for several words (flags may hide there)."""
 
     words: list[str]
     unresolved: list[str] = field(default_factory=list)
@@ -65,14 +56,14 @@ class Expanded:
         return match is not None and (after_a_value or int(match.group(1)) in self.many)
 
 
+@dataclass
 class _Scope:
-    def __init__(self) -> None:
-        self.scalars: dict[str, str] = {}
-        self.arrays: dict[str, list[str]] = {}
-        self.unknown: dict[str, str] = {}  # name -> why it cannot be known
-        self.unresolved: list[str] = []
-        self.many: set[int] = set()
-        self.missing_sources: list[str] = []
+    scalars: dict[str, str] = field(default_factory=dict)
+    arrays: dict[str, list[str]] = field(default_factory=dict)
+    unknown: dict[str, str] = field(default_factory=dict)  # name -> why it cannot be known
+    unresolved: list[str] = field(default_factory=list)
+    many: set[int] = field(default_factory=set)
+    missing_sources: list[str] = field(default_factory=list)
 
     def placeholder(self, what: str, many: bool = False) -> str:
         self.unresolved.append(what)
@@ -132,15 +123,10 @@ class _Scope:
             return self.scalars[name]
         if name in self.arrays:
             return self.arrays[name][0] if self.arrays[name] else ""
-        why = self.unknown.get(name)
-        if why is None:
-            why = (
-                "a script argument" if name.isdigit() or name in "@*#" else "not set in the script (the environment's)"
-            )
-        return self.placeholder(f"{spelled}: {why}", many=name in "@*")
+        why = "a script argument" if name.isdigit() or name in "@*#" else "not set in the script (the environment's)"
+        return self.placeholder(f"{spelled}: {self.unknown.get(name, why)}", many=name in "@*")
 
     def words(self, text: str) -> list[str]:
-        """The words of `text` after expansion (quotes removed, comments dropped)."""
         try:
             return shlex.split(self.expand(text), comments=True)
         except ValueError:
@@ -153,33 +139,22 @@ def _statements(text: str) -> list[str]:
     out: list[str] = []
     i = 0
     while i < len(lines):
-        line = lines[i]
-        stripped = line.strip()
+        stripped = lines[i].strip()
         heredoc = _HEREDOC.search(stripped) if not stripped.startswith("#") else None
-        if heredoc:
-            end = heredoc.group(3)
-            body = []
-            i += 1
-            while i < len(lines) and lines[i].strip() != end:
-                body.append(lines[i])
-                i += 1
-            out.append(stripped + "\n" + "\n".join(body))
-            i += 1
-            continue
         assign = _ASSIGN.match(stripped)
-        if assign and assign.group(3).lstrip().startswith("(") and not _closed(assign.group(3)):
-            parts = [stripped]
+        if heredoc:  # up to the line that ends it
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == heredoc.group(3)), len(lines))
+            out.append(stripped + "\n" + "\n".join(lines[i + 1 : end]))
+            i = end + 1
+        elif assign and assign.group(3).lstrip().startswith("(") and not _closed(assign.group(3)):
+            value = assign.group(3)  # an array, up to the line that closes it
+            ends = (j for j in range(i + 1, len(lines)) if _closed("\n".join([value, *lines[i + 1 : j + 1]])))
+            end = next(ends, len(lines) - 1)
+            out.append("\n".join([stripped, *lines[i + 1 : end + 1]]))
+            i = end + 1
+        else:
+            out.append(stripped)
             i += 1
-            while i < len(lines):
-                parts.append(lines[i])
-                if _closed("\n".join(p if j else _ASSIGN.match(p).group(3) for j, p in enumerate(parts))):  # type: ignore[union-attr]
-                    break
-                i += 1
-            out.append("\n".join(parts))
-            i += 1
-            continue
-        out.append(stripped)
-        i += 1
     return out
 
 
@@ -235,8 +210,7 @@ def _assign(scope: _Scope, statement: str, in_block: bool) -> bool:
 
 
 def _after_first_word(value: str) -> str:
-    """What follows the first shell word of `value` (quotes, `$(...)`, `${...}` and backquotes kept in the word);
-    empty when `value` is one word, or one word and a comment."""
+    """What follows the first shell word of `value` (quotes, `$(...)`, `${...}` kept in it); "" if only a comment."""
     depth, quote, i = 0, "", 0
     while i < len(value):
         ch = value[i]
@@ -264,13 +238,8 @@ def _after_first_word(value: str) -> str:
 
 
 def commands(text: str, marker: str, base_dir: str = ".") -> tuple[list[Expanded], list[str]]:
-    """The words of every statement of the script `text` that runs `marker` (a word containing it) once expanded, a
-    `bash -c` payload read as a script of its own, in order; and the files it sources that were not found (looked for
-    next to the script, `base_dir`, and in the current directory).
-
-    Raises:
-        ValueError: such a statement cannot be split into words (an unclosed quote).
-    """
+    """The words of every statement of `text` that runs `marker` once expanded, in order, and the sourced files not
+    found; `ValueError` when such a statement cannot be split into words."""
     found: list[Expanded] = []
     scope = _Scope()
     _find(scope, text, marker, 0, found, base_dir)
@@ -287,28 +256,22 @@ def _source(scope: _Scope, statement: str, base_dir: str, depth: int) -> bool:
     if _PLACEHOLDER.search(name) or depth >= 3:
         scope.missing_sources.append(readable(name))
         return True
-    for candidate in [name] if os.path.isabs(name) else [os.path.join(base_dir, name), name]:
-        if os.path.isfile(candidate):
-            try:
-                with open(candidate, encoding="utf-8") as fh:
-                    text = fh.read()
-            except (OSError, UnicodeDecodeError):
-                break
-            _find(scope, text, "", depth + 1, [], os.path.dirname(candidate) or ".", assignments_only=True)
-            return True
-    scope.missing_sources.append(name)
+    file = find_beside(name, base_dir, beside_first=True)
+    if file is not None:
+        try:
+            with open(file, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError):
+            file = None
+    if file is None:
+        scope.missing_sources.append(name)
+        return True
+    _find(scope, text, "", depth + 1, [], os.path.dirname(file) or ".")
     return True
 
 
-def _find(
-    scope: _Scope,
-    text: str,
-    marker: str,
-    depth: int,
-    found: list[Expanded],
-    base_dir: str,
-    assignments_only: bool = False,
-) -> None:
+def _find(scope: _Scope, text: str, marker: str, depth: int, found: list[Expanded], base_dir: str) -> None:
+    """Read `text`'s assignments into `scope`, and the statements that run `marker` into `found` (none for "")."""
     blocks = 0
     for statement in _statements(text):
         first = statement.split("\n", 1)[0]
@@ -318,18 +281,17 @@ def _find(
             blocks = max(0, blocks - 1)
             continue
         opens = bool(_BLOCK_OPEN.match(first)) and not _CLOSES_ITSELF.search(statement)
-        if "\n" in statement and _HEREDOC.search(first):
+        if "\n" in statement and (heredoc := _HEREDOC.search(first)):
             head, body = statement.split("\n", 1)
-            quoted = _HEREDOC.search(head).group(2)  # type: ignore[union-attr]
             into = _READ_INTO.match(head)
-            if into:
-                scope.scalars[into.group(1)] = body if quoted else scope.expand(body)
+            if into:  # `<<'EOF'` (quoted): the body is not expanded
+                scope.scalars[into.group(1)] = body if heredoc.group(2) else scope.expand(body)
                 continue
             statement = head + " " + body
         if _assign(scope, statement, in_block=blocks > 0) or _source(scope, statement, base_dir, depth):
             continue
         blocks += int(opens)
-        if assignments_only:
+        if not marker:  # a sourced file: its assignments only
             continue
         expanded = scope.expand(statement)
         if marker not in expanded:
@@ -348,7 +310,6 @@ def _find(
 
 
 def readable(text: str) -> str:
-    """`text` with the placeholders inside it shown as `<unread>` (for messages)."""
     return _PLACEHOLDER.sub("<unread>", text)
 
 

@@ -1,15 +1,9 @@
-"""Plain `TrainingArguments` JSON files (`HfArgumentParser(TrainingArguments).parse_json_file(...)`, or
-`TrainingArguments(**json.load(f))`).
-
-`parse_json_file` builds the dataclass with `parse_dict`, which converts nothing: a string `"false"` stays a string
-and counts as true. `gradient_checkpointing` defaults to False (transformers' own default, unlike TRL's configs).
-The file says nothing about the model (PEFT, quantization, frozen layers): those facts stay unknown and the callback
-decides them at runtime; the check says so.
+"""Plain `TrainingArguments` JSON files (`HfArgumentParser(TrainingArguments).parse_json_file(...)`). Its `parse_dict`
+converts nothing: a string `"false"` counts as true. `gradient_checkpointing` defaults to False. The file names no
+model: PEFT, quantization and frozen layers stay unknown (the callback decides them at runtime).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from .common import Context, LauncherRule, Reading
 from .load import Config
@@ -40,28 +34,12 @@ KEYS = frozenset(
         "fsdp",
     }
 )
-"""`TrainingArguments` fields that tell a plain arguments file (when no launcher's key is present)."""
-
-READ_KEYS = frozenset(
-    {
-        "gradient_checkpointing",
-        "activation_checkpointing",
-        "gradient_checkpointing_kwargs",
-        "activation_checkpointing_kwargs",
-        "deepspeed",
-        "fsdp",
-        "fsdp_config",
-        "ddp_find_unused_parameters",
-        "ddp_static_graph",
-    }
-)
+"""Fields that tell a plain arguments file (when no launcher's key is present)."""
 
 BOOL_KEYS = ("gradient_checkpointing", "activation_checkpointing", "ddp_find_unused_parameters", "ddp_static_graph")
-
-
-@dataclass(frozen=True)
-class View:
-    string_bools: tuple[str, ...]
+READ_KEYS = frozenset(
+    {*BOOL_KEYS, "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "deepspeed", "fsdp", "fsdp_config"}
+)
 
 
 RULES: tuple[LauncherRule, ...] = (
@@ -73,7 +51,7 @@ RULES: tuple[LauncherRule, ...] = (
         message='parse_json_file converts no string: a non-empty string such as "false" counts as true.',
         change="write JSON booleans (true / false, unquoted)",
         evidence=(SOURCES["parse_dict"],),
-        when=lambda v: bool(v.string_bools),
+        when=bool,  # on the boolean keys written as strings
     ),
 )
 
@@ -108,6 +86,6 @@ def read(config: Config, ctx: Context) -> Reading:
         "a TrainingArguments file names no model: PEFT, quantization and frozen layers are unknown here, so the rules "
         "that need them do not apply; the callback decides them from the model at runtime"
     )
-    view = View(string_bools=tuple(k for k in BOOL_KEYS if isinstance(raw.get(k), str)))
-    reading.apply(RULES, view, "transformers", lambda rule: list(view.string_bools))
+    string_bools = [k for k in BOOL_KEYS if isinstance(raw.get(k), str)]
+    reading.apply(RULES, string_bools, "transformers", lambda rule: string_bools)
     return reading

@@ -46,6 +46,7 @@ from .common import (
     LauncherRule,
     Reading,
     expect_mapping,
+    find_beside,
     json_object_or_mapping,
     release,
     short,
@@ -513,7 +514,7 @@ def read_fsdp_config(config: Config) -> dict[str, Any]:
     if value in (None, ""):
         return {}
     if isinstance(value, str):
-        file = value if os.path.isabs(value) or os.path.isfile(value) else os.path.join(config.base_dir, value)
+        file = find_beside(value, config.base_dir) or os.path.join(config.base_dir, value)
         value = load_json_file(file, "FSDP config (key 'fsdp_config')")
     value = expect_mapping(value, config.path, "fsdp_config", config.lines, "{activation_checkpointing: true}")
     out = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in value.items()}
