@@ -1,33 +1,17 @@
-"""LLaMA-Factory YAML configs (`llamafactory-cli train cfg.yaml`), the v0 stack.
+"""LLaMA-Factory YAML configs (`llamafactory-cli train cfg.yaml`), the v0 stack: the plugin's model of LLaMA-Factory
+main@ff6d4d12 (PyPI 0.9.5 has the same checkpointing and parsing code), read in its sources (`SOURCES`);
+`read_native` takes LLaMA-Factory's own `get_train_args` instead when the package is importable.
 
-The plugin's model of LLaMA-Factory main@ff6d4d12 (PyPI 0.9.5 has the same checkpointing and parsing code), read in
-its sources (`SRC`); `_worker.py` runs LLaMA-Factory's own `get_train_args` instead when the package is importable.
-
-- Arguments are built with `HfArgumentParser.parse_dict`, which converts nothing: a quoted `"false"` stays a string,
-  and LLaMA-Factory tests it for truth, so `disable_gradient_checkpointing: "false"` turns checkpointing OFF.
-- Checkpointing is LLaMA-Factory's own, on the model, before the adapter is added: on by default
-  (`disable_gradient_checkpointing: false`), only for a trainable model (`do_train: true`), with
-  `{use_reentrant: use_reentrant_gc}` (default true; false under FSDP2, i.e. `ACCELERATE_USE_FSDP` with
-  `FSDP_VERSION=2` from the accelerate config). Its wrapper makes the hidden states require grad for every layer
-  with trainable parameters and skips checkpointing for frozen layers, so reentrant trains with frozen embeddings.
-  `use_unsloth_gc` swaps in an offloading checkpoint that ignores `use_reentrant`; `use_unsloth` loads Unsloth.
-  A `gradient_checkpointing: true` of the Trainer's own re-enables it through the patched method with the file's
-  `gradient_checkpointing_kwargs`, or `{use_reentrant: true}` without them (overriding `use_reentrant_gc: false`).
-- `finetuning_type` (default `lora`; `oft` also adds an adapter, `freeze` freezes layers, `full` trains all),
-  `quantization_bit` (+ `quantization_method`, default `bnb`; only with lora/oft), `stage` (default `sft`).
-- Under DDP with LoRA and `ddp_find_unused_parameters` unset, LLaMA-Factory sets it to False.
-- Chat, API and export configs (no `stage`/`do_train`/`output_dir`/`dataset`, or an `export_dir`) train nothing.
-- `use_hyper_parallel: true` (stages pt and sft) trains through MindSpore HyperParallel's FSDP2 backend; where its
-  JSON (`hyper_parallel_args`) sets an `activation_mode` other than `none` (`recompute`, `swap`), LLaMA-Factory sets
-  `disable_gradient_checkpointing` and HyperParallel checkpoints itself: transformers' checkpointing is off and the
-  plugin's rules about it do not apply.
+LLaMA-Factory checkpoints on its own, on the model, before the adapter is added: on by default, only for a trainable
+model (`do_train: true`), with `{use_reentrant: use_reentrant_gc}` (default true; false under FSDP2). Its wrapper makes
+the hidden states require grad for every layer with trainable parameters and skips frozen layers, so reentrant trains
+with frozen embeddings. Its arguments are built with `parse_dict`, which converts nothing: a quoted `"false"` is true.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from .accelerate import read_accelerate, set_accelerate_facts
@@ -38,7 +22,6 @@ from .common import (
     Origin,
     Reading,
     json_object_or_mapping,
-    line_link,
     release,
     short,
     type_name,
@@ -53,46 +36,18 @@ COMMIT = "ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30"
 VERSION_MODELLED = "LLaMA-Factory main@ff6d4d12 (= 0.9.5 for these keys)"
 SRC = f"https://github.com/hiyouga/LLaMA-Factory/blob/{COMMIT}/src/llamafactory/"
 
-_src = partial(line_link, SRC)
-
-
 SOURCES = {
-    "keys": _src(
-        "hparams/model_args.py",
-        129,
-        152,
-        "use_unsloth, use_unsloth_gc, disable_gradient_checkpointing, use_reentrant_gc",
-    ),
-    "finetuning": _src("hparams/finetuning_args.py", 460, 467, "stage, finetuning_type"),
-    "quantization": _src("hparams/model_args.py", 279, 286, "quantization_method, quantization_bit"),
-    "enable": _src(
-        "model/model_utils/checkpointing.py",
-        163,
-        204,
-        "prepare_model_for_training: FSDP2 -> "
-        "use_reentrant_gc False; {use_reentrant: use_reentrant_gc}; use_cache False",
-    ),
-    "wrapper": _src(
-        "model/model_utils/checkpointing.py",
-        100,
-        154,
-        "hidden states require grad for trainable layers; no kwargs -> use_reentrant True",
-    ),
-    "trainable": _src("model/patcher.py", 476, 483, "only a trainable model (do_train) gets checkpointing"),
+    "keys": f"{SRC}hparams/model_args.py#L129-L152 (use_unsloth, use_unsloth_gc, disable_gradient_checkpointing, use_reentrant_gc)",
+    "enable": f"{SRC}model/model_utils/checkpointing.py#L163-L204 (prepare_model_for_training: FSDP2 -> use_reentrant_gc False; {{use_reentrant: use_reentrant_gc}}; use_cache False)",
+    "wrapper": f"{SRC}model/model_utils/checkpointing.py#L100-L154 (hidden states require grad for trainable layers; no kwargs -> use_reentrant True)",
+    "trainable": f"{SRC}model/patcher.py#L476-L483 (only a trainable model (do_train) gets checkpointing)",
     "parse_dict": "https://github.com/huggingface/transformers/blob/v5.8.0/src/transformers/hf_argparser.py (parse_dict: dataclass(**values), no string conversion)",
-    "verify": _src(
-        "hparams/parser.py", 227, 237, "_verify_model_args: adapters only with LoRA, quantization only with LoRA/OFT"
-    ),
-    "ddp": _src("hparams/parser.py", 596, 602, "DDP + LoRA: ddp_find_unused_parameters False"),
-    "deepspeed": _src("hparams/parser.py", 471, 472, "DeepSpeed needs a distributed launch (FORCE_TORCHRUN=1)"),
-    "versions": _src("extras/misc.py", 95, 101, "check_dependencies: transformers>=4.55.0,<=5.8.0"),
-    "hyper_parallel": _src(
-        "train/hyper_parallel/workflow.py",
-        41,
-        59,
-        "_prepare_hp_args: activation_mode != 'none' -> disable_gradient_checkpointing = True",
-    ),
-    "hyper_parallel_stages": _src("train/tuner.py", 92, 101, "use_hyper_parallel runs the pt and sft stages only"),
+    "verify": f"{SRC}hparams/parser.py#L227-L237 (_verify_model_args: adapters only with LoRA, quantization only with LoRA/OFT)",
+    "ddp": f"{SRC}hparams/parser.py#L596-L602 (DDP + LoRA: ddp_find_unused_parameters False)",
+    "deepspeed": f"{SRC}hparams/parser.py#L471-L472 (DeepSpeed needs a distributed launch (FORCE_TORCHRUN=1))",
+    "versions": f"{SRC}extras/misc.py#L95-L101 (check_dependencies: transformers>=4.55.0,<=5.8.0)",
+    "hyper_parallel": f"{SRC}train/hyper_parallel/workflow.py#L41-L59 (_prepare_hp_args: activation_mode != 'none' -> disable_gradient_checkpointing = True)",
+    "hyper_parallel_stages": f"{SRC}train/tuner.py#L92-L101 (use_hyper_parallel runs the pt and sft stages only)",
     "hyper_parallel_modes": "https://github.com/hiyouga/LlamaFactory/pull/10370 (activation_mode none (default) / "
     "recompute / swap; recompute and swap disable native gradient_checkpointing)",
 }

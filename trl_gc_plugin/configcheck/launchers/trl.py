@@ -1,26 +1,8 @@
-"""TRL's CLI configs (`trl sft|dpo|grpo|kto|reward|rloo|distillation --config cfg.yaml`).
-
-Two readers give the same facts:
-
-- TRL's own `TrlParser` (`_worker.py`, in a clean subprocess): the real `SFTConfig`/`ModelConfig` objects, read by
-  `probe.facts_from_args` exactly as the callback reads them. Used when TRL is importable (`--parser auto|trl`).
-- The plugin's model of TRL 1.16's parsing (this module; `--parser model`, or when the subprocess cannot run): keys
-  the check reads, read as `TrlParser` reads them (cited in `SOURCES`):
-    - booleans: a YAML boolean passes through; a string goes through `string_to_bool` (yes/no, true/false, t/f,
-      y/n, 1/0, any case; anything else: TRL exits with "Truthy value expected"), so `"false"` is False;
-    - `gradient_checkpointing` defaults to True in every TRL config (`trl/trainer/base_config.py`);
-    - `gradient_checkpointing_kwargs` / `activation_checkpointing_kwargs`: a mapping, or a JSON object in a string
-      (decoded by `TrainingArguments`);
-    - `use_peft` (default False: no adapter), `load_in_4bit` / `load_in_8bit` (both at once: `ModelConfig` refuses);
-    - `deepspeed` (a path read from the launch directory, or a mapping), `fsdp`, `fsdp_config` (its `fsdp_` prefixes
-      dropped as `TrainingArguments` does), `ddp_find_unused_parameters`, `ddp_static_graph`;
-    - keys that are no dataclass field go to `accelerate launch`: `accelerate_config` (a path from the launch
-      directory, else the name of a config TRL ships: `zero3` -> `trl/accelerate_configs/zero3.yaml`),
-      `num_processes`, `zero_stage`, `deepspeed_config_file`, `fsdp_version`, `fsdp_activation_checkpointing` (they
-      override the accelerate config's); flags without a value there (`use_deepspeed: true`) break the launch.
-
-What TRL's trainers then write themselves (`launcher rewrite`): PEFT + DeepSpeed ZeRO-3 + checkpointing forces
-`use_reentrant=True` (every trainer of the CLI); on transformers < 5 an unset `use_reentrant` becomes False.
+"""TRL's CLI configs (`trl sft|dpo|grpo|... --config cfg.yaml`): the plugin's model of TRL 1.16's `TrlParser` for the
+keys the check reads (`--parser model`, or when TRL's own parser cannot run; else `apply_native` puts what that parser
+read in its place), then what TRL's trainers write themselves (`finish`). A string boolean goes through
+`string_to_bool`; `gradient_checkpointing` defaults to True in every TRL config; keys that are no field of its
+dataclasses go to `accelerate launch` (`LAUNCH_KEYS` override the accelerate config's).
 """
 
 from __future__ import annotations
@@ -29,6 +11,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ...core.capabilities import installed_versions
 from ...core.facts import GENERATING_TRAINERS, RL_TRAINERS
 from ...core.settings import unknown_checkpoint_keys
 from .accelerate import (
@@ -61,16 +44,10 @@ VERSION_MODELLED = "1.16.0"
 SRC = f"https://github.com/huggingface/trl/blob/v{VERSION_MODELLED}/trl/"
 SOURCES = {
     "parser": SRC + "scripts/utils.py (TrlParser.parse_args_and_config, set_defaults_with_config)",
-    "bool": SRC + "scripts/_hf_argparser.py (string_to_bool for bool fields)",
-    "gc_default": SRC + "trainer/base_config.py (gradient_checkpointing: bool = True)",
     "model_config": SRC + "trainer/model_config.py (use_peft, load_in_4bit, load_in_8bit)",
     "cli": SRC + "cli/commands/training.py (unconsumed keys go to accelerate launch)",
-    "accelerate_config": SRC + "cli/accelerate_config.py (resolve_accelerate_config_argument)",
     "peft_zero3": SRC
     + "trainer/sft_trainer.py (PEFT + ZeRO-3: use_reentrant forced to True; same in dpo, grpo, kto, reward, rloo, distillation)",
-    "tf4_default": SRC
-    + "trainer/sft_trainer.py (transformers < 5: setdefault use_reentrant=False; same in the other trainers)",
-    "input_grads": SRC + "trainer/sft_trainer.py (PEFT + checkpointing: model.enable_input_require_grads())",
 }
 
 CLI_TRAINERS = ("distillation", "dpo", "grpo", "kto", "reward", "rloo", "sft")
@@ -322,25 +299,18 @@ def read_kwargs_key(get: Any, path: str, lines: Any, example: str, reading: Read
         (k for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if get(k) is not None), None
     )
     kwargs = json_object_or_mapping(get(key), path, key, lines, example) if key is not None else None
-    read_kwargs(reading, kwargs, key or "gradient_checkpointing_kwargs")
-    return key
-
-
-def read_kwargs(reading: Reading, kwargs: dict[str, Any] | None, key: str) -> None:
-    """The checkpointing-kwargs facts (shared by the formats that take transformers' kwargs dict)."""
+    name = key or "gradient_checkpointing_kwargs"
+    reentrant = None if kwargs is None else kwargs.get("use_reentrant")
     if kwargs is None:
-        reading.set("kwargs_given", False, "file", f"no {key}")
-        reading.set("use_reentrant", None, "file", f"no {key}")
-        reading.set("use_reentrant_source", "unset", "file", f"no {key}")
-        return
-    reading.set("kwargs_given", True, "file", f"key {key!r}")
-    if "use_reentrant" in kwargs and kwargs["use_reentrant"] is not None:
-        reading.set("use_reentrant", kwargs["use_reentrant"], "file", f"key {key}.use_reentrant")
-        reading.set("use_reentrant_source", "user", "file", f"key {key}.use_reentrant")
+        detail = f"no {name}"
     else:
-        reading.set("use_reentrant", None, "file", f"{key} has no use_reentrant")
-        reading.set("use_reentrant_source", "unset", "file", f"{key} has no use_reentrant")
-    read_kwargs_keys(reading, kwargs, key)
+        detail = f"key {name}.use_reentrant" if reentrant is not None else f"{name} has no use_reentrant"
+    reading.set("kwargs_given", kwargs is not None, "file", detail if kwargs is None else f"key {name!r}")
+    reading.set("use_reentrant", reentrant, "file", detail)
+    reading.set("use_reentrant_source", "unset" if reentrant is None else "user", "file", detail)
+    if kwargs is None:
+        return key
+    read_kwargs_keys(reading, kwargs, name)
     if "every_n_layers" in kwargs:
         reading.set("every_n_layers", kwargs["every_n_layers"], "file", f"key {key}.every_n_layers")
     if kwargs.get("offload"):
@@ -470,6 +440,8 @@ def set_fsdp_facts(
     """Record the FSDP facts: from the file's `fsdp` / `fsdp_config` when it asks for FSDP, else from the accelerate
     config the launch uses, else no FSDP."""
     if asked:
+        version = fsdp_config.get("version")
+        version = version if isinstance(version, int) and not isinstance(version, bool) else None
         reading.set("fsdp", True, "file", "key 'fsdp'")
         reading.set(
             "fsdp_activation_checkpointing",
@@ -479,7 +451,7 @@ def set_fsdp_facts(
         )
         reading.set(
             "fsdp_version",
-            fsdp_version_of(fsdp_config, transformers),
+            version if version in (1, 2) else 2 if release(transformers) >= (5, 10) else 1,
             "file" if "version" in fsdp_config else "launcher default",
             "fsdp_config.version" if "version" in fsdp_config else "transformers' default (2 from 5.10, 1 before)",
         )
@@ -495,15 +467,6 @@ def set_fsdp_facts(
     else:
         reading.set("fsdp", False, "file", "no fsdp key and no FSDP accelerate config")
         reading.set("fsdp_activation_checkpointing", False, "file", "no FSDP")
-
-
-def fsdp_version_of(fsdp_config: dict[str, Any], transformers: str | None) -> int:
-    """The FSDP version `fsdp_config` asks for (`version` / `fsdp_version`); when it does not say, transformers'
-    default: 2 from 5.10 on (Axolotl's validator cites the change), 1 before."""
-    value = fsdp_config.get("version")
-    if isinstance(value, int) and not isinstance(value, bool) and value in (1, 2):
-        return value
-    return 2 if release(transformers) >= (5, 10) else 1
 
 
 def read_fsdp_config(config: Config) -> dict[str, Any]:
@@ -627,8 +590,14 @@ def apply_native(config: Config, ctx: Context, reading: Reading, result: dict[st
         reading.extra["launch_flags"] = tuple(result["valueless_keys"])
     unknown = list(result.get("unknown_keys") or ())
     if unknown:
-        installed = ctx.versions.get("transformers") == _installed("transformers")
-        rule = UNKNOWN_KEY_RULE if installed else _as_warning(UNKNOWN_KEY_RULE)
+        rule = UNKNOWN_KEY_RULE
+        if ctx.versions.get("transformers") != installed_versions().get("transformers"):
+            rule = replace(
+                rule,
+                action="warn",
+                message=rule.message
+                + " Checked with the installed transformers, not the --transformers-version given.",
+            )
         known_by: dict[str, list[str]] = result.get("known_by") or {}
         others = sorted({c for key in unknown for c in known_by.get(key, [])})
         if others:  # a field of another command: the file is for `trl grpo`, say, not `trl sft`
@@ -644,17 +613,3 @@ def apply_native(config: Config, ctx: Context, reading: Reading, result: dict[st
             )
         reading.decisions.append(rule.decision(f"TRL {result.get('version', '?')}", before=unknown))
         reading.changes_for[rule.id] = rule.change
-
-
-def _installed(package: str) -> str | None:
-    from ...core.capabilities import installed_versions
-
-    return installed_versions().get(package)
-
-
-def _as_warning(rule: LauncherRule) -> LauncherRule:
-    return replace(
-        rule,
-        action="warn",
-        message=rule.message + " Checked with the installed transformers, not the --transformers-version given.",
-    )
