@@ -489,22 +489,6 @@ FORCED_REENTRANT_CHANGE = (
 )
 
 
-def _bool_field(config: Config, key: str) -> bool:
-    value = config.values.get(key)
-    if value is None:
-        return False
-    parsed = pydantic_bool(value)
-    if parsed is None:
-        raise ConfigError(
-            f"{where(config.path, key, config.lines)}: Axolotl's schema takes true or false, not {short(value)}"
-        )
-    return parsed
-
-
-def _optional_bool(config: Config, key: str) -> bool | None:
-    return None if config.values.get(key) is None else _bool_field(config, key)
-
-
 @dataclass
 class _Reentrant:
     """The kwargs and `use_reentrant` as each phase leaves them, with the fact's detail and origin."""
@@ -527,14 +511,14 @@ def _base_model(config: Config) -> str:
     return base_model
 
 
-def _enum_or_bool(config: Config, key: str, choices: tuple[str, ...], suffix: str = "") -> Any:
-    """A key the schema types as one of `choices` or a boolean (unset: False)."""
-    value = config.values.get(key, False)
-    if value in choices or value is None:
+def _schema_bool(config: Config, key: str, choices: tuple[str, ...] = (), suffix: str = "") -> Any:
+    """A key the schema types as a boolean or one of `choices` (unset or null: None)."""
+    value = config.values.get(key)
+    if value is None or value in choices:
         return value
     parsed = pydantic_bool(value)
     if parsed is None:
-        takes = f"true, false, {', '.join(choices[:-1])} or {choices[-1]}"
+        takes = f"true, false, {', '.join(choices[:-1])} or {choices[-1]}" if choices else "true or false"
         raise ConfigError(
             f"{where(config.path, key, config.lines)}: Axolotl's schema takes {takes}, not {short(value)}{suffix}"
         )
@@ -554,23 +538,20 @@ def _kwargs(config: Config) -> dict[str, Any] | None:
 def _selective(config: Config) -> dict[str, Any] | None:
     """`selective_checkpointing`: a mapping (its `save` a list of op names) or a boolean."""
     path, lines = config.path, config.lines
-    selective_raw = config.values.get("selective_checkpointing")
-    if isinstance(selective_raw, dict):
-        selective = dict(selective_raw)
-        save = selective.get("save", ["attention"])
+    value = config.values.get("selective_checkpointing")
+    if isinstance(value, dict):
+        save = value.get("save", ["attention"])
         if not isinstance(save, list) or not all(isinstance(s, str) for s in save):
             raise ConfigError(
                 f"{where(path, 'selective_checkpointing.save', lines)}: expected a list of op names, got {short(save)}"
             )
-        return selective
-    if selective_raw is not None:
-        flag = pydantic_bool(selective_raw)
-        if flag is None:
-            raise ConfigError(
-                f"{where(path, 'selective_checkpointing', lines)}: Axolotl's schema takes a mapping or true/false, not {short(selective_raw)}"
-            )
-        return {"save": ["attention"]} if flag else None
-    return None
+        return dict(value)
+    flag = None if value is None else pydantic_bool(value)
+    if value is not None and flag is None:
+        raise ConfigError(
+            f"{where(path, 'selective_checkpointing', lines)}: Axolotl's schema takes a mapping or true/false, not {short(value)}"
+        )
+    return {"save": ["attention"]} if flag else None
 
 
 def _training(config: Config) -> dict[str, Any]:
@@ -615,14 +596,12 @@ def _fsdp(config: Config) -> dict[str, Any]:
                 fsdp_config_raw, path, "fsdp_config", lines, "{activation_checkpointing: true}"
             ).items()
         }
-    fsdp_ac = False
-    if "activation_checkpointing" in fsdp_config and fsdp_config["activation_checkpointing"] is not None:
-        fsdp_ac_value = pydantic_bool(fsdp_config["activation_checkpointing"])
-        if fsdp_ac_value is None:
-            raise ConfigError(
-                f"{where(path, 'fsdp_config.activation_checkpointing', lines)}: expected true or false, got {short(fsdp_config['activation_checkpointing'])}"
-            )
-        fsdp_ac = fsdp_ac_value
+    ac = fsdp_config.get("activation_checkpointing")
+    fsdp_ac = False if ac is None else pydantic_bool(ac)
+    if fsdp_ac is None:
+        raise ConfigError(
+            f"{where(path, 'fsdp_config.activation_checkpointing', lines)}: expected true or false, got {short(ac)}"
+        )
     return {"fsdp": fsdp, "fsdp_config": fsdp_config, "fsdp_ac": fsdp_ac}
 
 
@@ -634,22 +613,22 @@ def _schema(config: Config, world: int) -> View:
     return View(
         raw=raw,
         base_model=_base_model(config),
-        gc=_enum_or_bool(config, "gradient_checkpointing", ("offload", "offload_disk"), "; Axolotl refuses to start"),
+        gc=_schema_bool(config, "gradient_checkpointing", ("offload", "offload_disk"), "; Axolotl refuses to start"),
         kwargs=_kwargs(config),
-        activation_offloading=_enum_or_bool(config, "activation_offloading", ("legacy", "disk", "hidden_states")),
+        activation_offloading=_schema_bool(config, "activation_offloading", ("legacy", "disk", "hidden_states")),
         selective=_selective(config),
         **_training(config),
-        load_in_4bit=_bool_field(config, "load_in_4bit"),
-        load_in_8bit=_bool_field(config, "load_in_8bit"),
-        gptq=_bool_field(config, "gptq"),
-        ddp_flag=_optional_bool(config, "ddp"),
-        find_unused=_optional_bool(config, "ddp_find_unused_parameters"),
-        sample_packing=_bool_field(config, "sample_packing"),
+        load_in_4bit=bool(_schema_bool(config, "load_in_4bit")),
+        load_in_8bit=bool(_schema_bool(config, "load_in_8bit")),
+        gptq=bool(_schema_bool(config, "gptq")),
+        ddp_flag=_schema_bool(config, "ddp"),
+        find_unused=_schema_bool(config, "ddp_find_unused_parameters"),
+        sample_packing=bool(_schema_bool(config, "sample_packing")),
         attn=raw.get("attn_implementation"),
         ebft=None if ebft is None else expect_mapping(ebft, config.path, "ebft", config.lines, "{mode: strided}"),
         **_fsdp(config),
-        inference=_bool_field(config, "inference"),
-        merge_lora=_bool_field(config, "merge_lora"),
+        inference=bool(_schema_bool(config, "inference")),
+        merge_lora=bool(_schema_bool(config, "merge_lora")),
         plugins=bool(raw.get("plugins")),
         n_gpu=world,
     )

@@ -11,7 +11,7 @@ with frozen embeddings. Its arguments are built with `parse_dict`, which convert
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .accelerate import read_accelerate, set_accelerate_facts
@@ -80,39 +80,6 @@ MARKERS = frozenset(
 
 STRONG_MARKERS = frozenset({"stage", "finetuning_type", "template", "cutoff_len"})
 
-READ_KEYS = frozenset(
-    {
-        "model_name_or_path",
-        "stage",
-        "finetuning_type",
-        "do_train",
-        "dataset",
-        "output_dir",
-        "export_dir",
-        "adapter_name_or_path",
-        "disable_gradient_checkpointing",
-        "use_reentrant_gc",
-        "use_unsloth_gc",
-        "use_unsloth",
-        "use_kt",
-        "quantization_bit",
-        "quantization_method",
-        "gradient_checkpointing",
-        "gradient_checkpointing_kwargs",
-        "deepspeed",
-        "fsdp",
-        "fsdp_config",
-        "ddp_find_unused_parameters",
-        "ddp_static_graph",
-        "use_hyper_parallel",
-        "hyper_parallel_args",
-    }
-)
-
-STAGES = {"pt": "trainer", "sft": "sft", "rm": "reward", "ppo": "ppo", "dpo": "dpo", "kto": "kto"}
-"""`stage` and the trainer kind it runs (pt/sft: LLaMA-Factory's Trainer subclasses; dpo/kto/ppo: TRL's)."""
-
-FINETUNING_TYPES = ("lora", "oft", "freeze", "full")
 BOOL_KEYS = (
     "disable_gradient_checkpointing",
     "use_reentrant_gc",
@@ -122,6 +89,34 @@ BOOL_KEYS = (
     "gradient_checkpointing",
     "use_hyper_parallel",
 )
+
+READ_KEYS = frozenset(
+    {
+        "model_name_or_path",
+        "stage",
+        "finetuning_type",
+        "dataset",
+        "output_dir",
+        "export_dir",
+        "adapter_name_or_path",
+        "use_kt",
+        "quantization_bit",
+        "quantization_method",
+        "gradient_checkpointing_kwargs",
+        "deepspeed",
+        "fsdp",
+        "fsdp_config",
+        "ddp_find_unused_parameters",
+        "ddp_static_graph",
+        "hyper_parallel_args",
+        *BOOL_KEYS,
+    }
+)
+
+STAGES = {"pt": "trainer", "sft": "sft", "rm": "reward", "ppo": "ppo", "dpo": "dpo", "kto": "kto"}
+"""`stage` and the trainer kind it runs (pt/sft: LLaMA-Factory's Trainer subclasses; dpo/kto/ppo: TRL's)."""
+
+FINETUNING_TYPES = ("lora", "oft", "freeze", "full")
 
 BUNDLED_DEEPSPEED = {
     "ds_z0_config.json": 0,
@@ -139,15 +134,23 @@ SUPPORTED_TRANSFORMERS = ((4, 55), (5, 8))
 
 @dataclass(frozen=True)
 class View:
+    """The config's values as LLaMA-Factory's arguments hold them (parse_dict converts nothing; its defaults), then
+    what the rules (`RULES`) look at once the file is read."""
+
     raw: dict[str, Any]
+    stage: str
     finetuning_type: str
     quantization_bit: Any
+    method: Any
     string_bools: tuple[str, ...]
-    reentrant_default: bool
-    hf_gc_overrides: bool
-    fsdp2: bool
-    transformers_outside: bool
-    deepspeed_one_process: bool
+    do_train: bool
+    disabled: bool
+    hf_gc: bool
+    reentrant_default: bool = False  # set by `_apply_rules`
+    hf_gc_overrides: bool = False
+    fsdp2: bool = False
+    transformers_outside: bool = False
+    deepspeed_one_process: bool = False
     hyper_parallel: str | None = None
 
 
@@ -271,21 +274,6 @@ def is_training_config(config: Config) -> bool:
     return any(k in config for k in ("stage", "do_train", "output_dir", "dataset"))
 
 
-@dataclass(frozen=True)
-class Parsed:
-    """The config's values as LLaMA-Factory's arguments hold them (parse_dict converts nothing; its defaults)."""
-
-    raw: dict[str, Any]
-    stage: str
-    finetuning: str
-    bits: Any
-    method: Any
-    string_bools: tuple[str, ...]
-    do_train: bool
-    disabled: bool
-    hf_gc: bool
-
-
 @dataclass
 class Reentrant:
     """The current use_reentrant value, with the origin and detail of its facts and who set it."""
@@ -330,7 +318,7 @@ def read(config: Config, ctx: Context) -> Reading:
     return reading
 
 
-def _parse(config: Config) -> Parsed:
+def _parse(config: Config) -> View:
     """Type the keys LLaMA-Factory's argument dataclasses check, with their defaults (a `ConfigError` where it refuses)."""
     path, lines = config.path, config.lines
     raw = dict(config.values)
@@ -354,11 +342,11 @@ def _parse(config: Config) -> Parsed:
         raise ConfigError(
             f"{where(path, 'quantization_bit', lines)}: expected a whole number such as 4 or 8, got {type_name(bits)} {short(bits)}"
         )
-    return Parsed(
+    return View(
         raw=raw,
         stage=stage,
-        finetuning=finetuning,
-        bits=bits,
+        finetuning_type=finetuning,
+        quantization_bit=bits,
         method=raw.get("quantization_method", "bnb"),
         string_bools=tuple(k for k in BOOL_KEYS if isinstance(raw.get(k), str)),
         do_train=bool(raw.get("do_train", False)),
@@ -375,7 +363,7 @@ def _read_non_training(config: Config, reading: Reading) -> None:
     reading.notes.append(f"{config.path} is {what}: nothing trains, so checkpointing does not apply")
 
 
-def _read_gc_enabled(parsed: Parsed, reading: Reading) -> None:
+def _read_gc_enabled(parsed: View, reading: Reading) -> None:
     """Checkpointing on/off: LLaMA-Factory's own, on the model, only for a trainable model."""
     raw = parsed.raw
     if not parsed.do_train:
@@ -407,7 +395,7 @@ def _read_gc_enabled(parsed: Parsed, reading: Reading) -> None:
     )
 
 
-def _read_hyper_parallel(config: Config, parsed: Parsed, reading: Reading) -> str | None:
+def _read_hyper_parallel(config: Config, parsed: View, reading: Reading) -> str | None:
     """HyperParallel's `activation_mode` when `use_hyper_parallel` runs this stage (`unread` when its JSON is not
     found here), None without HyperParallel; `recompute` / `swap` turn transformers' checkpointing off."""
     raw = parsed.raw
@@ -455,7 +443,7 @@ def _read_hyper_parallel(config: Config, parsed: Parsed, reading: Reading) -> st
     return str(mode)
 
 
-def _reentrant_from_file(parsed: Parsed, fsdp2: bool) -> Reentrant:
+def _reentrant_from_file(parsed: View, fsdp2: bool) -> Reentrant:
     """use_reentrant from `use_reentrant_gc` (default true), which FSDP2 rewrites to false."""
     if "use_reentrant_gc" in parsed.raw:
         reentrant = Reentrant(parsed.raw["use_reentrant_gc"], "file", "key 'use_reentrant_gc'", "user")
@@ -473,7 +461,7 @@ def _reentrant_from_file(parsed: Parsed, fsdp2: bool) -> Reentrant:
     return reentrant
 
 
-def _read_trainer_reenable(config: Config, parsed: Parsed, reading: Reading, reentrant: Reentrant) -> bool:
+def _read_trainer_reenable(config: Config, parsed: View, reading: Reading, reentrant: Reentrant) -> bool:
     """The Trainer's `gradient_checkpointing: true` re-enables through LLaMA-Factory's patched method, with the file's
     kwargs or `{use_reentrant: true}`; True when that overrides a use_reentrant that was not true."""
     if not (parsed.hf_gc and parsed.do_train):
@@ -503,7 +491,7 @@ def _read_trainer_reenable(config: Config, parsed: Parsed, reading: Reading, ree
     return hf_override
 
 
-def _read_offloading(parsed: Parsed, reading: Reading, reentrant: Reentrant) -> None:
+def _read_offloading(parsed: View, reading: Reading, reentrant: Reentrant) -> None:
     """`use_unsloth_gc`'s offloading checkpoint (reentrant whatever use_reentrant says); `use_kt` is not modelled."""
     if bool(parsed.raw.get("use_unsloth_gc")):
         reading.set(
@@ -522,7 +510,7 @@ def _read_offloading(parsed: Parsed, reading: Reading, reentrant: Reentrant) -> 
         reading.notes.append("use_kt: KTransformers checkpointing is not modelled (it chooses its own kwargs)")
 
 
-def _set_reentrant_facts(parsed: Parsed, reading: Reading, reentrant: Reentrant) -> None:
+def _set_reentrant_facts(parsed: View, reading: Reading, reentrant: Reentrant) -> None:
     """Record the final use_reentrant (when checkpointing is on), LLaMA-Factory's wrapper, Unsloth and use_cache."""
     raw = parsed.raw
     gc_on = bool(reading.value("gc_enabled"))
@@ -545,9 +533,9 @@ def _set_reentrant_facts(parsed: Parsed, reading: Reading, reentrant: Reentrant)
     )
 
 
-def _read_model(parsed: Parsed, reading: Reading) -> None:
+def _read_model(parsed: View, reading: Reading) -> None:
     """The model (finetuning_type, quantization, the checkpoint wrapper's grads) and the trainer `stage` runs."""
-    raw, finetuning, bits, stage = parsed.raw, parsed.finetuning, parsed.bits, parsed.stage
+    raw, finetuning, bits, stage = parsed.raw, parsed.finetuning_type, parsed.quantization_bit, parsed.stage
     peft = finetuning in ("lora", "oft")
     reading.set(
         "is_peft",
@@ -590,7 +578,7 @@ def _read_model(parsed: Parsed, reading: Reading) -> None:
     reading.set("generates", stage == "ppo", "file", f"stage: {stage}")
 
 
-def _read_launch(config: Config, ctx: Context, parsed: Parsed, reading: Reading, accel: Any) -> int:
+def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, accel: Any) -> int:
     if ctx.nproc is not None:
         reading.set("world_size", ctx.nproc, "option", "--nproc")
     elif accel is not None and accel.num_processes is not None:
@@ -626,10 +614,10 @@ def _read_launch(config: Config, ctx: Context, parsed: Parsed, reading: Reading,
     return world
 
 
-def _read_ddp(parsed: Parsed, reading: Reading, distributed: bool) -> None:
+def _read_ddp(parsed: View, reading: Reading, distributed: bool) -> None:
     """DDP's `ddp_find_unused_parameters` (False under DDP + LoRA when unset) and `ddp_static_graph`."""
     find_unused = parsed.raw.get("ddp_find_unused_parameters")
-    if find_unused is None and distributed and parsed.finetuning == "lora":
+    if find_unused is None and distributed and parsed.finetuning_type == "lora":
         reading.set(
             "ddp_find_unused_parameters",
             False,
@@ -643,7 +631,7 @@ def _read_ddp(parsed: Parsed, reading: Reading, distributed: bool) -> None:
 
 def _apply_rules(
     ctx: Context,
-    parsed: Parsed,
+    parsed: View,
     reading: Reading,
     reentrant: Reentrant,
     *,
@@ -655,21 +643,17 @@ def _apply_rules(
     raw = parsed.raw
     gc_on = bool(reading.value("gc_enabled"))
     tf = ctx.versions.get("transformers")
-    view = View(
-        raw=raw,
-        finetuning_type=parsed.finetuning,
-        quantization_bit=parsed.bits,
-        string_bools=parsed.string_bools,
+    view = replace(
+        parsed,
         reentrant_default=gc_on and reentrant.origin == "launcher default",
         hf_gc_overrides=hf_override and gc_on,
         fsdp2=fsdp2 and gc_on,
-        transformers_outside=tf is not None and not _in_range(tf),
+        transformers_outside=tf is not None
+        and not SUPPORTED_TRANSFORMERS[0] <= release(tf) <= SUPPORTED_TRANSFORMERS[1],
         deepspeed_one_process=reading.value("zero_stage") is not None and world == 1,
         hyper_parallel=hyper,
     )
     befores = {
-        "quantization_bit": parsed.bits,
-        "adapter_name_or_path": raw.get("adapter_name_or_path"),
         "use_reentrant": reading.value("use_reentrant"),
         "transformers": tf,
         "quoted booleans": {k: raw[k] for k in parsed.string_bools},
@@ -686,11 +670,6 @@ def _apply_rules(
         lambda rule: befores.get(rule.setting, raw.get(rule.setting)),
         lambda rule: sources.get(rule.setting, "user"),
     )
-
-
-def _in_range(version: str) -> bool:
-    low, high = SUPPORTED_TRANSFORMERS
-    return low <= release(version) <= high
 
 
 DEFAULTS = {
