@@ -146,7 +146,7 @@ class View:
     do_train: bool
     disabled: bool
     hf_gc: bool
-    reentrant_default: bool = False  # set by `_apply_rules`
+    reentrant_default: bool = False  # set by `read` once the file is read
     hf_gc_overrides: bool = False
     fsdp2: bool = False
     transformers_outside: bool = False
@@ -276,15 +276,19 @@ def is_training_config(config: Config) -> bool:
 
 @dataclass
 class Reentrant:
-    """The current use_reentrant value, with the origin and detail of its facts and who set it."""
+    """The current use_reentrant value, with the origin and detail of its facts."""
 
     value: Any
     origin: Origin
     detail: str
-    source: str
 
-    def rewrite(self, value: Any, origin: Origin, detail: str, source: str) -> None:
-        self.value, self.origin, self.detail, self.source = value, origin, detail, source
+    @property
+    def source(self) -> str:
+        """Who set it, in a decision's words: the file's value is the user's, LLaMA-Factory's own is unknown."""
+        return "user" if self.origin == "file" else "unknown"
+
+    def rewrite(self, value: Any, origin: Origin, detail: str) -> None:
+        self.value, self.origin, self.detail = value, origin, detail
 
 
 def read(config: Config, ctx: Context) -> Reading:
@@ -314,7 +318,19 @@ def read(config: Config, ctx: Context) -> Reading:
     _set_reentrant_facts(parsed, reading, reentrant)
     _read_model(parsed, reading)
     world = _read_launch(config, ctx, parsed, reading, accel)
-    _apply_rules(ctx, parsed, reading, reentrant, hf_override=hf_override, fsdp2=fsdp2, world=world, hyper=hyper)
+    gc_on = bool(reading.value("gc_enabled"))
+    tf = ctx.versions.get("transformers")
+    view = replace(
+        parsed,
+        reentrant_default=gc_on and reentrant.origin == "launcher default",
+        hf_gc_overrides=hf_override and gc_on,
+        fsdp2=fsdp2 and gc_on,
+        transformers_outside=tf is not None
+        and not SUPPORTED_TRANSFORMERS[0] <= release(tf) <= SUPPORTED_TRANSFORMERS[1],
+        deepspeed_one_process=reading.value("zero_stage") is not None and world == 1,
+        hyper_parallel=hyper,
+    )
+    _apply_rules(ctx, view, reading)
     return reading
 
 
@@ -446,17 +462,12 @@ def _read_hyper_parallel(config: Config, parsed: View, reading: Reading) -> str 
 def _reentrant_from_file(parsed: View, fsdp2: bool) -> Reentrant:
     """use_reentrant from `use_reentrant_gc` (default true), which FSDP2 rewrites to false."""
     if "use_reentrant_gc" in parsed.raw:
-        reentrant = Reentrant(parsed.raw["use_reentrant_gc"], "file", "key 'use_reentrant_gc'", "user")
+        reentrant = Reentrant(parsed.raw["use_reentrant_gc"], "file", "key 'use_reentrant_gc'")
     else:
-        reentrant = Reentrant(
-            True, "launcher default", f"use_reentrant_gc defaults to true ({SOURCES['keys']})", "unknown"
-        )
+        reentrant = Reentrant(True, "launcher default", f"use_reentrant_gc defaults to true ({SOURCES['keys']})")
     if fsdp2:
         reentrant.rewrite(
-            False,
-            "launcher rewrite",
-            f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})",
-            "unknown",
+            False, "launcher rewrite", f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})"
         )
     return reentrant
 
@@ -477,7 +488,6 @@ def _read_trainer_reenable(config: Config, parsed: View, reading: Reading, reent
                 kwargs["use_reentrant"],
                 "file",
                 "key 'gradient_checkpointing_kwargs.use_reentrant' (the Trainer re-enables with it)",
-                "user",
             )
     else:
         hf_override = reentrant.value is not True
@@ -485,7 +495,6 @@ def _read_trainer_reenable(config: Config, parsed: View, reading: Reading, reent
             True,
             "launcher rewrite",
             f"gradient_checkpointing: true without kwargs: the Trainer re-enables through LLaMA-Factory's method with {{use_reentrant: true}} ({SOURCES['wrapper']})",
-            "unknown",
         )
     reading.changes["use_reentrant"] = "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}"
     return hf_override
@@ -504,7 +513,6 @@ def _read_offloading(parsed: View, reading: Reading, reentrant: Reentrant) -> No
             True,
             "launcher rewrite",
             "use_unsloth_gc: an autograd Function that recomputes reentrant-style whatever use_reentrant says",
-            "unknown",
         )
     if bool(parsed.raw.get("use_kt")):
         reading.notes.append("use_kt: KTransformers checkpointing is not modelled (it chooses its own kwargs)")
@@ -629,35 +637,13 @@ def _read_ddp(parsed: View, reading: Reading, distributed: bool) -> None:
     reading.set_key("ddp_static_graph", parsed.raw.get("ddp_static_graph"), unset="key 'ddp_static_graph'")
 
 
-def _apply_rules(
-    ctx: Context,
-    parsed: View,
-    reading: Reading,
-    reentrant: Reentrant,
-    *,
-    hf_override: bool,
-    fsdp2: bool,
-    world: int,
-    hyper: str | None,
-) -> None:
-    raw = parsed.raw
-    gc_on = bool(reading.value("gc_enabled"))
-    tf = ctx.versions.get("transformers")
-    view = replace(
-        parsed,
-        reentrant_default=gc_on and reentrant.origin == "launcher default",
-        hf_gc_overrides=hf_override and gc_on,
-        fsdp2=fsdp2 and gc_on,
-        transformers_outside=tf is not None
-        and not SUPPORTED_TRANSFORMERS[0] <= release(tf) <= SUPPORTED_TRANSFORMERS[1],
-        deepspeed_one_process=reading.value("zero_stage") is not None and world == 1,
-        hyper_parallel=hyper,
-    )
+def _apply_rules(ctx: Context, view: View, reading: Reading) -> None:
+    raw, tf = view.raw, ctx.versions.get("transformers")
     befores = {
         "use_reentrant": reading.value("use_reentrant"),
         "transformers": tf,
-        "quoted booleans": {k: raw[k] for k in parsed.string_bools},
-        "use_hyper_parallel": hyper,
+        "quoted booleans": {k: raw[k] for k in view.string_bools},
+        "use_hyper_parallel": view.hyper_parallel,
     }
     sources = {
         "use_reentrant": reading.reentrant_source(),

@@ -227,12 +227,8 @@ def _read_checkpointing(config: Config, reading: Reading) -> None:
         reading.set("gc_enabled", True, "launcher default", "TRL's configs default gradient_checkpointing to True")
     else:
         reading.set("gc_enabled", gc, "file", f"key {flag_key!r}")
-    reading.set(
-        "gc_flag_source",
-        "user" if flag_key in config.values else "trainer",
-        "file" if flag_key in config.values else "launcher default",
-        flag_key,
-    )
+    given = flag_key in config.values
+    reading.set("gc_flag_source", "user" if given else "trainer", "file" if given else "launcher default", flag_key)
     if flag_key == "activation_checkpointing":
         reading.changes["activation_checkpointing"] = "activation_checkpointing: {value}"
     kwargs_key = read_kwargs_key(config.get, config.path, config.lines, "{use_reentrant: false}", reading)
@@ -334,11 +330,27 @@ def read_kwargs_keys(reading: Reading, kwargs: dict[str, Any], key: str) -> None
 def read_launch(config: Config, ctx: Context, reading: Reading) -> None:
     """DeepSpeed, FSDP and the process count: from `TrainingArguments` keys and the accelerate config (DDP's keys
     each launcher parses its own way)."""
-    flags = tuple(k for k in VALUELESS_LAUNCH_FLAGS if k in config.values)
-    reading.extra["launch_flags"] = flags
+    reading.extra["launch_flags"] = tuple(k for k in VALUELESS_LAUNCH_FLAGS if k in config.values)
     overrides = {k: config.values[k] for k in LAUNCH_KEYS if config.values.get(k) is not None}
     accel, where_accel = _read_accelerate_config(config, ctx, reading, overrides)
-    _read_world_size(config, ctx, reading, accel, where_accel, overrides)
+    # the process count: --nproc, else the accelerate config's (or the file's `num_processes`), else 1
+    file_detail = "key 'num_processes' (passed to accelerate launch)"
+    if accel is None and "num_processes" in overrides:
+        procs = whole_number(overrides["num_processes"], config.path, "num_processes", 1)
+        reading.set("world_size", procs, "file", file_detail)
+    if ctx.nproc is not None:
+        reading.set("world_size", ctx.nproc, "option", "--nproc")
+    elif accel is not None and accel.num_processes is not None and "num_processes" in overrides:
+        reading.set("world_size", accel.num_processes, "file", file_detail)
+    elif accel is not None and accel.num_processes is not None:
+        reading.set("world_size", accel.num_processes, "accelerate config", f"{where_accel}: num_processes")
+    elif "world_size" not in reading.facts:
+        reading.set(
+            "world_size",
+            1,
+            "assumed",
+            "no --nproc, no num_processes: 1 process (accelerate launch's default without a config)",
+        )
     set_accelerate_facts(reading, accel, where_accel)
     _read_deepspeed(config, reading, accel, where_accel)
     fsdp, fsdp_config = bool(config.get("fsdp")), read_fsdp_config(config)  # else the accelerate config's FSDP
@@ -370,38 +382,6 @@ def _read_accelerate_config(
         )
     accel = read_accelerate(file, overrides)
     return accel, f"accelerate config {name} ({accel.path})"
-
-
-def _read_world_size(
-    config: Config,
-    ctx: Context,
-    reading: Reading,
-    accel: AccelerateConfig | None,
-    where_accel: str,
-    overrides: dict[str, Any],
-) -> None:
-    """The process count: --nproc, else the accelerate config's (or the file's `num_processes`), else 1."""
-    if accel is None and overrides.get("num_processes") is not None:
-        accel_procs = whole_number(overrides["num_processes"], config.path, "num_processes", 1)
-        reading.set("world_size", accel_procs, "file", "key 'num_processes' (passed to accelerate launch)")
-    if ctx.nproc is not None:
-        reading.set("world_size", ctx.nproc, "option", "--nproc")
-    elif accel is not None and accel.num_processes is not None:
-        detail = (
-            "key 'num_processes' (passed to accelerate launch)"
-            if "num_processes" in overrides
-            else f"{where_accel}: num_processes"
-        )
-        reading.set(
-            "world_size", accel.num_processes, "file" if "num_processes" in overrides else "accelerate config", detail
-        )
-    elif "world_size" not in reading.facts:
-        reading.set(
-            "world_size",
-            1,
-            "assumed",
-            "no --nproc, no num_processes: 1 process (accelerate launch's default without a config)",
-        )
 
 
 def _read_deepspeed(config: Config, reading: Reading, accel: AccelerateConfig | None, where_accel: str) -> None:
