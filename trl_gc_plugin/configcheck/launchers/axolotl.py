@@ -741,26 +741,19 @@ def _builders(v: View, kw: _Reentrant, ctx: Context, reading: Reading) -> None:
 
 
 def _gc_facts(v: View, kw: _Reentrant, reading: Reading) -> None:
-    reentrant, raw = kw.value, v.raw
-    reading.set(
-        "gc_enabled", bool(v.gc), "file" if "gradient_checkpointing" in raw else "launcher default", v.gc_detail
-    )
-    reading.set("gc_flag_source", "user" if "gradient_checkpointing" in raw else "unset", "file", v.gc_detail)
-    from_file = kw.origin == "file" and reentrant is not None
-    reading.set(
-        "use_reentrant",
-        reentrant,
-        kw.origin if reentrant is not None else "file",
-        kw.detail if reentrant is not None else "no use_reentrant",
-    )
-    reading.set(
-        "use_reentrant_source",
-        "user" if from_file else ("unset" if reentrant is None else "unknown"),
-        kw.origin,
-        "written by Axolotl into the trainer's arguments: the plugin treats it as a value set explicitly"
-        if not from_file and reentrant is not None
-        else kw.detail,
-    )
+    reentrant, given = kw.value, "gradient_checkpointing" in v.raw
+    reading.set("gc_enabled", bool(v.gc), "file" if given else "launcher default", v.gc_detail)
+    reading.set("gc_flag_source", "user" if given else "unset", "file", v.gc_detail)
+    if reentrant is None:
+        reading.set("use_reentrant", None, "file", "no use_reentrant")
+        reading.set("use_reentrant_source", "unset", kw.origin, kw.detail)
+    else:
+        reading.set("use_reentrant", reentrant, kw.origin, kw.detail)
+        written = "written by Axolotl into the trainer's arguments: the plugin treats it as a value set explicitly"
+        from_file = kw.origin == "file"
+        reading.set(
+            "use_reentrant_source", "user" if from_file else "unknown", kw.origin, kw.detail if from_file else written
+        )
     reading.set("kwargs_given", kw.kwargs is not None or reentrant is not None, kw.origin, kw.detail)
     if v.activation_offloading:
         reading.set(
@@ -835,10 +828,9 @@ def _parallel_facts(config: Config, s: View, ddp: bool, find_unused: bool | None
             f"{where(path, 'deepspeed', lines)}: Axolotl's schema takes a path or a mapping, got {type_name(ds_value)} {short(ds_value)}"
         )
     if ds_value:
-        ds = read_deepspeed(
+        read_deepspeed(
             ds_value, path, "deepspeed", config.base_dir, BUNDLED_DEEPSPEED, "deepspeed_configs/", lines
-        )
-        ds.set_facts(reading)
+        ).set_facts(reading)
     else:
         reading.set("zero_stage", None, "file", "no deepspeed key")
     reading.set("fsdp", s.uses_fsdp, "file", "fsdp / fsdp_config")

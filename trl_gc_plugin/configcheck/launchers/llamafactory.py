@@ -551,9 +551,7 @@ def _read_model(parsed: View, reading: Reading) -> None:
         "file" if "finetuning_type" in raw else "launcher default",
         f"finetuning_type: {finetuning}" + ("" if "finetuning_type" in raw else " (the default)"),
     )
-    quant = None
-    if bits is not None:
-        quant = f"bitsandbytes_{bits}bit" if parsed.method == "bnb" else str(parsed.method)
+    quant = None if bits is None else f"bitsandbytes_{bits}bit" if parsed.method == "bnb" else str(parsed.method)
     reading.set(
         "quantization",
         quant,

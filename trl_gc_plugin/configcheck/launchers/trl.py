@@ -199,7 +199,11 @@ def read(config: Config, ctx: Context) -> Reading:
     reading = Reading(
         format="trl", parser=f"the plugin's model of TRL {VERSION_MODELLED}'s TrlParser", changes=dict(KWARGS_CHANGES)
     )
-    _check_env(config)
+    env = config.get("env")
+    if "env" in config.values and not isinstance(env, dict):
+        raise ConfigError(
+            f"{where(config.path, 'env', config.lines)}: TRL requires a mapping of environment variables, got {type_name(env)} {short(env)}"
+        )
     _read_checkpointing(config, reading)
     _read_model(config, reading)
     read_launch(config, ctx, reading)
@@ -207,14 +211,6 @@ def read(config: Config, ctx: Context) -> Reading:
     read_model_facts(config.get("model_name_or_path"), "model_name_or_path", reading)
     _read_trainer(ctx, reading)
     return reading
-
-
-def _check_env(config: Config) -> None:
-    env = config.get("env")
-    if "env" in config.values and not isinstance(env, dict):
-        raise ConfigError(
-            f"{where(config.path, 'env', config.lines)}: TRL requires a mapping of environment variables, got {type_name(env)} {short(env)}"
-        )
 
 
 def _read_checkpointing(config: Config, reading: Reading) -> None:
@@ -388,8 +384,7 @@ def _read_deepspeed(config: Config, reading: Reading, accel: AccelerateConfig | 
     """DeepSpeed: the `deepspeed` field (a path or a mapping), else the accelerate config."""
     ds_value = config.get("deepspeed")
     if ds_value not in (None, "", False):  # read_deepspeed refuses any other type, naming the key
-        ds = read_deepspeed(ds_value, config.path, "deepspeed", config.base_dir, {}, "", config.lines)
-        ds.set_facts(reading)
+        read_deepspeed(ds_value, config.path, "deepspeed", config.base_dir, {}, "", config.lines).set_facts(reading)
     elif accel is not None and accel.zero_stage is not None:
         reading.set("zero_stage", accel.zero_stage, "accelerate config", f"{where_accel}: deepspeed_config")
         reading.set(
@@ -405,13 +400,9 @@ def _read_deepspeed(config: Config, reading: Reading, accel: AccelerateConfig | 
 def _read_ddp(config: Config, reading: Reading) -> None:
     """`ddp_find_unused_parameters` and `ddp_static_graph`, as TRL's booleans (unset: transformers decides)."""
     for key in ("ddp_find_unused_parameters", "ddp_static_graph"):
-        value = trl_bool(config, key, reading)
-        reading.set(
-            key,
-            value,
-            "file" if key in config.values else "launcher default",
-            f"key {key!r}" if key in config.values else "unset: transformers decides",
-        )
+        value, given = trl_bool(config, key, reading), key in config.values
+        detail = f"key {key!r}" if given else "unset: transformers decides"
+        reading.set(key, value, "file" if given else "launcher default", detail)
 
 
 def set_fsdp_facts(
