@@ -106,7 +106,7 @@ class LauncherRule:
     id: str
     action: Action
     setting: str
-    condition: str
+    condition: str = ""
     message: str
     evidence: tuple[str, ...]
     when: Callable[[Any], bool]

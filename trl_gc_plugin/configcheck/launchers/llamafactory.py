@@ -159,7 +159,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="llamafactory:quantization-needs-adapter",
         action="error",
         setting="quantization_bit",
-        condition="`quantization_bit` with `finetuning_type` freeze or full",
         message='LLaMA-Factory refuses to start: "Quantization is only compatible with the LoRA or OFT method."',
         change="finetuning_type: lora (or remove quantization_bit)",
         evidence=(SOURCES["verify"],),
@@ -169,7 +168,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="llamafactory:adapter-needs-lora",
         action="error",
         setting="adapter_name_or_path",
-        condition="`adapter_name_or_path` with `finetuning_type` other than lora",
         message='LLaMA-Factory refuses to start: "Adapter is only valid for the LoRA method."',
         change="finetuning_type: lora (or remove adapter_name_or_path)",
         evidence=(SOURCES["verify"],),
@@ -179,7 +177,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="llamafactory:string-boolean",
         action="warn",
         setting="quoted booleans",
-        condition='a boolean key written as a string (`disable_gradient_checkpointing: "false"`)',
         message=(
             "LLaMA-Factory builds its arguments with parse_dict, which converts no string, and tests the value for "
             'truth: any non-empty string means true (`disable_gradient_checkpointing: "false"` turns checkpointing '
@@ -193,7 +190,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="llamafactory:reentrant-default",
         action="none",
         setting="use_reentrant",
-        condition="checkpointing on and `use_reentrant_gc` not set",
         message="LLaMA-Factory checkpoints reentrant by default (use_reentrant_gc: true) and makes the hidden states require grad for every layer with trainable parameters, so reentrant trains with frozen embeddings.",
         evidence=(SOURCES["keys"], SOURCES["wrapper"]),
         when=lambda v: v.reentrant_default,
@@ -203,7 +199,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="llamafactory:trainer-gc-overrides",
         action="warn",
         setting="use_reentrant",
-        condition="`gradient_checkpointing: true` without `gradient_checkpointing_kwargs`, and `use_reentrant_gc: false`",
         message="The Trainer re-enables checkpointing through LLaMA-Factory's patched method, which without kwargs uses {use_reentrant: true}: your use_reentrant_gc: false does not hold.",
         change="also set gradient_checkpointing_kwargs: {use_reentrant: false}, or drop gradient_checkpointing: true",
         evidence=(SOURCES["wrapper"],),
@@ -213,8 +208,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="llamafactory:hyper-parallel-owns-checkpointing",
         action="none",
         setting="use_hyper_parallel",
-        condition="`use_hyper_parallel: true` (stage pt or sft) and `hyper_parallel_args` sets `activation_mode` "
-        "recompute or swap",
         message=(
             "HyperParallel checkpoints (or swaps) activations itself, and LLaMA-Factory switches transformers' "
             "checkpointing off for it (disable_gradient_checkpointing): use_reentrant and the plugin's checkpointing "
@@ -227,7 +220,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="llamafactory:hyper-parallel-args-unread",
         action="warn",
         setting="hyper_parallel_args",
-        condition="`use_hyper_parallel: true` (stage pt or sft) and the `hyper_parallel_args` file is not found here",
         message=(
             "The check could not read HyperParallel's JSON, so whether HyperParallel replaces transformers' "
             "checkpointing (its activation_mode) is unknown: the verdicts below assume it does not (activation_mode "
@@ -241,7 +233,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="llamafactory:fsdp2-non-reentrant",
         action="none",
         setting="use_reentrant",
-        condition="FSDP2 (accelerate config with fsdp_version 2)",
         message="LLaMA-Factory sets use_reentrant_gc to false under FSDP2.",
         evidence=(SOURCES["enable"],),
         when=lambda v: v.fsdp2,
@@ -250,7 +241,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="llamafactory:transformers-range",
         action="warn",
         setting="transformers",
-        condition="the transformers release checked for is outside LLaMA-Factory's supported range",
         message="LLaMA-Factory refuses to import with transformers outside >=4.55,<=5.8 unless DISABLE_VERSION_CHECK=1; outside that range its checkpointing patch is untested.",
         evidence=(SOURCES["versions"],),
         when=lambda v: v.transformers_outside,
@@ -259,7 +249,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="llamafactory:deepspeed-needs-torchrun",
         action="none",
         setting="deepspeed",
-        condition="`deepspeed` with one process",
         message="LLaMA-Factory runs DeepSpeed only in a distributed launch: with one GPU, launch with FORCE_TORCHRUN=1.",
         evidence=(SOURCES["deepspeed"],),
         when=lambda v: v.deepspeed_one_process,

@@ -119,7 +119,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="trl:4bit-and-8bit",
         action="error",
         setting="load_in_4bit",
-        condition="`load_in_4bit` and `load_in_8bit` both true",
         message="TRL's ModelConfig refuses to start: \"You can't use 8 bit and 4 bit precision at the same time\".",
         change="keep only one of `load_in_4bit: true` / `load_in_8bit: true`",
         evidence=(SOURCES["model_config"],),
@@ -129,7 +128,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="trl:valueless-launch-flag",
         action="error",
         setting="accelerate launch",
-        condition="a key that is an `accelerate launch` flag without a value (`use_deepspeed`, `multi_gpu`, `use_fsdp`, ...)",
         message=(
             "`trl` passes keys that are not fields of its configs to `accelerate launch` as `--key value`; these "
             "flags take no value, so `--use_deepspeed True` makes accelerate take `True` as the training script and "
@@ -143,7 +141,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="trl:peft-zero3-forces-reentrant",
         action="warn",
         setting="use_reentrant",
-        condition="PEFT + DeepSpeed ZeRO-3 + checkpointing, and the file sets `use_reentrant: false`",
         message=(
             "TRL's trainer replaces your use_reentrant=False with True for PEFT under ZeRO-3 (it logs a warning), "
             "so the run is reentrant whatever the file says."
@@ -160,7 +157,6 @@ RULES: tuple[LauncherRule, ...] = (
         id="trl:peft-zero3-reentrant",
         action="none",
         setting="use_reentrant",
-        condition="PEFT + DeepSpeed ZeRO-3 + checkpointing (use_reentrant unset or true)",
         message="TRL's trainer sets use_reentrant=True for PEFT under ZeRO-3.",
         evidence=(SOURCES["peft_zero3"],),
         when=lambda v: v.peft_zero3_gc and v.user_reentrant is not False,
@@ -506,7 +502,6 @@ UNKNOWN_KEY_RULE = LauncherRule(
     id="trl:unknown-key",
     action="error",
     setting="config keys",
-    condition="a key that is no field of the command's dataclasses and no `accelerate launch` argument",
     message=(
         "`trl` passes keys that are not fields of its configs to `accelerate launch`, which does not know these "
         "either: the launch stops with 'accelerate launch: error: unrecognized arguments' (read by TRL's and "
