@@ -370,34 +370,17 @@ def _read_non_training(config: Config, reading: Reading) -> None:
 
 def _read_gc_enabled(parsed: View, reading: Reading) -> None:
     """Checkpointing on/off: LLaMA-Factory's own, on the model, only for a trainable model."""
-    raw = parsed.raw
+    given = "disable_gradient_checkpointing" in parsed.raw
     if not parsed.do_train:
-        reading.set(
-            "gc_enabled",
-            False,
-            "file",
-            f"do_train is not true: nothing trains and LLaMA-Factory does not enable checkpointing ({SOURCES['trainable']})",
-        )
+        detail = f"do_train is not true: nothing trains and LLaMA-Factory does not enable checkpointing ({SOURCES['trainable']})"
+        reading.set("gc_enabled", False, "file", detail)
     elif parsed.disabled:
-        reading.set(
-            "gc_enabled",
-            parsed.hf_gc,
-            "file",
-            f"key 'disable_gradient_checkpointing': {raw['disable_gradient_checkpointing']!r}",
-        )
+        detail = f"key 'disable_gradient_checkpointing': {parsed.raw['disable_gradient_checkpointing']!r}"
+        reading.set("gc_enabled", parsed.hf_gc, "file", detail)
     else:
-        reading.set(
-            "gc_enabled",
-            True,
-            "file" if "disable_gradient_checkpointing" in raw else "launcher default",
-            f"disable_gradient_checkpointing defaults to false: LLaMA-Factory checkpoints ({SOURCES['enable']})",
-        )
-    reading.set(
-        "gc_flag_source",
-        "user" if "disable_gradient_checkpointing" in raw else "trainer",
-        "file",
-        "disable_gradient_checkpointing",
-    )
+        detail = f"disable_gradient_checkpointing defaults to false: LLaMA-Factory checkpoints ({SOURCES['enable']})"
+        reading.set("gc_enabled", True, "file" if given else "launcher default", detail)
+    reading.set("gc_flag_source", "user" if given else "trainer", "file", "disable_gradient_checkpointing")
 
 
 def _read_hyper_parallel(config: Config, parsed: View, reading: Reading) -> str | None:
@@ -574,6 +557,8 @@ def _read_model(parsed: View, reading: Reading) -> None:
 
 
 def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, accel: Any) -> int:
+    """The process count, DeepSpeed, FSDP and DDP's keys (`ddp_find_unused_parameters` False under DDP + LoRA when
+    unset); returns the process count."""
     if ctx.nproc is not None:
         reading.set("world_size", ctx.nproc, "option", "--nproc")
     elif accel is not None and accel.num_processes is not None:
@@ -592,10 +577,9 @@ def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, a
             raise ConfigError(
                 f"{where(config.path, 'deepspeed', config.lines)}: expected a path to a DeepSpeed JSON file, got {type_name(ds_value)} {short(ds_value)}"
             )
-        ds = read_deepspeed(
+        read_deepspeed(
             ds_value, config.path, "deepspeed", config.base_dir, BUNDLED_DEEPSPEED, "examples/deepspeed/", config.lines
-        )
-        ds.set_facts(reading)
+        ).set_facts(reading)
     elif accel is not None and accel.zero_stage is not None:
         reading.set("zero_stage", accel.zero_stage, "accelerate config", f"{accel.path}: deepspeed_config")
     else:
@@ -605,14 +589,8 @@ def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, a
     set_fsdp_facts(
         reading, bool(parsed.raw.get("fsdp")), fsdp_config, accel, where_accel, ctx.versions.get("transformers")
     )
-    _read_ddp(parsed, reading, distributed=world > 1)
-    return world
-
-
-def _read_ddp(parsed: View, reading: Reading, distributed: bool) -> None:
-    """DDP's `ddp_find_unused_parameters` (False under DDP + LoRA when unset) and `ddp_static_graph`."""
     find_unused = parsed.raw.get("ddp_find_unused_parameters")
-    if find_unused is None and distributed and parsed.finetuning_type == "lora":
+    if find_unused is None and world > 1 and parsed.finetuning_type == "lora":
         reading.set(
             "ddp_find_unused_parameters",
             False,
@@ -622,6 +600,7 @@ def _read_ddp(parsed: View, reading: Reading, distributed: bool) -> None:
     else:
         reading.set_key("ddp_find_unused_parameters", find_unused)
     reading.set_key("ddp_static_graph", parsed.raw.get("ddp_static_graph"), unset="key 'ddp_static_graph'")
+    return world
 
 
 def _apply_rules(ctx: Context, view: View, reading: Reading) -> None:

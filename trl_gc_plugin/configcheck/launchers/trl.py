@@ -448,14 +448,12 @@ def read_fsdp_config(config: Config) -> dict[str, Any]:
     value = expect_mapping(value, config.path, "fsdp_config", config.lines, "{activation_checkpointing: true}")
     out = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in value.items()}
     ac = out.get("activation_checkpointing", False)
-    if isinstance(ac, str):
-        parsed = string_to_bool(ac)
-        if parsed is None:
-            raise ConfigError(
-                f"{where(config.path, 'fsdp_config.activation_checkpointing', config.lines)}: expected true or false, got {short(ac)}"
-            )
-        ac = parsed
-    out["activation_checkpointing"] = bool(ac)
+    parsed = string_to_bool(ac) if isinstance(ac, str) else bool(ac)
+    if parsed is None:
+        raise ConfigError(
+            f"{where(config.path, 'fsdp_config.activation_checkpointing', config.lines)}: expected true or false, got {short(ac)}"
+        )
+    out["activation_checkpointing"] = parsed
     return out
 
 
