@@ -13,6 +13,7 @@ from typing import Any
 from ..._base.flags import pydantic_bool
 from ...core.context_parallel import KEY as CP_KEY
 from ...core.context_parallel import cp_size_of
+from ...core.facts import GENERATING_TRAINERS, RL_TRAINERS
 from .common import (
     KWARGS_CHANGES,
     ConfigError,
@@ -127,8 +128,6 @@ RL_TYPES = {
     "ebft": "grpo",
 }
 """Axolotl's `RLType` values (`utils/schemas/enums.py`) and the TRL trainer kind each one runs."""
-
-GENERATING = frozenset({"grpo", "gdpo", "ebft"})
 
 BUNDLED_DEEPSPEED = {
     "zero1.json": 1,
@@ -786,16 +785,12 @@ def _model_facts(s: View, ctx: Context, reading: Reading) -> None:
 
 def _trainer_facts(rl: str | None, reading: Reading) -> None:
     """The trainer kind: `rl:` names a TRL trainer, else Axolotl's SFT trainer."""
+    kind = RL_TYPES[rl] if rl else "sft"
     origin: Origin = "file" if rl else "launcher default"
     detail = f"rl: {rl}" if rl else "no rl"
-    reading.set(
-        "trainer_kind",
-        RL_TYPES.get(rl, "sft") if rl else "sft",
-        origin,
-        detail if rl else "no rl: Axolotl's SFT trainer",
-    )
-    reading.set("rl_trainer", rl is not None, origin, detail)
-    reading.set("generates", rl in GENERATING, origin, detail)
+    reading.set("trainer_kind", kind, origin, detail if rl else "no rl: Axolotl's SFT trainer")
+    reading.set("rl_trainer", kind in RL_TRAINERS, origin, detail)
+    reading.set("generates", kind in GENERATING_TRAINERS, origin, detail)
 
 
 def _parallel_facts(config: Config, s: View, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
