@@ -663,21 +663,16 @@ def _normalize(v: View, kw: _Reentrant, model_type: str | None, reading: Reading
     """Phase 3: normalize_config's rewrites; returns `cfg.ddp` (every multi-process run) and
     `ddp_find_unused_parameters`."""
     ddp = v.ddp_flag if v.ddp_flag is not None else v.n_gpu != 1
-    find_unused = v.find_unused
+    find_unused, gemma4 = v.find_unused, model_type in ("gemma4", "gemma4_unified")
     if v.gc and v.unfrozen is None and kw.kwargs is None and v.rl is None:
         kw.kwargs = {"use_reentrant": True}
         kw.rewrite(f"Axolotl normalize_config writes {{use_reentrant: true}} ({SOURCES['normalize']})")
-    if model_type in ("gemma4", "gemma4_unified") and v.gc:
+    if gemma4 and v.gc:
         kw.kwargs = dict(kw.kwargs or {})
         if kw.kwargs.get("use_reentrant") is not False:
             kw.kwargs["use_reentrant"] = False
             kw.rewrite(f"Gemma 4: Axolotl forces use_reentrant false ({SOURCES['gemma4']})")
-    if (
-        model_type in ("gemma4", "gemma4_unified")
-        and ddp
-        and find_unused is None
-        and v.activation_offloading is not True
-    ):
+    if gemma4 and ddp and find_unused is None and v.activation_offloading is not True:
         find_unused = True
         reading.notes.append(f"Gemma 4 under DDP: Axolotl sets ddp_find_unused_parameters: true ({SOURCES['gemma4']})")
     return ddp, find_unused

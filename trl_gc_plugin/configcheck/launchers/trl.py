@@ -43,11 +43,10 @@ from .model_config import read_model_facts
 VERSION_MODELLED = "1.16.0"
 SRC = f"https://github.com/huggingface/trl/blob/v{VERSION_MODELLED}/trl/"
 SOURCES = {
-    "parser": SRC + "scripts/utils.py (TrlParser.parse_args_and_config, set_defaults_with_config)",
-    "model_config": SRC + "trainer/model_config.py (use_peft, load_in_4bit, load_in_8bit)",
-    "cli": SRC + "cli/commands/training.py (unconsumed keys go to accelerate launch)",
-    "peft_zero3": SRC
-    + "trainer/sft_trainer.py (PEFT + ZeRO-3: use_reentrant forced to True; same in dpo, grpo, kto, reward, rloo, distillation)",
+    "parser": f"{SRC}scripts/utils.py (TrlParser.parse_args_and_config, set_defaults_with_config)",
+    "model_config": f"{SRC}trainer/model_config.py (use_peft, load_in_4bit, load_in_8bit)",
+    "cli": f"{SRC}cli/commands/training.py (unconsumed keys go to accelerate launch)",
+    "peft_zero3": f"{SRC}trainer/sft_trainer.py (PEFT + ZeRO-3: use_reentrant forced to True; same in dpo, grpo, kto, reward, rloo, distillation)",
 }
 
 CLI_TRAINERS = ("distillation", "dpo", "grpo", "kto", "reward", "rloo", "sft")
@@ -466,12 +465,11 @@ def finish(config: Config, ctx: Context, reading: Reading) -> None:
     zero3 = reading.value("zero_stage") == 3
     user_value = reading.value("use_reentrant")
     kind = reading.value("trainer_kind", "sft")
+    forced: tuple[bool, str] | None = None
     if gc and peft and zero3:
-        forced: tuple[bool, str] | None = (True, ": PEFT + DeepSpeed ZeRO-3 forces use_reentrant=True")
+        forced = (True, ": PEFT + DeepSpeed ZeRO-3 forces use_reentrant=True")
     elif gc and user_value is None and tf is not None and release(tf)[0] < 5:
         forced = (False, " on transformers < 5: setdefault(use_reentrant=False)")
-    else:
-        forced = None
     if forced is not None:
         reading.set("use_reentrant", forced[0], "launcher rewrite", f"trl {kind}{forced[1]} ({kind}_trainer.py)")
         reading.set("use_reentrant_source", "trainer", "launcher rewrite", f"TRL's {kind} trainer")
