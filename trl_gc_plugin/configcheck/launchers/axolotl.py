@@ -1,36 +1,19 @@
-"""Axolotl YAML configs (`axolotl train cfg.yml`).
-
-Axolotl cannot be imported here (its wheels need Python >= 3.12 and pin other transformers/TRL releases), so this
-module is the plugin's model of what Axolotl main@067b021c does with a config before the Trainer runs (read in its
-sources; every step cites the file and lines, `SRC`):
-
-1. the schema (pydantic, lax): `gradient_checkpointing` is true/false (also "false", "no", "0", ...), `offload` or
-   `offload_disk`; anything else (e.g. `unsloth`) is refused. `activation_offloading` is true/false, `legacy`,
-   `disk` or `hidden_states`. `selective_checkpointing` is a mapping or a boolean. `gradient_checkpointing_kwargs`
-   is kept as written (a string `"false"` stays a string, which torch reads as True).
-2. the validators that run on the raw file (`mode="before"`) and on the validated config (`mode="after"`):
-   `RULES` below, and the rewrites: `offload` -> `activation_offloading: true`, `offload_disk` -> `disk`;
-   `activation_offloading: hidden_states` defaults `use_reentrant` to False; EBFT strided + flex_attention forces
-   `use_reentrant: true`; `fsdp_config` keys lose their `fsdp_` prefix (`fsdp_activation_checkpointing` is
-   `activation_checkpointing`).
-3. `normalize_config`: with checkpointing on and none of `unfrozen_parameters`, `gradient_checkpointing_kwargs`,
-   `rl` set, it writes `gradient_checkpointing_kwargs: {use_reentrant: true}`; Gemma 4 forces non-reentrant.
-4. the trainer builders: SFT passes `ddp_find_unused_parameters=bool(cfg value)` under several processes (False when
-   unset); the RL builder passes nothing (transformers decides: True for a PEFT model). Without kwargs the builder
-   passes `{use_reentrant: False}`. `activation_offloading` true/`disk`/`legacy` replaces the Trainer's
-   checkpointing (full fine-tune: torch's non-reentrant `checkpoint_wrapper`; adapters keep the load-time
-   checkpointing with the config's kwargs). `selective_checkpointing` patches the model to non-reentrant.
+"""Axolotl YAML configs (`axolotl train cfg.yml`): the plugin's model of what Axolotl main@067b021c does with a config
+before the Trainer runs, read in its sources (`SOURCES`). Axolotl cannot be imported here (its wheels need Python >=
+3.12 and pin other transformers/TRL releases). The phases, in Axolotl's order: the lax pydantic schema (`_schema`),
+the validators' refusals (`RULES`) and rewrites (`_validators`), `normalize_config` (`_normalize`) and the trainer
+builders (`_builders`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..._base.flags import pydantic_bool
 from ...core.context_parallel import KEY as CP_KEY
 from ...core.context_parallel import cp_size_of
+from ...core.facts import GENERATING_TRAINERS, RL_TRAINERS
 from .common import (
     KWARGS_CHANGES,
     ConfigError,
@@ -39,7 +22,6 @@ from .common import (
     Origin,
     Reading,
     expect_mapping,
-    line_link,
     release,
     short,
     type_name,
@@ -57,50 +39,25 @@ PLUGIN = "trl_gc_plugin.integrations.axolotl.SafeGCPlugin"
 SRC = f"https://github.com/axolotl-ai-cloud/axolotl/blob/{COMMIT}/src/axolotl/"
 VALIDATION = SRC + "utils/schemas/validation.py"
 
-_src = partial(line_link, SRC)
-
-
 SOURCES = {
-    "schema": _src(
-        "utils/schemas/config.py",
-        600,
-        635,
-        "gradient_checkpointing, gradient_checkpointing_kwargs, selective_checkpointing, activation_offloading",
-    ),
-    "normalize": _src(
-        "utils/config/__init__.py", 377, 383, "normalize_config: use_reentrant True for SFT when nothing else sets it"
-    ),
-    "ddp": _src("utils/config/__init__.py", 221, 221, "cfg.ddp: every multi-process run"),
-    "gemma4": _src(
-        "utils/config/__init__.py", 385, 415, "Gemma 4: use_reentrant False, ddp_find_unused_parameters True"
-    ),
-    "causal_ddp": _src(
-        "core/builders/causal.py", 262, 268, "SFT: ddp_find_unused_parameters=bool(cfg value) under DDP"
-    ),
-    "rl_builder": _src("core/builders/rl.py", 101, 229, "RL: ddp_find_unused_parameters is not passed"),
-    "builder_gc": _src("core/builders/base.py", 581, 610, "_configure_gradient_checkpointing"),
-    "input_grads": _src("loaders/adapter.py", 427, 428, "enable_input_require_grads() for every adapter"),
-    "sac": _src(
-        "monkeypatch/selective_checkpointing.py", 317, 326, "selective checkpointing forces use_reentrant=False"
-    ),
-    "ac_wrap": _src(
-        "core/trainers/mixins/activation_checkpointing.py",
-        148,
-        150,
-        "ac_wrap_hf_model: torch checkpoint_wrapper, NO_REENTRANT",
-    ),
-    "offload_cpu": _src(
-        "monkeypatch/gradient_checkpointing/offload_cpu.py",
-        38,
-        68,
-        "legacy offloading: a reentrant-style autograd Function",
-    ),
+    "schema": f"{SRC}utils/schemas/config.py#L600-L635 (gradient_checkpointing, gradient_checkpointing_kwargs, selective_checkpointing, activation_offloading)",
+    "normalize": f"{SRC}utils/config/__init__.py#L377-L383 (normalize_config: use_reentrant True for SFT when nothing else sets it)",
+    "gemma4": f"{SRC}utils/config/__init__.py#L385-L415 (Gemma 4: use_reentrant False, ddp_find_unused_parameters True)",
+    "causal_ddp": f"{SRC}core/builders/causal.py#L262-L268 (SFT: ddp_find_unused_parameters=bool(cfg value) under DDP)",
+    "rl_builder": f"{SRC}core/builders/rl.py#L101-L229 (RL: ddp_find_unused_parameters is not passed)",
+    "builder_gc": f"{SRC}core/builders/base.py#L581-L610 (_configure_gradient_checkpointing)",
+    "input_grads": f"{SRC}loaders/adapter.py#L427-L428 (enable_input_require_grads() for every adapter)",
+    "sac": f"{SRC}monkeypatch/selective_checkpointing.py#L317-L326 (selective checkpointing forces use_reentrant=False)",
+    "ac_wrap": f"{SRC}core/trainers/mixins/activation_checkpointing.py#L148-L150 (ac_wrap_hf_model: torch checkpoint_wrapper, NO_REENTRANT)",
+    "offload_cpu": f"{SRC}monkeypatch/gradient_checkpointing/offload_cpu.py#L38-L68 (legacy offloading: a reentrant-style autograd Function)",
     "offload": f"{VALIDATION}#L1426-L1442 (offload -> activation_offloading)",
     "hidden_states": f"{VALIDATION}#L1497-L1515 (hidden_states: use_reentrant defaults to False)",
     "cp_env": "axolotl 0.19.0 utils/trainer.py setup_parallelism_envs: PARALLELISM_CONFIG_CP_SIZE, "
     "ACCELERATE_USE_PARALLELISM_CONFIG",
     "ebft_reentrant": f"{VALIDATION}#L1825-L1843 (EBFT strided + flex_attention forces use_reentrant: true)",
     "fsdp_prefix": f"{VALIDATION}#L1085-L1104 (fsdp_config: the fsdp_ prefix is dropped)",
+    "adapter": f"{SRC}utils/schemas/peft.py#L179-L199 (validate_adapter)",
+    "selective": f"{VALIDATION}#L1451-L1494 (check_selective_checkpointing)",
 }
 
 MARKERS = frozenset(
@@ -172,8 +129,6 @@ RL_TYPES = {
 }
 """Axolotl's `RLType` values (`utils/schemas/enums.py`) and the TRL trainer kind each one runs."""
 
-GENERATING = frozenset({"grpo", "gdpo", "ebft"})
-
 BUNDLED_DEEPSPEED = {
     "zero1.json": 1,
     "zero1_torch_compile.json": 1,
@@ -189,12 +144,14 @@ BUNDLED_DEEPSPEED = {
 
 @dataclass(frozen=True)
 class View:
-    """The config as Axolotl's validators see it: `raw` (before validation) and the validated values."""
+    """The keys the plugin reads as Axolotl's schema types them (`_schema`), with `gc`, `activation_offloading` and
+    `kwargs` as the validators leave them (`_validators`): what the validators that refuse or warn (`RULES`) see."""
 
     raw: dict[str, Any]
-    gc: Any  # validated: True / False / None (after the offload rewrite)
-    kwargs: dict[str, Any] | None  # after the validators
-    activation_offloading: Any
+    base_model: str
+    gc: Any  # True / False / None; the schema also takes "offload" / "offload_disk", which the validators rewrite
+    kwargs: dict[str, Any] | None
+    activation_offloading: Any  # True / False / None / "legacy" / "disk" / "hidden_states"
     selective: dict[str, Any] | None
     unfrozen: list[str] | None
     rl: str | None
@@ -202,13 +159,24 @@ class View:
     load_in_4bit: bool
     load_in_8bit: bool
     gptq: bool
-    n_gpu: int
-    base_model: str
-    ebft_strided_flex: bool
+    ddp_flag: bool | None
+    find_unused: bool | None
     sample_packing: bool
+    attn: Any
+    ebft: dict[str, Any] | None
+    fsdp: list[str] | None
+    fsdp_config: dict[str, Any]
+    fsdp_ac: bool
     inference: bool
     merge_lora: bool
     plugins: bool
+    n_gpu: int
+    gc_detail: str = ""  # set by the validators
+    ebft_strided_flex: bool = False
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return bool(self.fsdp) or bool(self.fsdp_config)
 
     def raw_kwargs(self) -> dict[str, Any]:
         value = self.raw.get("gradient_checkpointing_kwargs")
@@ -280,7 +248,7 @@ RULES: tuple[LauncherRule, ...] = (
         condition="`load_in_4bit` or `load_in_8bit` without an `adapter` (and not `inference`)",
         message='Axolotl refuses to start: "load_in_8bit and load_in_4bit are not supported without setting an adapter for training."',
         change="set `adapter: lora` (or `qlora`), or turn off load_in_4bit / load_in_8bit",
-        evidence=(_src("utils/schemas/peft.py", 179, 199, "validate_adapter"),),
+        evidence=(SOURCES["adapter"],),
         when=lambda v: (
             not v.raw.get("adapter")
             and not v.raw.get("inference")
@@ -294,7 +262,7 @@ RULES: tuple[LauncherRule, ...] = (
         condition="`adapter` other than lora / qlora / llama-adapter, and no `plugins:` that could register it",
         message='Axolotl refuses to start: the adapter "is not built in and was not registered by a plugin".',
         change="use `adapter: lora` or `qlora`, or add the plugin that provides the adapter to `plugins:`",
-        evidence=(_src("utils/schemas/peft.py", 179, 199, "validate_adapter"),),
+        evidence=(SOURCES["adapter"],),
         when=lambda v: bool(v.adapter) and v.adapter not in ("lora", "qlora", "llama-adapter") and not v.plugins,
     ),
     LauncherRule(
@@ -304,7 +272,7 @@ RULES: tuple[LauncherRule, ...] = (
         condition="`adapter: qlora` without `load_in_4bit: true`, or with `load_in_8bit` / `gptq` (not merging)",
         message="Axolotl refuses to start: qlora requires `load_in_4bit: true` and neither 8-bit nor GPTQ loading.",
         change="set `load_in_4bit: true` (and remove load_in_8bit / gptq)",
-        evidence=(_src("utils/schemas/peft.py", 202, 224, "validate_qlora"),),
+        evidence=(f"{SRC}utils/schemas/peft.py#L202-L224 (validate_qlora)",),
         when=lambda v: v.adapter == "qlora" and not v.merge_lora and (v.load_in_8bit or v.gptq or not v.load_in_4bit),
     ),
     LauncherRule(
@@ -324,7 +292,7 @@ RULES: tuple[LauncherRule, ...] = (
         condition="`selective_checkpointing` with checkpointing off",
         message='Axolotl refuses to start: "selective_checkpointing requires gradient_checkpointing".',
         change="gradient_checkpointing: true (or remove selective_checkpointing)",
-        evidence=(f"{VALIDATION}#L1451-L1494 (check_selective_checkpointing)",),
+        evidence=(SOURCES["selective"],),
         when=lambda v: v.selective is not None and not v.gc,
     ),
     LauncherRule(
@@ -334,7 +302,7 @@ RULES: tuple[LauncherRule, ...] = (
         condition="`selective_checkpointing` with `gradient_checkpointing_kwargs.use_reentrant` true",
         message='Axolotl refuses to start: "selective_checkpointing requires non-reentrant checkpointing".',
         change="gradient_checkpointing_kwargs: {use_reentrant: false}",
-        evidence=(f"{VALIDATION}#L1451-L1494 (check_selective_checkpointing)",),
+        evidence=(SOURCES["selective"],),
         when=lambda v: v.selective is not None and bool(v.gc) and bool((v.kwargs or {}).get("use_reentrant")),
     ),
     LauncherRule(
@@ -344,7 +312,7 @@ RULES: tuple[LauncherRule, ...] = (
         condition="`selective_checkpointing` with `activation_offloading` other than false / hidden_states",
         message="Axolotl refuses to start: selective checkpointing works only with `activation_offloading: hidden_states` (or false).",
         change="activation_offloading: hidden_states (or false)",
-        evidence=(f"{VALIDATION}#L1451-L1494 (check_selective_checkpointing)",),
+        evidence=(SOURCES["selective"],),
         when=lambda v: (
             v.selective is not None
             and bool(v.gc)
@@ -360,7 +328,7 @@ RULES: tuple[LauncherRule, ...] = (
         condition="`selective_checkpointing.save` entries that match matmul ops, with an adapter",
         message="Axolotl refuses to start: saved matmul outputs are mutated in place by the adapter.",
         change="selective_checkpointing: {save: [attention]}",
-        evidence=(f"{VALIDATION}#L1451-L1494 (check_selective_checkpointing)",),
+        evidence=(SOURCES["selective"],),
         when=lambda v: (
             v.selective is not None
             and bool(v.gc)
@@ -520,51 +488,6 @@ FORCED_REENTRANT_CHANGE = (
 )
 
 
-def _bool_field(raw: dict[str, Any], key: str, config: Config) -> bool:
-    value = raw.get(key)
-    if value is None:
-        return False
-    parsed = pydantic_bool(value)
-    if parsed is None:
-        raise ConfigError(
-            f"{where(config.path, key, config.lines)}: Axolotl's schema takes true or false, not {short(value)}"
-        )
-    return parsed
-
-
-def _optional_bool(raw: dict[str, Any], key: str, config: Config) -> bool | None:
-    return None if raw.get(key) is None else _bool_field(raw, key, config)
-
-
-@dataclass(frozen=True)
-class _Schema:
-    """The values Axolotl's schema gives the keys the plugin reads (before the validators' rewrites)."""
-
-    base_model: str
-    gc: Any  # True / False / None / "offload" / "offload_disk"
-    kwargs: dict[str, Any] | None
-    offloading: Any  # True / False / None / "legacy" / "disk" / "hidden_states"
-    selective: dict[str, Any] | None
-    unfrozen: list[str] | None
-    rl: str | None
-    adapter: str | None
-    four: bool
-    eight: bool
-    gptq: bool
-    ddp_flag: bool | None
-    find_unused: bool | None
-    sample_packing: bool
-    attn: Any
-    ebft: dict[str, Any] | None
-    fsdp: list[str] | None
-    fsdp_config: dict[str, Any]
-    fsdp_ac: bool
-
-    @property
-    def uses_fsdp(self) -> bool:
-        return bool(self.fsdp) or bool(self.fsdp_config)
-
-
 @dataclass
 class _Reentrant:
     """The kwargs and `use_reentrant` as each phase leaves them, with the fact's detail and origin."""
@@ -578,16 +501,6 @@ class _Reentrant:
         self.detail, self.origin = detail, origin
 
 
-@dataclass(frozen=True)
-class _Validated:
-    """`gradient_checkpointing` and `activation_offloading` as the validators leave them."""
-
-    gc: Any
-    gc_detail: str
-    offloading: Any
-    ebft_strided_flex: bool
-
-
 def _base_model(config: Config) -> str:
     base_model = config.values.get("base_model")
     if not isinstance(base_model, str) or not base_model:
@@ -597,14 +510,14 @@ def _base_model(config: Config) -> str:
     return base_model
 
 
-def _enum_or_bool(config: Config, key: str, choices: tuple[str, ...], suffix: str = "") -> Any:
-    """A key the schema types as one of `choices` or a boolean (unset: False)."""
-    value = config.values.get(key, False)
-    if value in choices or value is None:
+def _schema_bool(config: Config, key: str, choices: tuple[str, ...] = (), suffix: str = "") -> Any:
+    """A key the schema types as a boolean or one of `choices` (unset or null: None)."""
+    value = config.values.get(key)
+    if value is None or value in choices:
         return value
     parsed = pydantic_bool(value)
     if parsed is None:
-        takes = f"true, false, {', '.join(choices[:-1])} or {choices[-1]}"
+        takes = f"true, false, {', '.join(choices[:-1])} or {choices[-1]}" if choices else "true or false"
         raise ConfigError(
             f"{where(config.path, key, config.lines)}: Axolotl's schema takes {takes}, not {short(value)}{suffix}"
         )
@@ -624,27 +537,24 @@ def _kwargs(config: Config) -> dict[str, Any] | None:
 def _selective(config: Config) -> dict[str, Any] | None:
     """`selective_checkpointing`: a mapping (its `save` a list of op names) or a boolean."""
     path, lines = config.path, config.lines
-    selective_raw = config.values.get("selective_checkpointing")
-    if isinstance(selective_raw, dict):
-        selective = dict(selective_raw)
-        save = selective.get("save", ["attention"])
+    value = config.values.get("selective_checkpointing")
+    if isinstance(value, dict):
+        save = value.get("save", ["attention"])
         if not isinstance(save, list) or not all(isinstance(s, str) for s in save):
             raise ConfigError(
                 f"{where(path, 'selective_checkpointing.save', lines)}: expected a list of op names, got {short(save)}"
             )
-        return selective
-    if selective_raw is not None:
-        flag = pydantic_bool(selective_raw)
-        if flag is None:
-            raise ConfigError(
-                f"{where(path, 'selective_checkpointing', lines)}: Axolotl's schema takes a mapping or true/false, not {short(selective_raw)}"
-            )
-        return {"save": ["attention"]} if flag else None
-    return None
+        return dict(value)
+    flag = None if value is None else pydantic_bool(value)
+    if value is not None and flag is None:
+        raise ConfigError(
+            f"{where(path, 'selective_checkpointing', lines)}: Axolotl's schema takes a mapping or true/false, not {short(value)}"
+        )
+    return {"save": ["attention"]} if flag else None
 
 
 def _training(config: Config) -> dict[str, Any]:
-    """`unfrozen_parameters`, `rl` and `adapter`, type-checked (the `_Schema` fields `unfrozen`, `rl`, `adapter`)."""
+    """`unfrozen_parameters`, `rl` and `adapter`, type-checked (the `View` fields `unfrozen`, `rl`, `adapter`)."""
     path, lines, raw = config.path, config.lines, config.values
     unfrozen = raw.get("unfrozen_parameters")
     if unfrozen is not None and (not isinstance(unfrozen, list) or not all(isinstance(p, str) for p in unfrozen)):
@@ -666,7 +576,7 @@ def _training(config: Config) -> dict[str, Any]:
 
 def _fsdp(config: Config) -> dict[str, Any]:
     """`fsdp_version`, `fsdp`, and `fsdp_config` without its `fsdp_` prefixes, with its `activation_checkpointing`
-    (the `_Schema` fields `fsdp`, `fsdp_config`, `fsdp_ac`)."""
+    (the `View` fields `fsdp`, `fsdp_config`, `fsdp_ac`)."""
     path, lines, raw = config.path, config.lines, config.values
     version = raw.get("fsdp_version")
     if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
@@ -685,38 +595,41 @@ def _fsdp(config: Config) -> dict[str, Any]:
                 fsdp_config_raw, path, "fsdp_config", lines, "{activation_checkpointing: true}"
             ).items()
         }
-    fsdp_ac = False
-    if "activation_checkpointing" in fsdp_config and fsdp_config["activation_checkpointing"] is not None:
-        fsdp_ac_value = pydantic_bool(fsdp_config["activation_checkpointing"])
-        if fsdp_ac_value is None:
-            raise ConfigError(
-                f"{where(path, 'fsdp_config.activation_checkpointing', lines)}: expected true or false, got {short(fsdp_config['activation_checkpointing'])}"
-            )
-        fsdp_ac = fsdp_ac_value
+    ac = fsdp_config.get("activation_checkpointing")
+    fsdp_ac = False if ac is None else pydantic_bool(ac)
+    if fsdp_ac is None:
+        raise ConfigError(
+            f"{where(path, 'fsdp_config.activation_checkpointing', lines)}: expected true or false, got {short(ac)}"
+        )
     return {"fsdp": fsdp, "fsdp_config": fsdp_config, "fsdp_ac": fsdp_ac}
 
 
-def _schema(config: Config) -> _Schema:
+def _schema(config: Config, world: int) -> View:
     """Phase 1: the schema's typed parsing (ConfigError where Axolotl's pydantic model fails), in its order (keyword
     arguments are evaluated left to right)."""
-    raw = config.values
+    raw = dict(config.values)
     ebft = raw.get("ebft")
-    return _Schema(
+    return View(
+        raw=raw,
         base_model=_base_model(config),
-        gc=_enum_or_bool(config, "gradient_checkpointing", ("offload", "offload_disk"), "; Axolotl refuses to start"),
+        gc=_schema_bool(config, "gradient_checkpointing", ("offload", "offload_disk"), "; Axolotl refuses to start"),
         kwargs=_kwargs(config),
-        offloading=_enum_or_bool(config, "activation_offloading", ("legacy", "disk", "hidden_states")),
+        activation_offloading=_schema_bool(config, "activation_offloading", ("legacy", "disk", "hidden_states")),
         selective=_selective(config),
         **_training(config),
-        four=_bool_field(raw, "load_in_4bit", config),
-        eight=_bool_field(raw, "load_in_8bit", config),
-        gptq=_bool_field(raw, "gptq", config),
-        ddp_flag=_optional_bool(raw, "ddp", config),
-        find_unused=_optional_bool(raw, "ddp_find_unused_parameters", config),
-        sample_packing=_bool_field(raw, "sample_packing", config),
+        load_in_4bit=bool(_schema_bool(config, "load_in_4bit")),
+        load_in_8bit=bool(_schema_bool(config, "load_in_8bit")),
+        gptq=bool(_schema_bool(config, "gptq")),
+        ddp_flag=_schema_bool(config, "ddp"),
+        find_unused=_schema_bool(config, "ddp_find_unused_parameters"),
+        sample_packing=bool(_schema_bool(config, "sample_packing")),
         attn=raw.get("attn_implementation"),
         ebft=None if ebft is None else expect_mapping(ebft, config.path, "ebft", config.lines, "{mode: strided}"),
         **_fsdp(config),
+        inference=bool(_schema_bool(config, "inference")),
+        merge_lora=bool(_schema_bool(config, "merge_lora")),
+        plugins=bool(raw.get("plugins")),
+        n_gpu=world,
     )
 
 
@@ -737,16 +650,14 @@ def _world_size(ctx: Context, reading: Reading) -> int:
     return ctx.nproc if ctx.nproc is not None else 1
 
 
-def _validators(s: _Schema, raw: dict[str, Any], kw: _Reentrant, reading: Reading) -> _Validated:
+def _validators(s: View, kw: _Reentrant, reading: Reading) -> View:
     """Phase 2: the validators' rewrites (mode="after") of checkpointing, offloading and use_reentrant."""
-    gc, offloading = s.gc, s.offloading
-    gc_detail = "key 'gradient_checkpointing'" if "gradient_checkpointing" in raw else "Axolotl's default: false"
-    if gc == "offload":
-        gc, offloading = True, True
-        gc_detail = "gradient_checkpointing: offload -> true + activation_offloading: true (Axolotl validator)"
-    elif gc == "offload_disk":
-        gc, offloading = True, "disk"
-        gc_detail = "gradient_checkpointing: offload_disk -> true + activation_offloading: disk (Axolotl validator)"
+    gc, offloading = s.gc, s.activation_offloading
+    gc_detail = "key 'gradient_checkpointing'" if "gradient_checkpointing" in s.raw else "Axolotl's default: false"
+    if gc in ("offload", "offload_disk"):  # SOURCES["offload"]
+        offloading = True if gc == "offload" else "disk"
+        gc_detail = f"gradient_checkpointing: {gc} -> true + activation_offloading: {'true' if gc == 'offload' else 'disk'} (Axolotl validator)"
+        gc = True
     ebft_strided_flex = bool(s.rl == "ebft" and (s.ebft or {}).get("mode") == "strided" and s.attn == "flex_attention")
     if offloading == "hidden_states":
         kw.kwargs = dict(kw.kwargs or {})
@@ -760,61 +671,41 @@ def _validators(s: _Schema, raw: dict[str, Any], kw: _Reentrant, reading: Readin
             kw.kwargs = {**(kw.kwargs or {}), "use_reentrant": True}
             kw.rewrite(f"EBFT strided + flex_attention forces use_reentrant: true ({SOURCES['ebft_reentrant']})")
         reading.extra["forced"] = {"use_reentrant": FORCED_REENTRANT_CHANGE}
-    return _Validated(gc=gc, gc_detail=gc_detail, offloading=offloading, ebft_strided_flex=ebft_strided_flex)
-
-
-def _view(
-    config: Config, raw: dict[str, Any], s: _Schema, v: _Validated, kwargs: dict[str, Any] | None, world: int
-) -> View:
-    """The config as the validators that refuse or warn (`RULES`) see it."""
-    return View(
-        raw=raw,
-        gc=v.gc,
-        kwargs=kwargs,
-        activation_offloading=v.offloading,
-        selective=s.selective,
-        unfrozen=s.unfrozen,
-        rl=s.rl,
-        adapter=s.adapter,
-        load_in_4bit=s.four,
-        load_in_8bit=s.eight,
-        gptq=s.gptq,
-        n_gpu=world,
-        base_model=s.base_model,
-        ebft_strided_flex=v.ebft_strided_flex,
-        sample_packing=s.sample_packing,
-        inference=_bool_field(raw, "inference", config),
-        merge_lora=_bool_field(raw, "merge_lora", config),
-        plugins=bool(raw.get("plugins")),
+    return replace(
+        s,
+        gc=gc,
+        gc_detail=gc_detail,
+        activation_offloading=offloading,
+        kwargs=kw.kwargs,
+        ebft_strided_flex=ebft_strided_flex,
     )
 
 
-def _normalize(
-    s: _Schema, v: _Validated, kw: _Reentrant, model_type: str | None, world: int, reading: Reading
-) -> tuple[bool, bool | None]:
-    """Phase 3: normalize_config's rewrites; returns `cfg.ddp` and `ddp_find_unused_parameters`."""
-    ddp = s.ddp_flag if s.ddp_flag is not None else world != 1
-    find_unused = s.find_unused
-    if v.gc and s.unfrozen is None and kw.kwargs is None and s.rl is None:
+def _normalize(v: View, kw: _Reentrant, model_type: str | None, reading: Reading) -> tuple[bool, bool | None]:
+    """Phase 3: normalize_config's rewrites; returns `cfg.ddp` (every multi-process run) and
+    `ddp_find_unused_parameters`."""
+    ddp = v.ddp_flag if v.ddp_flag is not None else v.n_gpu != 1
+    find_unused, gemma4 = v.find_unused, model_type in ("gemma4", "gemma4_unified")
+    if v.gc and v.unfrozen is None and kw.kwargs is None and v.rl is None:
         kw.kwargs = {"use_reentrant": True}
         kw.rewrite(f"Axolotl normalize_config writes {{use_reentrant: true}} ({SOURCES['normalize']})")
-    if model_type in ("gemma4", "gemma4_unified") and v.gc:
+    if gemma4 and v.gc:
         kw.kwargs = dict(kw.kwargs or {})
         if kw.kwargs.get("use_reentrant") is not False:
             kw.kwargs["use_reentrant"] = False
             kw.rewrite(f"Gemma 4: Axolotl forces use_reentrant false ({SOURCES['gemma4']})")
-    if model_type in ("gemma4", "gemma4_unified") and ddp and find_unused is None and v.offloading is not True:
+    if gemma4 and ddp and find_unused is None and v.activation_offloading is not True:
         find_unused = True
         reading.notes.append(f"Gemma 4 under DDP: Axolotl sets ddp_find_unused_parameters: true ({SOURCES['gemma4']})")
     return ddp, find_unused
 
 
-def _builders(s: _Schema, v: _Validated, kw: _Reentrant, ctx: Context, reading: Reading) -> bool:
-    """Phase 4: the use_reentrant the trainer builders pass; returns whether activations are offloaded."""
-    offloading = v.offloading
+def _builders(v: View, kw: _Reentrant, ctx: Context, reading: Reading) -> None:
+    """Phase 4: the use_reentrant the trainer builders pass."""
+    offloading = v.activation_offloading
     kw.value = (kw.kwargs or {}).get("use_reentrant")
     if offloading and offloading != "hidden_states":
-        if not s.adapter:
+        if not v.adapter:
             kw.value = False
             kw.rewrite(
                 f"activation_offloading {offloading!r} on a full fine-tune: torch checkpoint_wrapper, non-reentrant ({SOURCES['ac_wrap']})"
@@ -837,39 +728,31 @@ def _builders(s: _Schema, v: _Validated, kw: _Reentrant, ctx: Context, reading: 
         kw.rewrite(
             f"Axolotl's builder passes {{use_reentrant: false}} when no kwargs are set ({SOURCES['builder_gc']})"
         )
-    if s.selective is not None and v.gc:
+    if v.selective is not None and v.gc:
         kw.value = False
         kw.rewrite(f"selective_checkpointing patches the model to non-reentrant ({SOURCES['sac']})")
         reading.set("selective", True, "file", "key 'selective_checkpointing'")
-    return bool(offloading)
 
 
-def _gc_facts(raw: dict[str, Any], v: _Validated, kw: _Reentrant, offload: bool, reading: Reading) -> None:
-    reentrant = kw.value
-    reading.set(
-        "gc_enabled", bool(v.gc), "file" if "gradient_checkpointing" in raw else "launcher default", v.gc_detail
-    )
-    reading.set("gc_flag_source", "user" if "gradient_checkpointing" in raw else "unset", "file", v.gc_detail)
-    from_file = kw.origin == "file" and reentrant is not None
-    reading.set(
-        "use_reentrant",
-        reentrant,
-        kw.origin if reentrant is not None else "file",
-        kw.detail if reentrant is not None else "no use_reentrant",
-    )
-    reading.set(
-        "use_reentrant_source",
-        "user" if from_file else ("unset" if reentrant is None else "unknown"),
-        kw.origin,
-        "written by Axolotl into the trainer's arguments: the plugin treats it as a value set explicitly"
-        if not from_file and reentrant is not None
-        else kw.detail,
-    )
+def _gc_facts(v: View, kw: _Reentrant, reading: Reading) -> None:
+    reentrant, given = kw.value, "gradient_checkpointing" in v.raw
+    reading.set("gc_enabled", bool(v.gc), "file" if given else "launcher default", v.gc_detail)
+    reading.set("gc_flag_source", "user" if given else "unset", "file", v.gc_detail)
+    if reentrant is None:
+        reading.set("use_reentrant", None, "file", "no use_reentrant")
+        reading.set("use_reentrant_source", "unset", kw.origin, kw.detail)
+    else:
+        reading.set("use_reentrant", reentrant, kw.origin, kw.detail)
+        written = "written by Axolotl into the trainer's arguments: the plugin treats it as a value set explicitly"
+        from_file = kw.origin == "file"
+        reading.set(
+            "use_reentrant_source", "user" if from_file else "unknown", kw.origin, kw.detail if from_file else written
+        )
     reading.set("kwargs_given", kw.kwargs is not None or reentrant is not None, kw.origin, kw.detail)
-    if offload:
+    if v.activation_offloading:
         reading.set(
             "activation_offloading",
-            v.offloading,
+            v.activation_offloading,
             "file",
             "Axolotl's activation offloading (not transformers' `offload` kwarg)",
         )
@@ -877,13 +760,14 @@ def _gc_facts(raw: dict[str, Any], v: _Validated, kw: _Reentrant, offload: bool,
         read_kwargs_keys(reading, kw.kwargs, "gradient_checkpointing_kwargs")
 
 
-def _model_facts(raw: dict[str, Any], s: _Schema, ctx: Context, reading: Reading) -> None:
+def _model_facts(s: View, ctx: Context, reading: Reading) -> None:
     peft = bool(s.adapter)
-    quant = "bitsandbytes_4bit" if s.four else "bitsandbytes_8bit" if s.eight else "gptq" if s.gptq else None
+    quant = "bitsandbytes_4bit" if s.load_in_4bit else "bitsandbytes_8bit" if s.load_in_8bit else None
+    quant = quant or ("gptq" if s.gptq else None)
     reading.set(
         "is_peft",
         peft,
-        "file" if "adapter" in raw else "launcher default",
+        "file" if "adapter" in s.raw else "launcher default",
         f"adapter: {s.adapter}" if s.adapter else "no adapter (full fine-tune)",
     )
     reading.set("quantization", quant, "file", "load_in_4bit / load_in_8bit / gptq")
@@ -918,19 +802,15 @@ def _model_facts(raw: dict[str, Any], s: _Schema, ctx: Context, reading: Reading
 
 def _trainer_facts(rl: str | None, reading: Reading) -> None:
     """The trainer kind: `rl:` names a TRL trainer, else Axolotl's SFT trainer."""
+    kind = RL_TYPES[rl] if rl else "sft"
     origin: Origin = "file" if rl else "launcher default"
     detail = f"rl: {rl}" if rl else "no rl"
-    reading.set(
-        "trainer_kind",
-        RL_TYPES.get(rl, "sft") if rl else "sft",
-        origin,
-        detail if rl else "no rl: Axolotl's SFT trainer",
-    )
-    reading.set("rl_trainer", rl is not None, origin, detail)
-    reading.set("generates", rl in GENERATING, origin, detail)
+    reading.set("trainer_kind", kind, origin, detail if rl else "no rl: Axolotl's SFT trainer")
+    reading.set("rl_trainer", kind in RL_TRAINERS, origin, detail)
+    reading.set("generates", kind in GENERATING_TRAINERS, origin, detail)
 
 
-def _parallel_facts(config: Config, s: _Schema, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
+def _parallel_facts(config: Config, s: View, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
     path, lines, raw = config.path, config.lines, config.values
     ds_value = raw.get("deepspeed")
     if ds_value is not None and not isinstance(ds_value, (str, dict)):
@@ -938,10 +818,9 @@ def _parallel_facts(config: Config, s: _Schema, ddp: bool, find_unused: bool | N
             f"{where(path, 'deepspeed', lines)}: Axolotl's schema takes a path or a mapping, got {type_name(ds_value)} {short(ds_value)}"
         )
     if ds_value:
-        ds = read_deepspeed(
+        read_deepspeed(
             ds_value, path, "deepspeed", config.base_dir, BUNDLED_DEEPSPEED, "deepspeed_configs/", lines
-        )
-        ds.set_facts(reading)
+        ).set_facts(reading)
     else:
         reading.set("zero_stage", None, "file", "no deepspeed key")
     reading.set("fsdp", s.uses_fsdp, "file", "fsdp / fsdp_config")
@@ -995,41 +874,39 @@ def _ddp_facts(raw: dict[str, Any], rl: str | None, ddp: bool, find_unused: bool
     reading.set("ddp_static_graph", None, "launcher default", "Axolotl does not pass ddp_static_graph")
 
 
-def _launcher_rules(raw: dict[str, Any], s: _Schema, v: _Validated, view: View, reading: Reading) -> None:
+def _launcher_rules(v: View, reading: Reading) -> None:
     """The launcher rules (`RULES`) that apply, and the FSDP-checkpointing pair `RULES` cannot see."""
     reading.apply(
         RULES,
-        view,
+        v,
         VERSION_MODELLED,
-        lambda rule: reading.value("use_reentrant") if rule.setting == "use_reentrant" else raw.get(rule.setting),
+        lambda rule: reading.value("use_reentrant") if rule.setting == "use_reentrant" else v.raw.get(rule.setting),
         lambda rule: reading.reentrant_source() if rule.setting == "use_reentrant" else "user",
     )
-    if s.uses_fsdp and s.fsdp_ac and v.gc:
+    if v.uses_fsdp and v.fsdp_ac and v.gc:
         rule = next(r for r in RULES if r.id == "axolotl:fsdp-checkpointing-and-gc")
         reading.decisions.append(rule.decision(VERSION_MODELLED, before=True))
 
 
 def read(config: Config, ctx: Context) -> Reading:
     """The plugin's model of what Axolotl does with `config` (see the module docstring)."""
-    raw = dict(config.values)
     reading = Reading(
         format="axolotl",
         parser=f"the plugin's model of {VERSION_MODELLED} (Axolotl is not imported)",
         changes=dict(KWARGS_CHANGES),
     )
-    s = _schema(config)
-    world = _world_size(ctx, reading)
+    world = _world_size(ctx, reading)  # sets facts only: the schema's errors come first all the same
+    s = _schema(config, world)
     kw = _Reentrant(s.kwargs)
-    v = _validators(s, raw, kw, reading)
-    model_type = _model_type(s.base_model, reading)
-    view = _view(config, raw, s, v, kw.kwargs, world)
-    ddp, find_unused = _normalize(s, v, kw, model_type, world, reading)
-    offload = _builders(s, v, kw, ctx, reading)
-    _gc_facts(raw, v, kw, offload, reading)
-    _model_facts(raw, s, ctx, reading)
-    _trainer_facts(s.rl, reading)
-    _parallel_facts(config, s, ddp, find_unused, reading)
-    _launcher_rules(raw, s, v, view, reading)
+    v = _validators(s, kw, reading)
+    model_type = _model_type(v.base_model, reading)
+    ddp, find_unused = _normalize(v, kw, model_type, reading)
+    _builders(v, kw, ctx, reading)
+    _gc_facts(v, kw, reading)
+    _model_facts(v, ctx, reading)
+    _trainer_facts(v.rl, reading)
+    _parallel_facts(config, v, ddp, find_unused, reading)
+    _launcher_rules(v, reading)
     return reading
 
 

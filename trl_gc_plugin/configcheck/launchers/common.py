@@ -27,10 +27,6 @@ Origin = Literal[
 TRL's trainers, LLaMA-Factory's model patching), `assumed` one the check assumes and says."""
 
 
-def line_link(src: str, file: str, first: int, last: int, what: str) -> str:
-    return f"{src}{file}#L{first}-L{last} ({what})"
-
-
 def release(version: str | None) -> tuple[int, int]:
     """(major, minor) of a version string; a part that is not a number counts 0 (`5.10.0.dev0` -> (5, 10))."""
     major, minor, *_ = [int(p) if p.isdigit() else 0 for p in (version or "0").split(".")[:2]] + [0]

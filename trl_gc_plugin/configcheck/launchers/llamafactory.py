@@ -1,32 +1,16 @@
-"""LLaMA-Factory YAML configs (`llamafactory-cli train cfg.yaml`), the v0 stack.
+"""LLaMA-Factory YAML configs (`llamafactory-cli train cfg.yaml`), the v0 stack: the plugin's model of LLaMA-Factory
+main@ff6d4d12 (PyPI 0.9.5 has the same checkpointing and parsing code), read in its sources (`SOURCES`);
+`read_native` takes LLaMA-Factory's own `get_train_args` instead when the package is importable.
 
-The plugin's model of LLaMA-Factory main@ff6d4d12 (PyPI 0.9.5 has the same checkpointing and parsing code), read in
-its sources (`SRC`); `_worker.py` runs LLaMA-Factory's own `get_train_args` instead when the package is importable.
-
-- Arguments are built with `HfArgumentParser.parse_dict`, which converts nothing: a quoted `"false"` stays a string,
-  and LLaMA-Factory tests it for truth, so `disable_gradient_checkpointing: "false"` turns checkpointing OFF.
-- Checkpointing is LLaMA-Factory's own, on the model, before the adapter is added: on by default
-  (`disable_gradient_checkpointing: false`), only for a trainable model (`do_train: true`), with
-  `{use_reentrant: use_reentrant_gc}` (default true; false under FSDP2, i.e. `ACCELERATE_USE_FSDP` with
-  `FSDP_VERSION=2` from the accelerate config). Its wrapper makes the hidden states require grad for every layer
-  with trainable parameters and skips checkpointing for frozen layers, so reentrant trains with frozen embeddings.
-  `use_unsloth_gc` swaps in an offloading checkpoint that ignores `use_reentrant`; `use_unsloth` loads Unsloth.
-  A `gradient_checkpointing: true` of the Trainer's own re-enables it through the patched method with the file's
-  `gradient_checkpointing_kwargs`, or `{use_reentrant: true}` without them (overriding `use_reentrant_gc: false`).
-- `finetuning_type` (default `lora`; `oft` also adds an adapter, `freeze` freezes layers, `full` trains all),
-  `quantization_bit` (+ `quantization_method`, default `bnb`; only with lora/oft), `stage` (default `sft`).
-- Under DDP with LoRA and `ddp_find_unused_parameters` unset, LLaMA-Factory sets it to False.
-- Chat, API and export configs (no `stage`/`do_train`/`output_dir`/`dataset`, or an `export_dir`) train nothing.
-- `use_hyper_parallel: true` (stages pt and sft) trains through MindSpore HyperParallel's FSDP2 backend; where its
-  JSON (`hyper_parallel_args`) sets an `activation_mode` other than `none` (`recompute`, `swap`), LLaMA-Factory sets
-  `disable_gradient_checkpointing` and HyperParallel checkpoints itself: transformers' checkpointing is off and the
-  plugin's rules about it do not apply.
+LLaMA-Factory checkpoints on its own, on the model, before the adapter is added: on by default, only for a trainable
+model (`do_train: true`), with `{use_reentrant: use_reentrant_gc}` (default true; false under FSDP2). Its wrapper makes
+the hidden states require grad for every layer with trainable parameters and skips frozen layers, so reentrant trains
+with frozen embeddings. Its arguments are built with `parse_dict`, which converts nothing: a quoted `"false"` is true.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .accelerate import read_accelerate, set_accelerate_facts
@@ -38,7 +22,6 @@ from .common import (
     Reading,
     find_beside,
     json_object_or_mapping,
-    line_link,
     release,
     short,
     type_name,
@@ -53,46 +36,18 @@ COMMIT = "ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30"
 VERSION_MODELLED = "LLaMA-Factory main@ff6d4d12 (= 0.9.5 for these keys)"
 SRC = f"https://github.com/hiyouga/LLaMA-Factory/blob/{COMMIT}/src/llamafactory/"
 
-_src = partial(line_link, SRC)
-
-
 SOURCES = {
-    "keys": _src(
-        "hparams/model_args.py",
-        129,
-        152,
-        "use_unsloth, use_unsloth_gc, disable_gradient_checkpointing, use_reentrant_gc",
-    ),
-    "finetuning": _src("hparams/finetuning_args.py", 460, 467, "stage, finetuning_type"),
-    "quantization": _src("hparams/model_args.py", 279, 286, "quantization_method, quantization_bit"),
-    "enable": _src(
-        "model/model_utils/checkpointing.py",
-        163,
-        204,
-        "prepare_model_for_training: FSDP2 -> "
-        "use_reentrant_gc False; {use_reentrant: use_reentrant_gc}; use_cache False",
-    ),
-    "wrapper": _src(
-        "model/model_utils/checkpointing.py",
-        100,
-        154,
-        "hidden states require grad for trainable layers; no kwargs -> use_reentrant True",
-    ),
-    "trainable": _src("model/patcher.py", 476, 483, "only a trainable model (do_train) gets checkpointing"),
+    "keys": f"{SRC}hparams/model_args.py#L129-L152 (use_unsloth, use_unsloth_gc, disable_gradient_checkpointing, use_reentrant_gc)",
+    "enable": f"{SRC}model/model_utils/checkpointing.py#L163-L204 (prepare_model_for_training: FSDP2 -> use_reentrant_gc False; {{use_reentrant: use_reentrant_gc}}; use_cache False)",
+    "wrapper": f"{SRC}model/model_utils/checkpointing.py#L100-L154 (hidden states require grad for trainable layers; no kwargs -> use_reentrant True)",
+    "trainable": f"{SRC}model/patcher.py#L476-L483 (only a trainable model (do_train) gets checkpointing)",
     "parse_dict": "https://github.com/huggingface/transformers/blob/v5.8.0/src/transformers/hf_argparser.py (parse_dict: dataclass(**values), no string conversion)",
-    "verify": _src(
-        "hparams/parser.py", 227, 237, "_verify_model_args: adapters only with LoRA, quantization only with LoRA/OFT"
-    ),
-    "ddp": _src("hparams/parser.py", 596, 602, "DDP + LoRA: ddp_find_unused_parameters False"),
-    "deepspeed": _src("hparams/parser.py", 471, 472, "DeepSpeed needs a distributed launch (FORCE_TORCHRUN=1)"),
-    "versions": _src("extras/misc.py", 95, 101, "check_dependencies: transformers>=4.55.0,<=5.8.0"),
-    "hyper_parallel": _src(
-        "train/hyper_parallel/workflow.py",
-        41,
-        59,
-        "_prepare_hp_args: activation_mode != 'none' -> disable_gradient_checkpointing = True",
-    ),
-    "hyper_parallel_stages": _src("train/tuner.py", 92, 101, "use_hyper_parallel runs the pt and sft stages only"),
+    "verify": f"{SRC}hparams/parser.py#L227-L237 (_verify_model_args: adapters only with LoRA, quantization only with LoRA/OFT)",
+    "ddp": f"{SRC}hparams/parser.py#L596-L602 (DDP + LoRA: ddp_find_unused_parameters False)",
+    "deepspeed": f"{SRC}hparams/parser.py#L471-L472 (DeepSpeed needs a distributed launch (FORCE_TORCHRUN=1))",
+    "versions": f"{SRC}extras/misc.py#L95-L101 (check_dependencies: transformers>=4.55.0,<=5.8.0)",
+    "hyper_parallel": f"{SRC}train/hyper_parallel/workflow.py#L41-L59 (_prepare_hp_args: activation_mode != 'none' -> disable_gradient_checkpointing = True)",
+    "hyper_parallel_stages": f"{SRC}train/tuner.py#L92-L101 (use_hyper_parallel runs the pt and sft stages only)",
     "hyper_parallel_modes": "https://github.com/hiyouga/LlamaFactory/pull/10370 (activation_mode none (default) / "
     "recompute / swap; recompute and swap disable native gradient_checkpointing)",
 }
@@ -125,39 +80,6 @@ MARKERS = frozenset(
 
 STRONG_MARKERS = frozenset({"stage", "finetuning_type", "template", "cutoff_len"})
 
-READ_KEYS = frozenset(
-    {
-        "model_name_or_path",
-        "stage",
-        "finetuning_type",
-        "do_train",
-        "dataset",
-        "output_dir",
-        "export_dir",
-        "adapter_name_or_path",
-        "disable_gradient_checkpointing",
-        "use_reentrant_gc",
-        "use_unsloth_gc",
-        "use_unsloth",
-        "use_kt",
-        "quantization_bit",
-        "quantization_method",
-        "gradient_checkpointing",
-        "gradient_checkpointing_kwargs",
-        "deepspeed",
-        "fsdp",
-        "fsdp_config",
-        "ddp_find_unused_parameters",
-        "ddp_static_graph",
-        "use_hyper_parallel",
-        "hyper_parallel_args",
-    }
-)
-
-STAGES = {"pt": "trainer", "sft": "sft", "rm": "reward", "ppo": "ppo", "dpo": "dpo", "kto": "kto"}
-"""`stage` and the trainer kind it runs (pt/sft: LLaMA-Factory's Trainer subclasses; dpo/kto/ppo: TRL's)."""
-
-FINETUNING_TYPES = ("lora", "oft", "freeze", "full")
 BOOL_KEYS = (
     "disable_gradient_checkpointing",
     "use_reentrant_gc",
@@ -167,6 +89,34 @@ BOOL_KEYS = (
     "gradient_checkpointing",
     "use_hyper_parallel",
 )
+
+READ_KEYS = frozenset(
+    {
+        "model_name_or_path",
+        "stage",
+        "finetuning_type",
+        "dataset",
+        "output_dir",
+        "export_dir",
+        "adapter_name_or_path",
+        "use_kt",
+        "quantization_bit",
+        "quantization_method",
+        "gradient_checkpointing_kwargs",
+        "deepspeed",
+        "fsdp",
+        "fsdp_config",
+        "ddp_find_unused_parameters",
+        "ddp_static_graph",
+        "hyper_parallel_args",
+        *BOOL_KEYS,
+    }
+)
+
+STAGES = {"pt": "trainer", "sft": "sft", "rm": "reward", "ppo": "ppo", "dpo": "dpo", "kto": "kto"}
+"""`stage` and the trainer kind it runs (pt/sft: LLaMA-Factory's Trainer subclasses; dpo/kto/ppo: TRL's)."""
+
+FINETUNING_TYPES = ("lora", "oft", "freeze", "full")
 
 BUNDLED_DEEPSPEED = {
     "ds_z0_config.json": 0,
@@ -184,15 +134,23 @@ SUPPORTED_TRANSFORMERS = ((4, 55), (5, 8))
 
 @dataclass(frozen=True)
 class View:
+    """The config's values as LLaMA-Factory's arguments hold them (parse_dict converts nothing; its defaults), then
+    what the rules (`RULES`) look at once the file is read."""
+
     raw: dict[str, Any]
+    stage: str
     finetuning_type: str
     quantization_bit: Any
+    method: Any
     string_bools: tuple[str, ...]
-    reentrant_default: bool
-    hf_gc_overrides: bool
-    fsdp2: bool
-    transformers_outside: bool
-    deepspeed_one_process: bool
+    do_train: bool
+    disabled: bool
+    hf_gc: bool
+    reentrant_default: bool = False  # set by `read` once the file is read
+    hf_gc_overrides: bool = False
+    fsdp2: bool = False
+    transformers_outside: bool = False
+    deepspeed_one_process: bool = False
     hyper_parallel: str | None = None
 
 
@@ -316,32 +274,21 @@ def is_training_config(config: Config) -> bool:
     return any(k in config for k in ("stage", "do_train", "output_dir", "dataset"))
 
 
-@dataclass(frozen=True)
-class Parsed:
-    """The config's values as LLaMA-Factory's arguments hold them (parse_dict converts nothing; its defaults)."""
-
-    raw: dict[str, Any]
-    stage: str
-    finetuning: str
-    bits: Any
-    method: Any
-    string_bools: tuple[str, ...]
-    do_train: bool
-    disabled: bool
-    hf_gc: bool
-
-
 @dataclass
 class Reentrant:
-    """The current use_reentrant value, with the origin and detail of its facts and who set it."""
+    """The current use_reentrant value, with the origin and detail of its facts."""
 
     value: Any
     origin: Origin
     detail: str
-    source: str
 
-    def rewrite(self, value: Any, origin: Origin, detail: str, source: str) -> None:
-        self.value, self.origin, self.detail, self.source = value, origin, detail, source
+    @property
+    def source(self) -> str:
+        """Who set it, in a decision's words: the file's value is the user's, LLaMA-Factory's own is unknown."""
+        return "user" if self.origin == "file" else "unknown"
+
+    def rewrite(self, value: Any, origin: Origin, detail: str) -> None:
+        self.value, self.origin, self.detail = value, origin, detail
 
 
 def read(config: Config, ctx: Context) -> Reading:
@@ -371,11 +318,23 @@ def read(config: Config, ctx: Context) -> Reading:
     _set_reentrant_facts(parsed, reading, reentrant)
     _read_model(parsed, reading)
     world = _read_launch(config, ctx, parsed, reading, accel)
-    _apply_rules(ctx, parsed, reading, reentrant, hf_override=hf_override, fsdp2=fsdp2, world=world, hyper=hyper)
+    gc_on = bool(reading.value("gc_enabled"))
+    tf = ctx.versions.get("transformers")
+    view = replace(
+        parsed,
+        reentrant_default=gc_on and reentrant.origin == "launcher default",
+        hf_gc_overrides=hf_override and gc_on,
+        fsdp2=fsdp2 and gc_on,
+        transformers_outside=tf is not None
+        and not SUPPORTED_TRANSFORMERS[0] <= release(tf) <= SUPPORTED_TRANSFORMERS[1],
+        deepspeed_one_process=reading.value("zero_stage") is not None and world == 1,
+        hyper_parallel=hyper,
+    )
+    _apply_rules(ctx, view, reading)
     return reading
 
 
-def _parse(config: Config) -> Parsed:
+def _parse(config: Config) -> View:
     """Type the keys LLaMA-Factory's argument dataclasses check, with their defaults (a `ConfigError` where it refuses)."""
     path, lines = config.path, config.lines
     raw = dict(config.values)
@@ -399,11 +358,11 @@ def _parse(config: Config) -> Parsed:
         raise ConfigError(
             f"{where(path, 'quantization_bit', lines)}: expected a whole number such as 4 or 8, got {type_name(bits)} {short(bits)}"
         )
-    return Parsed(
+    return View(
         raw=raw,
         stage=stage,
-        finetuning=finetuning,
-        bits=bits,
+        finetuning_type=finetuning,
+        quantization_bit=bits,
         method=raw.get("quantization_method", "bnb"),
         string_bools=tuple(k for k in BOOL_KEYS if isinstance(raw.get(k), str)),
         do_train=bool(raw.get("do_train", False)),
@@ -420,39 +379,22 @@ def _read_non_training(config: Config, reading: Reading) -> None:
     reading.notes.append(f"{config.path} is {what}: nothing trains, so checkpointing does not apply")
 
 
-def _read_gc_enabled(parsed: Parsed, reading: Reading) -> None:
+def _read_gc_enabled(parsed: View, reading: Reading) -> None:
     """Checkpointing on/off: LLaMA-Factory's own, on the model, only for a trainable model."""
-    raw = parsed.raw
+    given = "disable_gradient_checkpointing" in parsed.raw
     if not parsed.do_train:
-        reading.set(
-            "gc_enabled",
-            False,
-            "file",
-            f"do_train is not true: nothing trains and LLaMA-Factory does not enable checkpointing ({SOURCES['trainable']})",
-        )
+        detail = f"do_train is not true: nothing trains and LLaMA-Factory does not enable checkpointing ({SOURCES['trainable']})"
+        reading.set("gc_enabled", False, "file", detail)
     elif parsed.disabled:
-        reading.set(
-            "gc_enabled",
-            parsed.hf_gc,
-            "file",
-            f"key 'disable_gradient_checkpointing': {raw['disable_gradient_checkpointing']!r}",
-        )
+        detail = f"key 'disable_gradient_checkpointing': {parsed.raw['disable_gradient_checkpointing']!r}"
+        reading.set("gc_enabled", parsed.hf_gc, "file", detail)
     else:
-        reading.set(
-            "gc_enabled",
-            True,
-            "file" if "disable_gradient_checkpointing" in raw else "launcher default",
-            f"disable_gradient_checkpointing defaults to false: LLaMA-Factory checkpoints ({SOURCES['enable']})",
-        )
-    reading.set(
-        "gc_flag_source",
-        "user" if "disable_gradient_checkpointing" in raw else "trainer",
-        "file",
-        "disable_gradient_checkpointing",
-    )
+        detail = f"disable_gradient_checkpointing defaults to false: LLaMA-Factory checkpoints ({SOURCES['enable']})"
+        reading.set("gc_enabled", True, "file" if given else "launcher default", detail)
+    reading.set("gc_flag_source", "user" if given else "trainer", "file", "disable_gradient_checkpointing")
 
 
-def _read_hyper_parallel(config: Config, parsed: Parsed, reading: Reading) -> str | None:
+def _read_hyper_parallel(config: Config, parsed: View, reading: Reading) -> str | None:
     """HyperParallel's `activation_mode` when `use_hyper_parallel` runs this stage (`unread` when its JSON is not
     found here), None without HyperParallel; `recompute` / `swap` turn transformers' checkpointing off."""
     raw = parsed.raw
@@ -499,25 +441,20 @@ def _read_hyper_parallel(config: Config, parsed: Parsed, reading: Reading) -> st
     return str(mode)
 
 
-def _reentrant_from_file(parsed: Parsed, fsdp2: bool) -> Reentrant:
+def _reentrant_from_file(parsed: View, fsdp2: bool) -> Reentrant:
     """use_reentrant from `use_reentrant_gc` (default true), which FSDP2 rewrites to false."""
     if "use_reentrant_gc" in parsed.raw:
-        reentrant = Reentrant(parsed.raw["use_reentrant_gc"], "file", "key 'use_reentrant_gc'", "user")
+        reentrant = Reentrant(parsed.raw["use_reentrant_gc"], "file", "key 'use_reentrant_gc'")
     else:
-        reentrant = Reentrant(
-            True, "launcher default", f"use_reentrant_gc defaults to true ({SOURCES['keys']})", "unknown"
-        )
+        reentrant = Reentrant(True, "launcher default", f"use_reentrant_gc defaults to true ({SOURCES['keys']})")
     if fsdp2:
         reentrant.rewrite(
-            False,
-            "launcher rewrite",
-            f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})",
-            "unknown",
+            False, "launcher rewrite", f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})"
         )
     return reentrant
 
 
-def _read_trainer_reenable(config: Config, parsed: Parsed, reading: Reading, reentrant: Reentrant) -> bool:
+def _read_trainer_reenable(config: Config, parsed: View, reading: Reading, reentrant: Reentrant) -> bool:
     """The Trainer's `gradient_checkpointing: true` re-enables through LLaMA-Factory's patched method, with the file's
     kwargs or `{use_reentrant: true}`; True when that overrides a use_reentrant that was not true."""
     if not (parsed.hf_gc and parsed.do_train):
@@ -533,7 +470,6 @@ def _read_trainer_reenable(config: Config, parsed: Parsed, reading: Reading, ree
                 kwargs["use_reentrant"],
                 "file",
                 "key 'gradient_checkpointing_kwargs.use_reentrant' (the Trainer re-enables with it)",
-                "user",
             )
     else:
         hf_override = reentrant.value is not True
@@ -541,13 +477,12 @@ def _read_trainer_reenable(config: Config, parsed: Parsed, reading: Reading, ree
             True,
             "launcher rewrite",
             f"gradient_checkpointing: true without kwargs: the Trainer re-enables through LLaMA-Factory's method with {{use_reentrant: true}} ({SOURCES['wrapper']})",
-            "unknown",
         )
     reading.changes["use_reentrant"] = "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}"
     return hf_override
 
 
-def _read_offloading(parsed: Parsed, reading: Reading, reentrant: Reentrant) -> None:
+def _read_offloading(parsed: View, reading: Reading, reentrant: Reentrant) -> None:
     """`use_unsloth_gc`'s offloading checkpoint (reentrant whatever use_reentrant says); `use_kt` is not modelled."""
     if bool(parsed.raw.get("use_unsloth_gc")):
         reading.set(
@@ -560,13 +495,12 @@ def _read_offloading(parsed: Parsed, reading: Reading, reentrant: Reentrant) -> 
             True,
             "launcher rewrite",
             "use_unsloth_gc: an autograd Function that recomputes reentrant-style whatever use_reentrant says",
-            "unknown",
         )
     if bool(parsed.raw.get("use_kt")):
         reading.notes.append("use_kt: KTransformers checkpointing is not modelled (it chooses its own kwargs)")
 
 
-def _set_reentrant_facts(parsed: Parsed, reading: Reading, reentrant: Reentrant) -> None:
+def _set_reentrant_facts(parsed: View, reading: Reading, reentrant: Reentrant) -> None:
     """Record the final use_reentrant (when checkpointing is on), LLaMA-Factory's wrapper, Unsloth and use_cache."""
     raw = parsed.raw
     gc_on = bool(reading.value("gc_enabled"))
@@ -589,9 +523,9 @@ def _set_reentrant_facts(parsed: Parsed, reading: Reading, reentrant: Reentrant)
     )
 
 
-def _read_model(parsed: Parsed, reading: Reading) -> None:
+def _read_model(parsed: View, reading: Reading) -> None:
     """The model (finetuning_type, quantization, the checkpoint wrapper's grads) and the trainer `stage` runs."""
-    raw, finetuning, bits, stage = parsed.raw, parsed.finetuning, parsed.bits, parsed.stage
+    raw, finetuning, bits, stage = parsed.raw, parsed.finetuning_type, parsed.quantization_bit, parsed.stage
     peft = finetuning in ("lora", "oft")
     reading.set(
         "is_peft",
@@ -599,9 +533,7 @@ def _read_model(parsed: Parsed, reading: Reading) -> None:
         "file" if "finetuning_type" in raw else "launcher default",
         f"finetuning_type: {finetuning}" + ("" if "finetuning_type" in raw else " (the default)"),
     )
-    quant = None
-    if bits is not None:
-        quant = f"bitsandbytes_{bits}bit" if parsed.method == "bnb" else str(parsed.method)
+    quant = None if bits is None else f"bitsandbytes_{bits}bit" if parsed.method == "bnb" else str(parsed.method)
     reading.set(
         "quantization",
         quant,
@@ -634,7 +566,9 @@ def _read_model(parsed: Parsed, reading: Reading) -> None:
     reading.set("generates", stage == "ppo", "file", f"stage: {stage}")
 
 
-def _read_launch(config: Config, ctx: Context, parsed: Parsed, reading: Reading, accel: Any) -> int:
+def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, accel: Any) -> int:
+    """The process count, DeepSpeed, FSDP and DDP's keys (`ddp_find_unused_parameters` False under DDP + LoRA when
+    unset); returns the process count."""
     if ctx.nproc is not None:
         reading.set("world_size", ctx.nproc, "option", "--nproc")
     elif accel is not None and accel.num_processes is not None:
@@ -653,10 +587,9 @@ def _read_launch(config: Config, ctx: Context, parsed: Parsed, reading: Reading,
             raise ConfigError(
                 f"{where(config.path, 'deepspeed', config.lines)}: expected a path to a DeepSpeed JSON file, got {type_name(ds_value)} {short(ds_value)}"
             )
-        ds = read_deepspeed(
+        read_deepspeed(
             ds_value, config.path, "deepspeed", config.base_dir, BUNDLED_DEEPSPEED, "examples/deepspeed/", config.lines
-        )
-        ds.set_facts(reading)
+        ).set_facts(reading)
     elif accel is not None and accel.zero_stage is not None:
         reading.set("zero_stage", accel.zero_stage, "accelerate config", f"{accel.path}: deepspeed_config")
     else:
@@ -666,14 +599,8 @@ def _read_launch(config: Config, ctx: Context, parsed: Parsed, reading: Reading,
     set_fsdp_facts(
         reading, bool(parsed.raw.get("fsdp")), fsdp_config, accel, where_accel, ctx.versions.get("transformers")
     )
-    _read_ddp(parsed, reading, distributed=world > 1)
-    return world
-
-
-def _read_ddp(parsed: Parsed, reading: Reading, distributed: bool) -> None:
-    """DDP's `ddp_find_unused_parameters` (False under DDP + LoRA when unset) and `ddp_static_graph`."""
     find_unused = parsed.raw.get("ddp_find_unused_parameters")
-    if find_unused is None and distributed and parsed.finetuning == "lora":
+    if find_unused is None and world > 1 and parsed.finetuning_type == "lora":
         reading.set(
             "ddp_find_unused_parameters",
             False,
@@ -683,41 +610,16 @@ def _read_ddp(parsed: Parsed, reading: Reading, distributed: bool) -> None:
     else:
         reading.set_key("ddp_find_unused_parameters", find_unused)
     reading.set_key("ddp_static_graph", parsed.raw.get("ddp_static_graph"), unset="key 'ddp_static_graph'")
+    return world
 
 
-def _apply_rules(
-    ctx: Context,
-    parsed: Parsed,
-    reading: Reading,
-    reentrant: Reentrant,
-    *,
-    hf_override: bool,
-    fsdp2: bool,
-    world: int,
-    hyper: str | None,
-) -> None:
-    raw = parsed.raw
-    gc_on = bool(reading.value("gc_enabled"))
-    tf = ctx.versions.get("transformers")
-    view = View(
-        raw=raw,
-        finetuning_type=parsed.finetuning,
-        quantization_bit=parsed.bits,
-        string_bools=parsed.string_bools,
-        reentrant_default=gc_on and reentrant.origin == "launcher default",
-        hf_gc_overrides=hf_override and gc_on,
-        fsdp2=fsdp2 and gc_on,
-        transformers_outside=tf is not None and not _in_range(tf),
-        deepspeed_one_process=reading.value("zero_stage") is not None and world == 1,
-        hyper_parallel=hyper,
-    )
+def _apply_rules(ctx: Context, view: View, reading: Reading) -> None:
+    raw, tf = view.raw, ctx.versions.get("transformers")
     befores = {
-        "quantization_bit": parsed.bits,
-        "adapter_name_or_path": raw.get("adapter_name_or_path"),
         "use_reentrant": reading.value("use_reentrant"),
         "transformers": tf,
-        "quoted booleans": {k: raw[k] for k in parsed.string_bools},
-        "use_hyper_parallel": hyper,
+        "quoted booleans": {k: raw[k] for k in view.string_bools},
+        "use_hyper_parallel": view.hyper_parallel,
     }
     sources = {
         "use_reentrant": reading.reentrant_source(),
@@ -730,11 +632,6 @@ def _apply_rules(
         lambda rule: befores.get(rule.setting, raw.get(rule.setting)),
         lambda rule: sources.get(rule.setting, "user"),
     )
-
-
-def _in_range(version: str) -> bool:
-    low, high = SUPPORTED_TRANSFORMERS
-    return low <= release(version) <= high
 
 
 DEFAULTS = {

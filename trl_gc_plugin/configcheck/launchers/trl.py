@@ -1,26 +1,8 @@
-"""TRL's CLI configs (`trl sft|dpo|grpo|kto|reward|rloo|distillation --config cfg.yaml`).
-
-Two readers give the same facts:
-
-- TRL's own `TrlParser` (`_worker.py`, in a clean subprocess): the real `SFTConfig`/`ModelConfig` objects, read by
-  `probe.facts_from_args` exactly as the callback reads them. Used when TRL is importable (`--parser auto|trl`).
-- The plugin's model of TRL 1.16's parsing (this module; `--parser model`, or when the subprocess cannot run): keys
-  the check reads, read as `TrlParser` reads them (cited in `SOURCES`):
-    - booleans: a YAML boolean passes through; a string goes through `string_to_bool` (yes/no, true/false, t/f,
-      y/n, 1/0, any case; anything else: TRL exits with "Truthy value expected"), so `"false"` is False;
-    - `gradient_checkpointing` defaults to True in every TRL config (`trl/trainer/base_config.py`);
-    - `gradient_checkpointing_kwargs` / `activation_checkpointing_kwargs`: a mapping, or a JSON object in a string
-      (decoded by `TrainingArguments`);
-    - `use_peft` (default False: no adapter), `load_in_4bit` / `load_in_8bit` (both at once: `ModelConfig` refuses);
-    - `deepspeed` (a path read from the launch directory, or a mapping), `fsdp`, `fsdp_config` (its `fsdp_` prefixes
-      dropped as `TrainingArguments` does), `ddp_find_unused_parameters`, `ddp_static_graph`;
-    - keys that are no dataclass field go to `accelerate launch`: `accelerate_config` (a path from the launch
-      directory, else the name of a config TRL ships: `zero3` -> `trl/accelerate_configs/zero3.yaml`),
-      `num_processes`, `zero_stage`, `deepspeed_config_file`, `fsdp_version`, `fsdp_activation_checkpointing` (they
-      override the accelerate config's); flags without a value there (`use_deepspeed: true`) break the launch.
-
-What TRL's trainers then write themselves (`launcher rewrite`): PEFT + DeepSpeed ZeRO-3 + checkpointing forces
-`use_reentrant=True` (every trainer of the CLI); on transformers < 5 an unset `use_reentrant` becomes False.
+"""TRL's CLI configs (`trl sft|dpo|grpo|... --config cfg.yaml`): the plugin's model of TRL 1.16's `TrlParser` for the
+keys the check reads (`--parser model`, or when TRL's own parser cannot run; else `apply_native` puts what that parser
+read in its place), then what TRL's trainers write themselves (`finish`). A string boolean goes through
+`string_to_bool`; `gradient_checkpointing` defaults to True in every TRL config; keys that are no field of its
+dataclasses go to `accelerate launch` (`LAUNCH_KEYS` override the accelerate config's).
 """
 
 from __future__ import annotations
@@ -29,6 +11,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ...core.capabilities import installed_versions
 from ...core.facts import GENERATING_TRAINERS, RL_TRAINERS
 from ...core.settings import unknown_checkpoint_keys
 from .accelerate import (
@@ -61,17 +44,10 @@ from .model_config import read_model_facts
 VERSION_MODELLED = "1.16.0"
 SRC = f"https://github.com/huggingface/trl/blob/v{VERSION_MODELLED}/trl/"
 SOURCES = {
-    "parser": SRC + "scripts/utils.py (TrlParser.parse_args_and_config, set_defaults_with_config)",
-    "bool": SRC + "scripts/_hf_argparser.py (string_to_bool for bool fields)",
-    "gc_default": SRC + "trainer/base_config.py (gradient_checkpointing: bool = True)",
-    "model_config": SRC + "trainer/model_config.py (use_peft, load_in_4bit, load_in_8bit)",
-    "cli": SRC + "cli/commands/training.py (unconsumed keys go to accelerate launch)",
-    "accelerate_config": SRC + "cli/accelerate_config.py (resolve_accelerate_config_argument)",
-    "peft_zero3": SRC
-    + "trainer/sft_trainer.py (PEFT + ZeRO-3: use_reentrant forced to True; same in dpo, grpo, kto, reward, rloo, distillation)",
-    "tf4_default": SRC
-    + "trainer/sft_trainer.py (transformers < 5: setdefault use_reentrant=False; same in the other trainers)",
-    "input_grads": SRC + "trainer/sft_trainer.py (PEFT + checkpointing: model.enable_input_require_grads())",
+    "parser": f"{SRC}scripts/utils.py (TrlParser.parse_args_and_config, set_defaults_with_config)",
+    "model_config": f"{SRC}trainer/model_config.py (use_peft, load_in_4bit, load_in_8bit)",
+    "cli": f"{SRC}cli/commands/training.py (unconsumed keys go to accelerate launch)",
+    "peft_zero3": f"{SRC}trainer/sft_trainer.py (PEFT + ZeRO-3: use_reentrant forced to True; same in dpo, grpo, kto, reward, rloo, distillation)",
 }
 
 CLI_TRAINERS = ("distillation", "dpo", "grpo", "kto", "reward", "rloo", "sft")
@@ -223,7 +199,11 @@ def read(config: Config, ctx: Context) -> Reading:
     reading = Reading(
         format="trl", parser=f"the plugin's model of TRL {VERSION_MODELLED}'s TrlParser", changes=dict(KWARGS_CHANGES)
     )
-    _check_env(config)
+    env = config.get("env")
+    if "env" in config.values and not isinstance(env, dict):
+        raise ConfigError(
+            f"{where(config.path, 'env', config.lines)}: TRL requires a mapping of environment variables, got {type_name(env)} {short(env)}"
+        )
     _read_checkpointing(config, reading)
     _read_model(config, reading)
     read_launch(config, ctx, reading)
@@ -231,14 +211,6 @@ def read(config: Config, ctx: Context) -> Reading:
     read_model_facts(config.get("model_name_or_path"), "model_name_or_path", reading)
     _read_trainer(ctx, reading)
     return reading
-
-
-def _check_env(config: Config) -> None:
-    env = config.get("env")
-    if "env" in config.values and not isinstance(env, dict):
-        raise ConfigError(
-            f"{where(config.path, 'env', config.lines)}: TRL requires a mapping of environment variables, got {type_name(env)} {short(env)}"
-        )
 
 
 def _read_checkpointing(config: Config, reading: Reading) -> None:
@@ -251,12 +223,8 @@ def _read_checkpointing(config: Config, reading: Reading) -> None:
         reading.set("gc_enabled", True, "launcher default", "TRL's configs default gradient_checkpointing to True")
     else:
         reading.set("gc_enabled", gc, "file", f"key {flag_key!r}")
-    reading.set(
-        "gc_flag_source",
-        "user" if flag_key in config.values else "trainer",
-        "file" if flag_key in config.values else "launcher default",
-        flag_key,
-    )
+    given = flag_key in config.values
+    reading.set("gc_flag_source", "user" if given else "trainer", "file" if given else "launcher default", flag_key)
     if flag_key == "activation_checkpointing":
         reading.changes["activation_checkpointing"] = "activation_checkpointing: {value}"
     kwargs_key = read_kwargs_key(config.get, config.path, config.lines, "{use_reentrant: false}", reading)
@@ -323,25 +291,18 @@ def read_kwargs_key(get: Any, path: str, lines: Any, example: str, reading: Read
         (k for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if get(k) is not None), None
     )
     kwargs = json_object_or_mapping(get(key), path, key, lines, example) if key is not None else None
-    read_kwargs(reading, kwargs, key or "gradient_checkpointing_kwargs")
-    return key
-
-
-def read_kwargs(reading: Reading, kwargs: dict[str, Any] | None, key: str) -> None:
-    """The checkpointing-kwargs facts (shared by the formats that take transformers' kwargs dict)."""
+    name = key or "gradient_checkpointing_kwargs"
+    reentrant = None if kwargs is None else kwargs.get("use_reentrant")
     if kwargs is None:
-        reading.set("kwargs_given", False, "file", f"no {key}")
-        reading.set("use_reentrant", None, "file", f"no {key}")
-        reading.set("use_reentrant_source", "unset", "file", f"no {key}")
-        return
-    reading.set("kwargs_given", True, "file", f"key {key!r}")
-    if "use_reentrant" in kwargs and kwargs["use_reentrant"] is not None:
-        reading.set("use_reentrant", kwargs["use_reentrant"], "file", f"key {key}.use_reentrant")
-        reading.set("use_reentrant_source", "user", "file", f"key {key}.use_reentrant")
+        detail = f"no {name}"
     else:
-        reading.set("use_reentrant", None, "file", f"{key} has no use_reentrant")
-        reading.set("use_reentrant_source", "unset", "file", f"{key} has no use_reentrant")
-    read_kwargs_keys(reading, kwargs, key)
+        detail = f"key {name}.use_reentrant" if reentrant is not None else f"{name} has no use_reentrant"
+    reading.set("kwargs_given", kwargs is not None, "file", detail if kwargs is None else f"key {name!r}")
+    reading.set("use_reentrant", reentrant, "file", detail)
+    reading.set("use_reentrant_source", "unset" if reentrant is None else "user", "file", detail)
+    if kwargs is None:
+        return key
+    read_kwargs_keys(reading, kwargs, name)
     if "every_n_layers" in kwargs:
         reading.set("every_n_layers", kwargs["every_n_layers"], "file", f"key {key}.every_n_layers")
     if kwargs.get("offload"):
@@ -365,11 +326,27 @@ def read_kwargs_keys(reading: Reading, kwargs: dict[str, Any], key: str) -> None
 def read_launch(config: Config, ctx: Context, reading: Reading) -> None:
     """DeepSpeed, FSDP and the process count: from `TrainingArguments` keys and the accelerate config (DDP's keys
     each launcher parses its own way)."""
-    flags = tuple(k for k in VALUELESS_LAUNCH_FLAGS if k in config.values)
-    reading.extra["launch_flags"] = flags
+    reading.extra["launch_flags"] = tuple(k for k in VALUELESS_LAUNCH_FLAGS if k in config.values)
     overrides = {k: config.values[k] for k in LAUNCH_KEYS if config.values.get(k) is not None}
     accel, where_accel = _read_accelerate_config(config, ctx, reading, overrides)
-    _read_world_size(config, ctx, reading, accel, where_accel, overrides)
+    # the process count: --nproc, else the accelerate config's (or the file's `num_processes`), else 1
+    file_detail = "key 'num_processes' (passed to accelerate launch)"
+    if accel is None and "num_processes" in overrides:
+        procs = whole_number(overrides["num_processes"], config.path, "num_processes", 1)
+        reading.set("world_size", procs, "file", file_detail)
+    if ctx.nproc is not None:
+        reading.set("world_size", ctx.nproc, "option", "--nproc")
+    elif accel is not None and accel.num_processes is not None and "num_processes" in overrides:
+        reading.set("world_size", accel.num_processes, "file", file_detail)
+    elif accel is not None and accel.num_processes is not None:
+        reading.set("world_size", accel.num_processes, "accelerate config", f"{where_accel}: num_processes")
+    elif "world_size" not in reading.facts:
+        reading.set(
+            "world_size",
+            1,
+            "assumed",
+            "no --nproc, no num_processes: 1 process (accelerate launch's default without a config)",
+        )
     set_accelerate_facts(reading, accel, where_accel)
     _read_deepspeed(config, reading, accel, where_accel)
     fsdp, fsdp_config = bool(config.get("fsdp")), read_fsdp_config(config)  # else the accelerate config's FSDP
@@ -403,44 +380,11 @@ def _read_accelerate_config(
     return accel, f"accelerate config {name} ({accel.path})"
 
 
-def _read_world_size(
-    config: Config,
-    ctx: Context,
-    reading: Reading,
-    accel: AccelerateConfig | None,
-    where_accel: str,
-    overrides: dict[str, Any],
-) -> None:
-    """The process count: --nproc, else the accelerate config's (or the file's `num_processes`), else 1."""
-    if accel is None and overrides.get("num_processes") is not None:
-        accel_procs = whole_number(overrides["num_processes"], config.path, "num_processes", 1)
-        reading.set("world_size", accel_procs, "file", "key 'num_processes' (passed to accelerate launch)")
-    if ctx.nproc is not None:
-        reading.set("world_size", ctx.nproc, "option", "--nproc")
-    elif accel is not None and accel.num_processes is not None:
-        detail = (
-            "key 'num_processes' (passed to accelerate launch)"
-            if "num_processes" in overrides
-            else f"{where_accel}: num_processes"
-        )
-        reading.set(
-            "world_size", accel.num_processes, "file" if "num_processes" in overrides else "accelerate config", detail
-        )
-    elif "world_size" not in reading.facts:
-        reading.set(
-            "world_size",
-            1,
-            "assumed",
-            "no --nproc, no num_processes: 1 process (accelerate launch's default without a config)",
-        )
-
-
 def _read_deepspeed(config: Config, reading: Reading, accel: AccelerateConfig | None, where_accel: str) -> None:
     """DeepSpeed: the `deepspeed` field (a path or a mapping), else the accelerate config."""
     ds_value = config.get("deepspeed")
     if ds_value not in (None, "", False):  # read_deepspeed refuses any other type, naming the key
-        ds = read_deepspeed(ds_value, config.path, "deepspeed", config.base_dir, {}, "", config.lines)
-        ds.set_facts(reading)
+        read_deepspeed(ds_value, config.path, "deepspeed", config.base_dir, {}, "", config.lines).set_facts(reading)
     elif accel is not None and accel.zero_stage is not None:
         reading.set("zero_stage", accel.zero_stage, "accelerate config", f"{where_accel}: deepspeed_config")
         reading.set(
@@ -456,13 +400,9 @@ def _read_deepspeed(config: Config, reading: Reading, accel: AccelerateConfig | 
 def _read_ddp(config: Config, reading: Reading) -> None:
     """`ddp_find_unused_parameters` and `ddp_static_graph`, as TRL's booleans (unset: transformers decides)."""
     for key in ("ddp_find_unused_parameters", "ddp_static_graph"):
-        value = trl_bool(config, key, reading)
-        reading.set(
-            key,
-            value,
-            "file" if key in config.values else "launcher default",
-            f"key {key!r}" if key in config.values else "unset: transformers decides",
-        )
+        value, given = trl_bool(config, key, reading), key in config.values
+        detail = f"key {key!r}" if given else "unset: transformers decides"
+        reading.set(key, value, "file" if given else "launcher default", detail)
 
 
 def set_fsdp_facts(
@@ -471,6 +411,8 @@ def set_fsdp_facts(
     """Record the FSDP facts: from the file's `fsdp` / `fsdp_config` when it asks for FSDP, else from the accelerate
     config the launch uses, else no FSDP."""
     if asked:
+        version = fsdp_config.get("version")
+        version = version if isinstance(version, int) and not isinstance(version, bool) else None
         reading.set("fsdp", True, "file", "key 'fsdp'")
         reading.set(
             "fsdp_activation_checkpointing",
@@ -480,7 +422,7 @@ def set_fsdp_facts(
         )
         reading.set(
             "fsdp_version",
-            fsdp_version_of(fsdp_config, transformers),
+            version if version in (1, 2) else 2 if release(transformers) >= (5, 10) else 1,
             "file" if "version" in fsdp_config else "launcher default",
             "fsdp_config.version" if "version" in fsdp_config else "transformers' default (2 from 5.10, 1 before)",
         )
@@ -498,15 +440,6 @@ def set_fsdp_facts(
         reading.set("fsdp_activation_checkpointing", False, "file", "no FSDP")
 
 
-def fsdp_version_of(fsdp_config: dict[str, Any], transformers: str | None) -> int:
-    """The FSDP version `fsdp_config` asks for (`version` / `fsdp_version`); when it does not say, transformers'
-    default: 2 from 5.10 on (Axolotl's validator cites the change), 1 before."""
-    value = fsdp_config.get("version")
-    if isinstance(value, int) and not isinstance(value, bool) and value in (1, 2):
-        return value
-    return 2 if release(transformers) >= (5, 10) else 1
-
-
 def read_fsdp_config(config: Config) -> dict[str, Any]:
     """`fsdp_config`: a mapping or a path to a JSON file, with `fsdp_` prefixes dropped (as `TrainingArguments`
     does); `activation_checkpointing` parsed to a bool."""
@@ -519,14 +452,12 @@ def read_fsdp_config(config: Config) -> dict[str, Any]:
     value = expect_mapping(value, config.path, "fsdp_config", config.lines, "{activation_checkpointing: true}")
     out = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in value.items()}
     ac = out.get("activation_checkpointing", False)
-    if isinstance(ac, str):
-        parsed = string_to_bool(ac)
-        if parsed is None:
-            raise ConfigError(
-                f"{where(config.path, 'fsdp_config.activation_checkpointing', config.lines)}: expected true or false, got {short(ac)}"
-            )
-        ac = parsed
-    out["activation_checkpointing"] = bool(ac)
+    parsed = string_to_bool(ac) if isinstance(ac, str) else bool(ac)
+    if parsed is None:
+        raise ConfigError(
+            f"{where(config.path, 'fsdp_config.activation_checkpointing', config.lines)}: expected true or false, got {short(ac)}"
+        )
+    out["activation_checkpointing"] = parsed
     return out
 
 
@@ -539,12 +470,11 @@ def finish(config: Config, ctx: Context, reading: Reading) -> None:
     zero3 = reading.value("zero_stage") == 3
     user_value = reading.value("use_reentrant")
     kind = reading.value("trainer_kind", "sft")
+    forced: tuple[bool, str] | None = None
     if gc and peft and zero3:
-        forced: tuple[bool, str] | None = (True, ": PEFT + DeepSpeed ZeRO-3 forces use_reentrant=True")
+        forced = (True, ": PEFT + DeepSpeed ZeRO-3 forces use_reentrant=True")
     elif gc and user_value is None and tf is not None and release(tf)[0] < 5:
         forced = (False, " on transformers < 5: setdefault(use_reentrant=False)")
-    else:
-        forced = None
     if forced is not None:
         reading.set("use_reentrant", forced[0], "launcher rewrite", f"trl {kind}{forced[1]} ({kind}_trainer.py)")
         reading.set("use_reentrant_source", "trainer", "launcher rewrite", f"TRL's {kind} trainer")
@@ -628,8 +558,14 @@ def apply_native(config: Config, ctx: Context, reading: Reading, result: dict[st
         reading.extra["launch_flags"] = tuple(result["valueless_keys"])
     unknown = list(result.get("unknown_keys") or ())
     if unknown:
-        installed = ctx.versions.get("transformers") == _installed("transformers")
-        rule = UNKNOWN_KEY_RULE if installed else _as_warning(UNKNOWN_KEY_RULE)
+        rule = UNKNOWN_KEY_RULE
+        if ctx.versions.get("transformers") != installed_versions().get("transformers"):
+            rule = replace(
+                rule,
+                action="warn",
+                message=rule.message
+                + " Checked with the installed transformers, not the --transformers-version given.",
+            )
         known_by: dict[str, list[str]] = result.get("known_by") or {}
         others = sorted({c for key in unknown for c in known_by.get(key, [])})
         if others:  # a field of another command: the file is for `trl grpo`, say, not `trl sft`
@@ -645,17 +581,3 @@ def apply_native(config: Config, ctx: Context, reading: Reading, result: dict[st
             )
         reading.decisions.append(rule.decision(f"TRL {result.get('version', '?')}", before=unknown))
         reading.changes_for[rule.id] = rule.change
-
-
-def _installed(package: str) -> str | None:
-    from ...core.capabilities import installed_versions
-
-    return installed_versions().get(package)
-
-
-def _as_warning(rule: LauncherRule) -> LauncherRule:
-    return replace(
-        rule,
-        action="warn",
-        message=rule.message + " Checked with the installed transformers, not the --transformers-version given.",
-    )
