@@ -11,7 +11,7 @@ from ..core.policy import action_for, refused
 from ..core.rules import get_rule
 from ..model import ckpt, probe, verify
 from . import parity
-from .record import Record, runtime_decision
+from .record import Record, names_of, runtime_decision
 
 
 def gradients(run: Record, model: Any, observation: Any) -> verify.AuditResult | None:
@@ -191,7 +191,3 @@ def _replay_changes_gradients(run: Record, replayed: list[str], summary: str) ->
         "its recompute computes another function than its forward did. " + rule.message
     )
     return runtime_decision(rule, action, None, replayed[:20], reason)
-
-
-def names_of(found: list[str], limit: int = 6) -> str:
-    return ", ".join(found[:limit]) + (" ..." if len(found) > limit else "")

@@ -38,6 +38,10 @@ def runtime_decision(
     return rule.decision(action, before, after, "runtime", reason, "train", setting, level)
 
 
+def names_of(found: list[str], limit: int = 6) -> str:
+    return ", ".join(found[:limit]) + (" ..." if len(found) > limit else "")
+
+
 class Record:
     """What the plugin knows and did about one run, on any route.
 

@@ -21,7 +21,7 @@ from ..core.errors import contained
 from ..core.rules import get_rule
 from ..model import ckpt
 from .first_forward import grad_output
-from .record import Record, runtime_decision
+from .record import Record, names_of, runtime_decision
 
 State = dict[str, Any]
 
@@ -121,10 +121,9 @@ class Replay:
         if not names:
             return
         rule = get_rule("forward-state-replayed")
-        shown = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
         reason = (
             f"{len(names)} value(s) written by a checkpointed block's forward were written again by its recompute in "
-            f"the first backward ({shown}): every batch updates them twice. " + rule.message
+            f"the first backward ({names_of(names)}): every batch updates them twice. " + rule.message
         )
         self.run.record([runtime_decision(rule, "warn", None, names[:20], reason)])
 
