@@ -1,6 +1,5 @@
-"""The check at every step end and at every re-enable of the model's checkpointing: the arguments and the model
-still hold the decision (TRL's DPO and GRPO re-enable checkpointing every step; a loop may), and the input embeddings
-carry one input-require-grad hook, not a pile. A few attribute reads."""
+"""At every step end and re-enable (TRL's DPO and GRPO re-enable every step): the arguments and the model still hold
+the decision, and the input embeddings carry one input-require-grad hook, not a pile."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""A run's record: its settings, every decision taken for it, the `use_reentrant` in force and who set it, and every
-hook the run added (`model.hooks.Hooks`); how a finding is recorded, refused, repaired and how the run leaves.
-
-`run.Run` is this record with the stages of a run; the runtime checks take the run as a `Record`.
-"""
+"""A run's record (decisions, the `use_reentrant` in force and who set it, its hooks): how a finding is recorded,
+refused or repaired, and how the run leaves. `run.Run` adds the stages; the runtime checks take a `Record`."""
 
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ from ..model.verify import Watch
 from ..model.write import CacheSwitch, set_args_kwarg
 
 STAND_BACK = frozenset(r.id for r in RULES if r.stand_back)
-"""Rules that hand checkpointing to another library or the model's own code: the plugin then decides nothing."""
 
 
 def runtime_decision(
@@ -34,7 +30,6 @@ def runtime_decision(
     setting: str | None = None,
     level: Level | None = None,
 ) -> Decision:
-    """A decision taken while the run trains (source `runtime`, stage `train`)."""
     return rule.decision(action, before, after, "runtime", reason, "train", setting, level)
 
 
@@ -43,14 +38,8 @@ def names_of(found: list[str], limit: int = 6) -> str:
 
 
 class Record:
-    """What the plugin knows and did about one run, on any route.
-
-    Args:
-        settings (`GCSettings`): the settings, resolved once before the run was armed.
-        main_process (`bool`, *optional*): whether this process logs and writes files, when the arguments must not
-            be asked (in `__post_init__`, before the distributed state is set up); else read from the arguments.
-        write_json (`bool`): write `gc_decisions.json` (the setting, unless the route writes none: `__post_init__`).
-    """
+    """What the plugin knows and did about one run, on any route. `main_process`: whether this process logs, where
+    the arguments must not be asked (`__post_init__`, before the distributed state is set up)."""
 
     def __init__(self, settings: GCSettings, main_process: bool | None = None, write_json: bool = True) -> None:
         self.settings = settings
@@ -60,10 +49,8 @@ class Record:
         self.args: Any = None
         self._model: Callable[[], Any] = lambda: None
         self.decisions: list[Decision] = []
-        self.use_reentrant: Any = None
-        """The `use_reentrant` in force (the one holder of it)."""
-        self.source = "unset"
-        """Who set it: `user`, `plugin`, `trainer`, a launcher, `unknown` or `unset`."""
+        self.use_reentrant: Any = None  # the one holder of the value in force
+        self.source = "unset"  # who set it: `user`, `plugin`, `trainer`, a launcher, `unknown` or `unset`
         self.json_path: str | None = None
         self.reported: dict[str, int] = {}
         self.hooks = Hooks()
@@ -74,7 +61,7 @@ class Record:
 
     @property
     def model(self) -> Any:
-        """The model, held weakly: a run never keeps a model alive."""
+        """Held weakly: a run never keeps a model alive."""
         return self._model()
 
     @model.setter
@@ -84,19 +71,16 @@ class Record:
         except TypeError:  # not weakly referable
             self._model = lambda: model
 
-    # --- what the run is -----------------------------------------------------------------------------------------
-
     def stands_back(self) -> bool:
-        """Another library or the model's own code owns checkpointing (a `stand_back` rule applied): the plugin
-        decides nothing and only reports what its checks see."""
+        """Another library or the model's own code owns checkpointing: the plugin decides nothing, only reports."""
         return any(d.rule_id in STAND_BACK for d in self.decisions)
 
     def explicit(self) -> tuple[bool, str]:
-        """Whether the running `use_reentrant=True` is the user's own choice (or of unknown origin), and its source."""
+        """Whether the running `use_reentrant=True` is the user's own choice (or of unknown origin); its source."""
         return self.use_reentrant is True and self.source in ("user", "unknown"), self.source
 
     def count(self, key: str) -> int:
-        """How many times `key` has been seen this run, this time included (a finding is said once)."""
+        """How many times `key` has been seen this run, this time included."""
         self.reported[key] = self.reported.get(key, 0) + 1
         return self.reported[key]
 
@@ -108,16 +92,13 @@ class Record:
     def is_main(self) -> bool:
         return self.main_process if self.main_process is not None else report.is_main_process(self.args)
 
-    # --- recording and refusing ----------------------------------------------------------------------------------
-
     def record(self, new: list[Decision]) -> None:
         if new:
             self.decisions.extend(new)
             self.publish(new)
 
     def conclude(self, new: list[Decision], mode: str | None = None) -> None:
-        """Record a check's findings and refuse for its `error` ones (in `mode`, the run's by default), after
-        removing every trace of the run: a refused run never reaches its end."""
+        """Record a check's findings and refuse for its `error` ones (in `mode`, the run's by default)."""
         self.record(new)
         self.refuse(new, mode, recorded=True)
 
@@ -150,10 +131,8 @@ class Record:
                 "warning",
             )
 
-    # --- acting on the model -------------------------------------------------------------------------------------
-
     def switch(self, value: bool) -> None:
-        """Run `use_reentrant=value` from now on: the arguments, the model, the drift watch and the record."""
+        """Run `use_reentrant=value` from now on: in the arguments, the model, the drift watch and the record."""
         set_args_kwarg(self.args, "use_reentrant", value)
         if self.model is not None:
             ckpt.set_keyword(self.model, "use_reentrant", value)
@@ -162,8 +141,7 @@ class Record:
         self.set_use_reentrant(value, "plugin")
 
     def ensure_guard(self, layer_kwargs: Any, keep: bool = True) -> EnableGuard:
-        """The enable guard, installed once: it reports every re-enable to `reenabled`, and with `keep` keeps what
-        the plugin enabled across them."""
+        """The enable guard, installed once: reports each re-enable to `reenabled`; `keep`: keeps what was enabled."""
         if self.guard is None:
             self.guard = EnableGuard(self.model, layer_kwargs, keep, after=self.reenabled)
             self.guard.install(self.hooks)
@@ -171,14 +149,13 @@ class Record:
         return self.guard
 
     def reenabled(self) -> None:
-        """The model's checkpointing was enabled again (`Run` checks what drifted)."""
+        """The model's checkpointing was enabled again (`Run` checks drift)."""
 
-    def stop(self, keep_lasting: bool = False, keep_repairs: bool = False) -> None:
-        """Remove every trace of the run: its hooks (the checks', the enable guard's, the loop's) and the repairs made
-        on the model, and the `use_cache` switch; `keep_lasting` / `keep_repairs` as `Hooks.remove`'s (a loop goes on
-        after the route)."""
+    def stop(self, keep_repairs: bool = False) -> None:
+        """Remove every trace of the run: its hooks, the repairs made on the model (unless `keep_repairs`: a loop goes
+        on after the route) and the `use_cache` switch."""
         self.stopped = True
-        self.hooks.remove(keep_lasting, keep_repairs)
+        self.hooks.remove(keep_repairs=keep_repairs)
         self.guard = None
         if self.cache is not None:
             self.cache.restore()
