@@ -3,6 +3,7 @@ and the parity probe."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.decisions import Action, Decision
@@ -101,29 +102,23 @@ def ddp_unused(run: Record, model: Any) -> None:
     run.conclude([runtime_decision(rule, action, False, True, reason)], "strict")
 
 
+def parity_wanted(setting: bool | None, args: Any, model: Any) -> tuple[bool, bool]:
+    """Whether the first inputs are worth keeping, and whether the probe runs whatever the audit finds (`forced`):
+    `parity_check=True`, or `None` in one process without sharding (forced for a reentrant run)."""
+    if setting is not None:
+        return setting, setting
+    possible = probe.world_size(args) == 1 and not verify.gradients_are_sharded(args, model)
+    return possible, possible and bool(ckpt.model_use_reentrant(model))
+
+
+@dataclass(eq=False)
 class Parity:
     """The parity probe: keeps the first training forward's inputs until the first optimizer step, then compares
     gradients with and without checkpointing on them."""
 
-    def __init__(self, run: Record, forced: bool = True) -> None:
-        self.owner = run
-        self.forced = forced
-        self.first: parity.FirstInputs | None = None
-
-    @staticmethod
-    def forced(setting: bool | None, args: Any, model: Any) -> bool:
-        """Run whatever the audit finds: `parity_check=True`, or `None` for a reentrant run where `possible`."""
-        if setting is not None:
-            return setting
-        running = ckpt.model_use_reentrant(model)
-        return bool(running and Parity.possible(setting, args, model))
-
-    @staticmethod
-    def possible(setting: bool | None, args: Any, model: Any) -> bool:
-        """Worth keeping the first inputs for: `parity_check=True`, or `None` in one process without sharding."""
-        if setting is not None:
-            return setting
-        return probe.world_size(args) == 1 and not verify.gradients_are_sharded(args, model)
+    owner: Record
+    forced: bool = True
+    first: parity.FirstInputs | None = None
 
     def install(self, model: Any) -> None:
         self.first = parity.FirstInputs(model)

@@ -68,10 +68,7 @@ class Run(Record):
     ) -> Decisions:
         """Decide after `previous` decisions of the run (`__post_init__`'s; no model there); refuse, or apply and log."""
         self.args = args
-        if stage == "post_init":
-            self.decisions = list(previous or [])
-        else:
-            self.decisions = _withdraw_default_under_launcher(args, model, list(previous or []))
+        self.decisions = _withdraw_default_under_launcher(args, model, list(previous or []))  # no model at post_init
         facts = self._facts(args, model, stage)
         self.set_use_reentrant(facts.use_reentrant, facts.use_reentrant_source)
         decisions = decide(facts, self.mode)
@@ -151,10 +148,9 @@ class Run(Record):
             self._check(TwoForwards(self), model)
         self.first_forward = self._check(FirstForward(self), model)
         self.replay = self._check(Replay(self), model)
-        if Parity.possible(settings.parity_check, args, model):
-            forced = Parity.forced(settings.parity_check, args, model)
-            if forced or settings.audit:  # without the audit only a forced probe runs: keep no inputs for nothing
-                self.parity = self._check(Parity(self, forced), model)
+        possible, forced = first_step.parity_wanted(settings.parity_check, args, model)
+        if possible and (forced or settings.audit):  # without the audit only a forced probe runs
+            self.parity = self._check(Parity(self, forced), model)
 
     def _check(self, check: Any, model: Any) -> Any:
         check.install(model)
