@@ -16,7 +16,7 @@ from .record import Record, names_of, runtime_decision
 
 
 def gradients(run: Record, model: Any, observation: Any) -> verify.AuditResult | None:
-    """The first step's gradients per checkpointed block; None, recorded as skipped, where they are sharded."""
+    """None, recorded as skipped, where the gradients are sharded."""
     sharded = verify.gradients_are_sharded(run.args, model)
     if sharded:
         run.record([runtime_decision(get_rule("gradient-audit"), "none", None, None, f"Skipped: {sharded}.")])
@@ -173,7 +173,6 @@ def _refused_or_said(mode: Mode) -> Action:
 
 
 def _replay_changes_gradients(run: Record, replayed: list[str], summary: str) -> Decision:
-    """The replayed state changes the gradients (the parity probe differs from no checkpointing)."""
     rule = get_rule("forward-state-replayed")
     reason = (
         f"The state the recompute writes again ({names_of(replayed)}) changes the gradients: the parity probe on the "

@@ -17,7 +17,6 @@ from .record import Record, names_of, runtime_decision
 
 
 def no_plan(why: str) -> Decision:
-    """The warning that no memory plan runs, and `why`: checkpointing runs as the arguments ask."""
     why = f"No memory plan: {why}; checkpointing runs as asked."
     return runtime_decision(get_rule("memory-plan"), "warn", None, None, why, level="warning")
 
@@ -77,7 +76,7 @@ class MemoryPlan:
             self._hook = None
 
     def _plan(self, model: Any, batch: int, seq: int, forward_kwargs: dict[str, Any] | None = None) -> Any:
-        """Estimate, plan and apply; returns the `(estimate, plan)` the plan was made from, None when skipped."""
+        """Estimate, plan and apply; the `(estimate, plan)`, or None when skipped."""
         from ..planning import memory, planner
 
         grad_fraction = self._grad_fraction(model)
@@ -106,7 +105,6 @@ class MemoryPlan:
         return planned[0], planned[1]
 
     def _advise_safely(self, model: Any, estimate: Any, plan: Any) -> None:
-        """Record the batch advice for this plan (`throughput.advice_decision`)."""
         from ..planning import throughput
 
         args = self.run.args
@@ -156,7 +154,7 @@ class MemoryPlan:
         return None
 
     def _apply_plan(self, model: Any, plan: Any, decisions: list[Decision], use_reentrant: Any) -> bool:
-        """Record the plan's decisions and apply the chosen candidate (not in warn mode); False if it could not be."""
+        """Record the plan's decisions and apply its candidate (not in warn mode); False if it could not be."""
         from ..planning import planner
 
         if self.run.mode == "warn":  # warn mode changes nothing: say what would run
@@ -279,8 +277,7 @@ class MemoryPlan:
 
 
 def budget_bytes(budget: str | int, model: Any) -> int:
-    """The budget in bytes; `auto`: free CUDA memory now, less an Adam optimizer state (8 bytes per trainable
-    parameter), less 10% for the allocator."""
+    """`auto`: the free CUDA memory less an Adam state (8 bytes per trainable parameter), less 10%."""
     if budget != "auto":
         return int(budget)
     import torch
@@ -293,7 +290,7 @@ def budget_bytes(budget: str | int, model: Any) -> int:
 
 
 def planned_sequence_length(args: Any) -> int | None:
-    """The longest sequence the arguments allow (TRL's `max_length`, GRPO's prompt + completion), None if unknown."""
+    """The longest sequence the arguments allow (`max_length`, GRPO's prompt + completion)."""
     for name in ("max_length", "max_seq_length"):
         value = getattr(args, name, None)
         if isinstance(value, int) and value > 0:
@@ -335,7 +332,6 @@ def _call_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _offload(model: Any) -> dict[str, Any]:
-    """The planner's offloading arguments and the cost constants of the model's device."""
     why = probe.offload_why_not(model)
     return {"allow_offload": not why, "offload_why_not": why, "device": _device_kind(model)}
 

@@ -61,7 +61,6 @@ class Record:
 
     @property
     def model(self) -> Any:
-        """Held weakly: a run never keeps a model alive."""
         return self._model()
 
     @model.setter
@@ -80,7 +79,6 @@ class Record:
         return self.use_reentrant is True and self.source in ("user", "unknown"), self.source
 
     def count(self, key: str) -> int:
-        """How many times `key` has been seen this run, this time included."""
         self.reported[key] = self.reported.get(key, 0) + 1
         return self.reported[key]
 
@@ -116,7 +114,7 @@ class Record:
             raise
 
     def publish(self, new: list[Decision]) -> None:
-        """Log the new decisions (main process) and rewrite `gc_decisions.json` when checkpointing is involved."""
+        """Log the new decisions and rewrite `gc_decisions.json` when checkpointing is involved."""
         main = self.is_main()
         report.log_decisions(new, main)
         if not (main and self.write_json and any(d.rule_id != "checkpointing-off" for d in self.decisions)):
@@ -132,7 +130,6 @@ class Record:
             )
 
     def switch(self, value: bool) -> None:
-        """Run `use_reentrant=value` from now on: in the arguments, the model, the drift watch and the record."""
         set_args_kwarg(self.args, "use_reentrant", value)
         if self.model is not None:
             ckpt.set_keyword(self.model, "use_reentrant", value)

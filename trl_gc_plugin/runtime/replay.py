@@ -63,8 +63,6 @@ def changed(before: State, after: State) -> list[str]:
 
 
 class Replay:
-    """Watches the first grad-enabled training forward and its backward, then removes itself."""
-
     def __init__(self, run: Record) -> None:
         self.run = run
         self.found: list[str] | None = None

@@ -179,7 +179,6 @@ class Run(Record):
             self.cache.off()
 
     def before_optimizer_step(self, model: Any) -> None:
-        """The first optimizer step's checks (each runs once), before any parameter update."""
         result = None
         if self.audit_pending:
             self.audit_pending = False
@@ -234,7 +233,7 @@ class Run(Record):
         self.stop()
 
     def fail(self, exc: Exception, where: str) -> None:
-        """A plugin bug in `where`: said; every hook of the run goes and training goes on without them."""
+        """A plugin bug in `where`: said; training goes on without the run's hooks."""
         report.note(internal_error(where, exc), "warning")
         self.stop()
 
