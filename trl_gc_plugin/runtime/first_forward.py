@@ -10,7 +10,7 @@ from ..core.policy import action_for
 from ..core.rules import Rule, get_rule
 from ..model import ckpt
 from ..model.observe import Call, Observation, Verdict
-from .record import Record, runtime_decision
+from .record import Check, Record, runtime_decision
 
 _VERDICT: dict[str, Verdict] = {"warn": "report", "error": "raise"}  # else repair
 
@@ -100,13 +100,9 @@ class FirstForward:
         return verdict
 
 
-class TwoForwards:
+class TwoForwards(Check):
     """A second grad-enabled forward before the first backward, under reentrant checkpointing and per-parameter
     gradient reduction (ZeRO-1 with overlap_comm, ZeRO-2/3, DDP): the reduction fires twice for one parameter."""
-
-    def __init__(self, run: Record) -> None:
-        self.run = run
-        self._handles: list[Any] = []
 
     def install(self, model: Any) -> None:
         base = ckpt.unwrap(model)
@@ -130,11 +126,6 @@ class TwoForwards:
             tensor.register_hook(lambda grad: state.update(pending=False))
 
         self._handles = [self.run.hooks.forward_pre(base, before), self.run.hooks.forward(base, after)]
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            self.run.hooks.discard(handle)
-        self._handles = []
 
     def _found(self) -> None:
         run = self.run

@@ -13,7 +13,7 @@ from ..core.rules import get_rule
 from ..core.settings import format_bytes
 from ..model import ckpt, probe, verify
 from ..planning import sharding
-from .record import Record, names_of, runtime_decision
+from .record import Check, Record, names_of, runtime_decision
 
 
 def no_plan(why: str) -> Decision:
@@ -21,15 +21,14 @@ def no_plan(why: str) -> Decision:
     return runtime_decision(get_rule("memory-plan"), "warn", None, None, why, level="warning")
 
 
-class MemoryPlan:
+class MemoryPlan(Check):
     """Plans how much to checkpoint under `budget` (bytes or `"auto"`) once the first training forward shows the batch
     shape; `comparison`: the prediction against what that forward saved (None until then)."""
 
     def __init__(self, run: Record, budget: str | int) -> None:
-        self.run = run
+        super().__init__(run)
         self.budget = budget
         self.comparison: Any = None
-        self._hook: Any = None
         self._grad_share = 1.0
 
     def install(self, model: Any) -> None:
@@ -68,12 +67,7 @@ class MemoryPlan:
         handle = self.run.hooks.forward_pre_with_kwargs(base, first_forward)
         if handle is None:
             handle = self.run.hooks.add(base.register_forward_pre_hook(first_forward, with_kwargs=True, prepend=True))
-        self._hook = handle
-
-    def remove(self) -> None:
-        if self._hook is not None:
-            self.run.hooks.discard(self._hook)
-            self._hook = None
+        self._handles = [handle]
 
     def _plan(self, model: Any, batch: int, seq: int, forward_kwargs: dict[str, Any] | None = None) -> Any:
         """Estimate, plan and apply; the `(estimate, plan)`, or None when skipped."""
@@ -201,7 +195,7 @@ class MemoryPlan:
                     self.run.record([runtime_decision(rule, "warn", None, None, miss, setting="memory_plan_check")])
 
         metered = self.run.hooks.undo(finish)  # at the run's stop, if that forward never ends
-        self._hook = self.run.hooks.forward(base, after)
+        self._handles = [self.run.hooks.forward(base, after)]
 
     def _check(
         self, model: Any, planned: tuple[Any, Any], measured: Any, shape: tuple[int, int], keywords: dict[str, Any]

@@ -158,3 +158,16 @@ class Record:
             self.cache.restore()
             self.cache = None
         self.watch = None
+
+
+class Check:
+    """A first-step check whose hooks (`_handles`) go at `remove` (idempotent)."""
+
+    def __init__(self, run: Record) -> None:
+        self.run = run
+        self._handles: list[Any] = []
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            self.run.hooks.discard(handle)
+        self._handles = []

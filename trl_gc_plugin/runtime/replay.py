@@ -13,7 +13,7 @@ from ..core.errors import contained
 from ..core.rules import get_rule
 from ..model import ckpt
 from .first_forward import grad_output
-from .record import Record, names_of, runtime_decision
+from .record import Check, Record, names_of, runtime_decision
 
 State = dict[str, Any]
 
@@ -62,11 +62,10 @@ def changed(before: State, after: State) -> list[str]:
     return out
 
 
-class Replay:
+class Replay(Check):
     def __init__(self, run: Record) -> None:
-        self.run = run
+        super().__init__(run)
         self.found: list[str] | None = None
-        self._handle: Any = None
 
     def install(self, model: Any) -> None:
         base = ckpt.unwrap(model)
@@ -96,12 +95,7 @@ class Replay:
 
             tensor.register_hook(on_grad)
 
-        self._handle = self.run.hooks.forward(base, after_forward)
-
-    def remove(self) -> None:
-        if self._handle is not None:
-            self.run.hooks.discard(self._handle)
-            self._handle = None
+        self._handles = [self.run.hooks.forward(base, after_forward)]
 
     def _judge(self, names: list[str]) -> None:
         self.found = names
