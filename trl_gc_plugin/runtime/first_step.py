@@ -148,17 +148,15 @@ class Parity:
             f"{result.compared} trainable parameters compared on the {result.batch}: max difference "
             f"{result.max_abs:.3g}, max relative {result.max_rel:.3g} (tolerance {result.rtol:g} of each gradient)"
         )
+        action: Action = "none" if result.ok else "warn"
         if result.missing_with_checkpointing:
+            action = _refused_or_said(run.mode)
             summary += (
                 f"; {len(result.missing_with_checkpointing)} get a gradient only without checkpointing, e.g. "
                 f"{result.missing_with_checkpointing[0]}"
             )
         if result.outside:
             summary += f"; {len(result.outside)} differ beyond it, most {result.outside[0]}"
-        if result.ok:
-            action: Action = "none"
-        else:
-            action = _refused_or_said(run.mode) if result.missing_with_checkpointing else "warn"
         after = {"max_abs": result.max_abs, "max_rel": result.max_rel, "compared": result.compared}
         verdicts = [runtime_decision(rule, action, None, after, summary + ".")]
         if replayed and not result.ok:

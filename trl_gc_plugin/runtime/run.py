@@ -267,9 +267,8 @@ def _withdraw_default_under_launcher(args: Any, model: Any, previous: list[Decis
     record = probe.get_record(args)
     if record is None or record.value_source != "plugin" or record.user_given or model is None:
         return previous
-    if not _launcher_checkpoints(model):
-        return previous
-    if "gradient_checkpointing_enable" not in vars(ckpt.unwrap(model)):  # the Trainer's re-enable skips the launcher
+    # the launcher must have replaced the enable: the Trainer's re-enable skips it otherwise
+    if not _launcher_checkpoints(model) or "gradient_checkpointing_enable" not in vars(ckpt.unwrap(model)):
         return previous
     set_args_kwarg(args, "use_reentrant", None)
     probe.remember(args, None, "unset")
