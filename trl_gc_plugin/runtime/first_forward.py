@@ -22,8 +22,7 @@ def not_running(run: Record, why: str) -> None:
 
 
 class FirstForward:
-    """Judges what the first training forward passes to each reentrant checkpointed block: inputs that do not require
-    grad (no gradient), tensors that require grad as keyword arguments (a second backward through one graph)."""
+    """Judges what the first training forward passes to each reentrant checkpointed block."""
 
     def __init__(self, run: Record) -> None:
         self.run = run
@@ -101,8 +100,7 @@ class FirstForward:
 
 
 class TwoForwards(Check):
-    """A second grad-enabled forward before the first backward, under reentrant checkpointing and per-parameter
-    gradient reduction (ZeRO-1 with overlap_comm, ZeRO-2/3, DDP): the reduction fires twice for one parameter."""
+    """A second forward before the first backward, reentrant, under per-parameter gradient reduction (ZeRO, DDP)."""
 
     def install(self, model: Any) -> None:
         base = ckpt.unwrap(model)

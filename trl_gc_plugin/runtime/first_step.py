@@ -25,8 +25,7 @@ def gradients(run: Record, model: Any, observation: Any) -> verify.AuditResult |
 
 
 def audit(run: Record, result: verify.AuditResult, probe_follows: bool) -> None:
-    """Judge the first step's gradients per checkpointed block: the frozen-inputs failure is refused, switched or
-    reported; other blocks without a gradient are said (and compared by the parity probe when `probe_follows`)."""
+    """Judge the first step's gradients per checkpointed block (`probe_follows`: the parity probe runs next)."""
     rule = get_rule("gradient-audit")
     value = run.use_reentrant
     verdicts: list[Decision] = []
@@ -88,8 +87,7 @@ def audit(run: Record, result: verify.AuditResult, probe_follows: bool) -> None:
 
 
 def ddp_unused(run: Record, model: Any) -> None:
-    """Under DDP without `find_unused_parameters` or a static graph, a trainable parameter without a gradient leaves
-    its bucket unreduced: refused (also in fix mode: DDP's arguments are fixed once it wraps the model)."""
+    """Trainable parameters without a gradient under DDP without `find_unused_parameters`: refused."""
     names = [n for n, p in ckpt.unwrap(model).named_parameters() if p.requires_grad and p.grad is None]
     if not names:
         return
@@ -103,8 +101,7 @@ def ddp_unused(run: Record, model: Any) -> None:
 
 
 def parity_wanted(setting: bool | None, args: Any, model: Any) -> tuple[bool, bool]:
-    """Whether the first inputs are worth keeping, and whether the probe runs whatever the audit finds (`forced`):
-    `parity_check=True`, or `None` in one process without sharding (forced for a reentrant run)."""
+    """Whether to keep the first inputs, and whether the probe runs whatever the audit finds (`forced`)."""
     if setting is not None:
         return setting, setting
     possible = probe.world_size(args) == 1 and not verify.gradients_are_sharded(args, model)
@@ -113,8 +110,7 @@ def parity_wanted(setting: bool | None, args: Any, model: Any) -> tuple[bool, bo
 
 @dataclass(eq=False)
 class Parity:
-    """The parity probe: keeps the first training forward's inputs until the first optimizer step, then compares
-    gradients with and without checkpointing on them."""
+    """Keeps the first training forward's inputs and compares gradients with and without checkpointing on them."""
 
     owner: Record
     forced: bool = True

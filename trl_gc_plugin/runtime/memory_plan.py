@@ -22,8 +22,7 @@ def no_plan(why: str) -> Decision:
 
 
 class MemoryPlan(Check):
-    """Plans how much to checkpoint under `budget` (bytes or `"auto"`) once the first training forward shows the batch
-    shape; `comparison`: the prediction against what that forward saved (None until then)."""
+    """Plans how much to checkpoint under `budget` (bytes or `"auto"`) at the first training forward."""
 
     def __init__(self, run: Record, budget: str | int) -> None:
         super().__init__(run)
@@ -122,8 +121,7 @@ class MemoryPlan(Check):
                 self.run.record([decision])
 
     def _grad_fraction(self, model: Any) -> float | None:
-        """The share of the parameter gradients this rank holds (1/N under ZeRO-2/3, the rank's share under FSDP);
-        None, recorded, under tensor parallelism (sharded activations are not modelled) or unreadable sharding."""
+        """The share of the parameter gradients this rank holds; None, recorded, where it cannot be read."""
         args = self.run.args
         try:
             fsdp2 = sharding.fsdp2_layout(model)
@@ -168,8 +166,7 @@ class MemoryPlan(Check):
     def _start_check(
         self, model: Any, base: Any, planned: tuple[Any, Any], shape: tuple[int, int], keywords: dict[str, Any]
     ) -> None:
-        """Measure the forward that is starting (saved bytes per block; under ZeRO-3 / FSDP the parameters held whole)
-        and compare with the prediction when it ends (one-shot post-hook)."""
+        """Measure the forward that is starting and compare with the prediction when it ends."""
         from ..planning import memory, plan_check
 
         metering = memory.meter(model, through=True)  # the user's own saved-tensor hooks see this forward too
@@ -200,8 +197,7 @@ class MemoryPlan(Check):
     def _check(
         self, model: Any, planned: tuple[Any, Any], measured: Any, shape: tuple[int, int], keywords: dict[str, Any]
     ) -> None:
-        """Report a prediction that misses the measurement by more than 15% (fix mode re-plans from it). For a plan
-        made for a longer batch the estimate is scaled to the forward's shape, and a miss confirmed by a new estimate."""
+        """Report a prediction that misses the measurement by more than 15% (fix mode re-plans from it)."""
         from ..planning import memory, plan_check, planner
 
         estimate, plan = planned
@@ -313,7 +309,7 @@ def planned_shape(args: Any, shape: tuple[int, int]) -> tuple[int, int]:
 
 
 def _call_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The non-tensor keywords of a model call (`fused_lm_head=True`, ...): the estimate's forward takes the same path."""
+    """The non-tensor keywords of a model call (`fused_lm_head=True`): the estimate takes the same path."""
     import torch
 
     return {

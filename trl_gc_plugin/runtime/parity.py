@@ -39,8 +39,7 @@ TEXT_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "token_typ
 
 @dataclass
 class ParityResult:
-    """`max_abs`: the largest projection difference; `max_rel`: its largest ratio to a parameter's |g| without
-    checkpointing; `outside`: parameters beyond the tolerance, largest first; `batch`: its origin and size."""
+    """`max_rel`: the largest difference relative to a parameter's |g| without checkpointing."""
 
     compared: int = 0
     max_abs: float = 0.0
@@ -124,8 +123,7 @@ def fingerprinting(prints: Fingerprints) -> Iterator[None]:
 
 
 def first_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The first sample of a forward's inputs, as detached copies (a text batch cut to `MAX_TOKENS` tokens); None
-    when there is no batch dimension to take it from."""
+    """The first sample of a forward's inputs, copied (text cut to `MAX_TOKENS` tokens); None without one."""
     import torch
 
     tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() >= 1]
@@ -146,8 +144,7 @@ def first_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
 
 
 class FirstInputs:
-    """The first training forward's inputs: one sample (copied) and the whole batch (referenced: flattened image
-    patches cannot be cut), seen by a process-wide forward hook so that nothing is attached to the model."""
+    """The first training forward's inputs, seen by a process-wide hook: nothing is attached to the model."""
 
     def __init__(self, model: Any) -> None:
         self._outer, self._base = id(model), id(ckpt.unwrap(model))
@@ -189,8 +186,7 @@ class FirstInputs:
 
 
 def synthetic(model: Any, seed: int, length: int) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """A `length`-token sequence of token ids (and decoder ids for an encoder-decoder), labelled with itself when
-    the forward takes labels; None for a model whose main input is not token ids."""
+    """`length` token ids (labels for a causal LM, decoder ids for an encoder-decoder); None without ids."""
     import inspect
 
     import torch
@@ -242,8 +238,7 @@ def _scalar(output: Any, seed: int) -> Any:
 
 
 def fits(model: Any, tokens: int) -> str | None:
-    """On CUDA: why the probe's forward without checkpointing does not fit in the free memory (per layer 40 bytes per
-    token per hidden unit, the logits three times and the largest gradient twice in float32), else None."""
+    """On CUDA: why the probe's forward without checkpointing does not fit in the free memory, else None."""
     import torch
 
     params = list(model.parameters())

@@ -38,13 +38,12 @@ def names_of(found: list[str], limit: int = 6) -> str:
 
 
 class Record:
-    """What the plugin knows and did about one run, on any route. `main_process`: whether this process logs, where
-    the arguments must not be asked (`__post_init__`, before the distributed state is set up)."""
+    """What the plugin knows and did about one run, on any route."""
 
     def __init__(self, settings: GCSettings, main_process: bool | None = None, write_json: bool = True) -> None:
         self.settings = settings
         self.mode = settings.mode
-        self.main_process = main_process
+        self.main_process = main_process  # given where the arguments must not be asked (`__post_init__`)
         self.write_json = write_json and settings.write_json
         self.args: Any = None
         self._model: Callable[[], Any] = lambda: None
@@ -149,8 +148,7 @@ class Record:
         """The model's checkpointing was enabled again (`Run` checks drift)."""
 
     def stop(self, keep_repairs: bool = False) -> None:
-        """Remove every trace of the run: its hooks, the repairs made on the model (unless `keep_repairs`: a loop goes
-        on after the route) and the `use_cache` switch."""
+        """Remove every trace of the run (its hooks, its repairs unless `keep_repairs`, the `use_cache` switch)."""
         self.stopped = True
         self.hooks.remove(keep_repairs=keep_repairs)
         self.guard = None

@@ -66,7 +66,7 @@ class Run(Record):
     def decide(
         self, args: Any, model: Any, previous: list[Decision] | None = None, stage: str = "init_end"
     ) -> Decisions:
-        """Decide after `previous` decisions of the run (`__post_init__`'s; no model there); refuse, or apply and log."""
+        """Decide after `previous` decisions of the run (`__post_init__`'s; no model there); refuse or apply."""
         self.args = args
         self.decisions = _withdraw_default_under_launcher(args, model, list(previous or []))  # no model at post_init
         facts = self._facts(args, model, stage)
@@ -84,8 +84,7 @@ class Run(Record):
         return decisions
 
     def take(self, decisions: list[Decision], model: Any) -> None:
-        """Record a stage's decisions, refuse (before anything changes), apply, follow the `use_reentrant` they leave
-        in force, and publish them."""
+        """Record a stage's decisions, refuse (before anything changes), apply, and publish them."""
         self.decisions.extend(decisions)
         self.refuse(decisions)
         for d in apply(decisions, self.args, model):
@@ -127,8 +126,7 @@ class Run(Record):
         return facts
 
     def arm_first_step(self, facts: Facts, model: Any) -> None:
-        """The memory plan and the first step's checks, where the model checkpoints. Under `torch.compile` nothing is
-        hooked into the forward (rule `torch-compile-first-step`): only the audit and a forced parity probe run."""
+        """The memory plan and the first step's checks; under `torch.compile` nothing is hooked into the forward."""
         if not probe.checkpointing_on(model):
             return
         settings, args = self.settings, self.args
@@ -280,6 +278,5 @@ def _key(d: Decision) -> tuple[Any, ...]:
 
 
 def _launcher_checkpoints(model: Any) -> bool:
-    """A launcher's own checkpoint function runs (`ckpt.wrapped`; LLaMA-Factory's, with the Trainer's flag false):
-    checkpointing is asked for, by the launcher."""
+    """A launcher's own checkpoint function runs (LLaMA-Factory's): checkpointing is asked for."""
     return any(ckpt.wrapped(f) for _, f in ckpt.functions(ckpt.unwrap(model)))
