@@ -1,15 +1,8 @@
-"""The parity probe: one forward/backward of a small batch with checkpointing as it runs and one with it off (the
-modules' flags flipped), comparing every trainable parameter's gradient. Bounded, and invisible to the run:
-
-- no gradient is kept: a post-accumulate-grad hook reduces each to `PROJECTIONS` random projections (sign vector
-  `w = u ⊗ v`, float32 blocks of at most `BLOCK` elements) and frees it; projections are linear, so a gradient that
-  arrives in pieces (reentrant backward, a tied weight) gets the fingerprint of the sum, and `E[<w, g>^2] = |g|^2`;
-- the batch is one sample of the first training forward's inputs cut to `MAX_TOKENS` tokens, else a synthetic one;
-  on an accelerator the probe first checks that its forward fits in the free memory;
-- RNGs are forked; buffers, public number attributes, the run's gradients and train/eval mode are put back.
-
-Missing or all-zero with checkpointing while present without is the silent failure; otherwise gradients agree within
-`rtol * max(|g|, FLOOR * max |g|)`, `rtol` looser when a trainable parameter is 16-bit.
+"""The parity probe: every trainable parameter's gradient with checkpointing as it runs and without (the modules'
+flags flipped), on one small batch. No gradient is kept: each is reduced as autograd produces it to `PROJECTIONS`
+random sign projections (linear, so the pieces of one gradient add up; `E[<w, g>^2] = |g|^2`) and freed. RNGs, buffers,
+number attributes, the run's gradients and train/eval mode are put back. A gradient missing (or all zero) only with
+checkpointing is the silent failure; otherwise they must agree within `rtol * max(|g|, FLOOR * max |g|)`.
 """
 
 from __future__ import annotations

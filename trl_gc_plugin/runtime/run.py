@@ -30,15 +30,9 @@ from .replay import Replay
 
 
 class Run(Record):
-    """A run's record and its stages.
-
-    Args:
-        cache_switch: turn `use_cache` off for each training step and back for saves when a rule decides so (a loop
-            without a Trainer has no step events, and transformers turns the cache off itself there).
-        offloader: a launcher's activation offloading that replaces the Trainer's checkpointing (Axolotl's), said at
-            train begin instead of the `checkpointing-unasked` finding.
-        route_facts: facts the route knows better than the probe (the model route's).
-    """
+    """A run's record and its stages. `cache_switch`: `use_cache` off for each training step when a rule decides so
+    (a loop has no step events; transformers turns it off there); `offloader`: a launcher's activation offloading that
+    replaces the Trainer's checkpointing (Axolotl's); `route_facts`: facts the route knows better than the probe."""
 
     def __init__(
         self,
