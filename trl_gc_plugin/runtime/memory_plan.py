@@ -31,10 +31,8 @@ class MemoryPlan(Check):
         self._grad_share = 1.0
 
     def install(self, model: Any) -> None:
-        """Plan at the first training forward (one-shot pre-hook) from the batch it really runs (DPO's chosen and
-        rejected rows, GRPO's completions, packed rows) and its non-tensor keywords (TRL's fused LM head), up to the
-        longest sequence the arguments allow; then check that forward against the prediction. Without a readable
-        input shape: `per_device_train_batch_size` x `max_length`, unchecked."""
+        """Plan at the first training forward from the batch it really runs (DPO's pairs, GRPO's completions, packed
+        rows) and its non-tensor keywords, up to the longest sequence the arguments allow; then check that forward."""
         base, args = ckpt.unwrap(model), self.run.args
 
         def first_forward(module: Any, f_args: tuple[Any, ...], f_kwargs: dict[str, Any]) -> None:
@@ -292,8 +290,7 @@ def planned_sequence_length(args: Any) -> int | None:
 
 
 def planned_shape(args: Any, shape: tuple[int, int]) -> tuple[int, int]:
-    """The batch shape to plan for from the first forward's (rows, tokens): its rows, and the longest sequence the
-    arguments allow when longer; a padding-free or packed row (`padding_free`, `bfd` packing) holds
+    """The first forward's rows and the longest sequence the arguments allow; a padding-free or packed row holds
     `per_device_train_batch_size` x `max_length` tokens."""
     rows, tokens = shape
     length = planned_sequence_length(args)

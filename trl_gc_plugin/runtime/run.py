@@ -95,8 +95,7 @@ class Run(Record):
         return probe.facts_from_trainer(args, model, stage=stage).replace(**self.route_facts)
 
     def begin(self, args: Any, model: Any, asked: bool) -> Facts:
-        """Checkpointing is live: repair what does not run as decided, keep it across re-enables, set the per-step
-        watch. `asked`: the Trainer's flag, or the loop's enable call."""
+        """Checkpointing is live: repair what does not run as decided, keep it across re-enables, watch for drift."""
         self.args, self.model = args, model
         facts = self._facts(args, model, "train")
         seen = {_key(d) for d in self.decisions}
@@ -253,9 +252,8 @@ def _asked_vs_running(run: Run, asked: bool, model: Any) -> None:
 
 
 def _withdraw_default_under_launcher(args: Any, model: Any, previous: list[Decision]) -> list[Decision]:
-    """A launcher (LLaMA-Factory) checkpoints through its own function and replaced the model's
-    `gradient_checkpointing_enable`, and the arguments hold only the plugin's post-init default: the default goes, so
-    the launcher's `use_reentrant` is in force, as `trl-gc-check` reads it."""
+    """A launcher (LLaMA-Factory) checkpoints through its own function and its own enable: the plugin's post-init
+    default goes, so the launcher's `use_reentrant` is in force, as `trl-gc-check` reads it."""
     record = probe.get_record(args)
     if record is None or record.value_source != "plugin" or record.user_given or model is None:
         return previous
