@@ -25,12 +25,15 @@ class Target:
         write: carries out an applied decision on the arguments and the live model (or None when there is none);
             returns whether it did. Registered by `model.write`; None: nothing to write (a check, or what the callback
             does step by step).
+        undo: takes an applied write back off the live model (`undo(model_ref)`) when the run ends; registered by
+            `model.write`.
     """
 
     name: str
     read: Callable[[Facts], tuple[Any, str]] | None = None
     change: str | None = None
     write: Callable[[Any, Any, Any], bool] | None = None
+    undo: Callable[[Any], None] | None = None
 
 
 def _fact(field: str, source: str) -> Callable[[Facts], tuple[Any, str]]:

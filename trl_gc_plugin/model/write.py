@@ -189,3 +189,6 @@ def remove_input_hook(model: Any) -> None:
     base = ckpt.unwrap(model)
     base.disable_input_require_grads()
     base.__dict__.pop("_require_grads_hook", None)
+
+
+TARGETS["inputs_require_grad"].undo = remove_input_hook

@@ -1,6 +1,5 @@
-"""The check at every step end and at every re-enable of the model's checkpointing: the arguments and the model
-still hold the decision (TRL's DPO and GRPO re-enable checkpointing every step; a loop may), and the input embeddings
-carry one input-require-grad hook, not a pile. A few attribute reads."""
+"""At every step end and re-enable (TRL's DPO and GRPO re-enable every step): the arguments and the model still hold
+the decision, and the input embeddings carry one input-require-grad hook, not a pile."""
 
 from __future__ import annotations
 
@@ -8,6 +7,7 @@ from typing import Any
 
 from ..core.policy import action_for
 from ..core.rules import get_rule
+from ..model.verify import Watch
 from .record import Record, runtime_decision
 
 
@@ -19,16 +19,15 @@ def check(run: Record, cause: str = "mid-training") -> None:
     keeps = run.guard is not None and run.guard.keep  # a guard that keeps nothing only reports re-enables
     drifted = watch.drift(run.use_reentrant) + (run.guard.drifted() if keeps else [])
     if drifted:
-        _repair(run, drifted, cause)
+        _repair(run, watch, drifted, cause)
     if watch.embeddings is not None and watch.input_hooks() > 1:
-        _dedupe_hooks(run)
+        _dedupe_hooks(run, watch)
 
 
-def _repair(run: Record, drifted: list[tuple[str, Any]], cause: str) -> None:
-    assert run.watch is not None
+def _repair(run: Record, watch: Watch, drifted: list[tuple[str, Any]], cause: str) -> None:
     rule = get_rule("checkpointing-drift")
-    value = run.use_reentrant if isinstance(run.use_reentrant, bool) else run.watch.baseline
-    report_only = action_for(run.mode, "repair", stands_back=run.stands_back()) == "warn"
+    value = run.use_reentrant if isinstance(run.use_reentrant, bool) else watch.baseline
+    action = action_for(run.mode, "repair", stands_back=run.stands_back())
     verdicts = []
     for setting, found in drifted:
         if run.count(f"drift:{setting}") > 1:
@@ -38,18 +37,15 @@ def _repair(run: Record, drifted: list[tuple[str, Any]], cause: str) -> None:
             reason = f"{setting} drifted to {found!r} {cause}; restored to {expected!r}."
         else:
             expected, reason = value, f"{setting} drifted to {found!r} {cause}; decided {value!r}."
-        action = "warn" if report_only else "repair"
         verdicts.append(runtime_decision(rule, action, found, expected, reason, setting=setting))
-    if not report_only and isinstance(value, bool):
+    if action != "warn" and isinstance(value, bool):
         run.switch(value)
         if run.guard is not None and run.guard.keep:
             run.guard.reapply()
     run.record(verdicts)
 
 
-def _dedupe_hooks(run: Record) -> None:
-    watch = run.watch
-    assert watch is not None
+def _dedupe_hooks(run: Record, watch: Watch) -> None:
     rule = get_rule("input-hook-pileup")
     before = watch.input_hooks()
     action = action_for(run.mode, "repair")

@@ -1,6 +1,5 @@
-"""The runtime checks of the first training forward: what enters each checkpointed block (`observe.py` watches,
-`FirstForward` judges), and a second forward before the first backward under per-parameter gradient reduction
-(`TwoForwards`). Both remove their hooks when the first step is over."""
+"""The checks of the first training forward: what enters each checkpointed block (`FirstForward`), and a second
+forward before the first backward under per-parameter gradient reduction (`TwoForwards`)."""
 
 from __future__ import annotations
 
@@ -11,23 +10,19 @@ from ..core.policy import action_for
 from ..core.rules import Rule, get_rule
 from ..model import ckpt
 from ..model.observe import Call, Observation, Verdict
-from .record import Record, runtime_decision
+from .record import Check, Record, runtime_decision
 
-_VERDICT: dict[str, Verdict] = {"warn": "report", "error": "raise"}
-"""The first-forward verdict for an action (`repair` / `override`: repair)."""
+_VERDICT: dict[str, Verdict] = {"warn": "report", "error": "raise"}  # else repair
 
 
 def not_running(run: Record, why: str) -> None:
-    """Checkpointing is asked for but does not run: the memory the user expects is not saved."""
     rule = get_rule("checkpointing-not-running")
     reason = f"Checkpointing is asked for but {why}. " + rule.message
     run.record([runtime_decision(rule, "warn", True, False, reason)])
 
 
 class FirstForward:
-    """Judges what the first training forward passes to each checkpointed block (`observe.Observation`): trainable
-    parameters with inputs that do not require grad under reentrant checkpointing (no gradient), and tensors that
-    require grad passed as keyword arguments to reentrant blocks (a second backward through one graph)."""
+    """Judges what the first training forward passes to each reentrant checkpointed block."""
 
     def __init__(self, run: Record) -> None:
         self.run = run
@@ -44,8 +39,7 @@ class FirstForward:
             self.observation = None
 
     def finish(self, asked: bool) -> None:
-        """The first step is over: keep what was observed, drop the hooks; say so when no block checkpointed because
-        every forward ran in eval mode."""
+        """The first step is over: keep what was observed, drop the hooks; say so if every forward ran in eval mode."""
         observation = self.observation
         if observation is None:
             return
@@ -55,7 +49,6 @@ class FirstForward:
             not_running(self.run, "the first training step's forwards ran in eval mode, so no block checkpointed")
 
     def on_frozen_inputs(self, call: Call) -> Verdict:
-        """A block ran reentrant with trainable parameters and inputs that do not require grad."""
         run = self.run
         rule = get_rule("frozen-inputs-observed")
         explicit, source = run.explicit()
@@ -75,8 +68,7 @@ class FirstForward:
         return self._found(rule, action, verdict, reason)
 
     def on_keyword_inputs(self, call: Call, shared_with: str | None) -> Verdict:
-        """A reentrant block got a tensor that requires grad as a keyword argument. Certain failure once a second
-        block gets the same tensor: both backpropagate into its graph from inside their own backward."""
+        """Certain failure once a second block gets the same tensor (`shared_with`)."""
         run = self.run
         rule = get_rule("reentrant-keyword-inputs")
         explicit, source = run.explicit()
@@ -101,23 +93,14 @@ class FirstForward:
         return self._found(rule, action, verdict, reason)
 
     def _found(self, rule: Rule, action: Action, verdict: Verdict, reason: str) -> Verdict:
-        """Record a finding; raise for a refusal, switch to non-reentrant for a repair."""
-        run = self.run
-        decision = runtime_decision(rule, action, True, verdict != "repair", reason)
-        run.conclude([decision])
+        self.run.conclude([runtime_decision(rule, action, True, verdict != "repair", reason)])
         if verdict == "repair":
-            run.switch(False)
+            self.run.switch(False)
         return verdict
 
 
-class TwoForwards:
-    """For the first step: a second grad-enabled forward before the first backward, under reentrant checkpointing
-    and a wrapper that reduces each parameter's gradient as soon as it is computed (ZeRO-1 with overlap_comm,
-    ZeRO-2/3, DDP): the reduction fires twice for one parameter."""
-
-    def __init__(self, run: Record) -> None:
-        self.run = run
-        self._handles: list[Any] = []
+class TwoForwards(Check):
+    """A second forward before the first backward, reentrant, under per-parameter gradient reduction (ZeRO, DDP)."""
 
     def install(self, model: Any) -> None:
         base = ckpt.unwrap(model)
@@ -142,11 +125,6 @@ class TwoForwards:
 
         self._handles = [self.run.hooks.forward_pre(base, before), self.run.hooks.forward(base, after)]
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            self.run.hooks.discard(handle)
-        self._handles = []
-
     def _found(self) -> None:
         run = self.run
         rule = get_rule("two-forwards-before-backward")
@@ -155,8 +133,7 @@ class TwoForwards:
             "A second grad-enabled forward of the model ran before the first backward, with reentrant checkpointing, "
             "under a wrapper that reduces each parameter's gradient once per backward. " + rule.message
         )
-        decision = runtime_decision(rule, action, True, False, reason)
-        run.conclude([decision], "strict")  # nothing to switch: fix mode refuses as strict does
+        run.conclude([runtime_decision(rule, action, True, False, reason)], "strict")  # fix mode refuses as strict
 
 
 def grad_output(output: Any) -> Any:

@@ -1,22 +1,22 @@
-"""The runtime checks of the first optimizer step, before any parameter update: the gradient audit (every
-checkpointed block with trainable parameters got a gradient, and why not) and the parity probe (gradients with and
-without checkpointing on the first step's own inputs)."""
+"""The checks of the first optimizer step, before any parameter update: the gradient audit, DDP's unused parameters
+and the parity probe."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.decisions import Action, Decision
+from ..core.modes import Mode
 from ..core.policy import action_for, refused
 from ..core.rules import get_rule
 from ..model import ckpt, probe, verify
 from . import parity
-from .record import Record, runtime_decision
+from .record import Record, names_of, runtime_decision
 
 
 def gradients(run: Record, model: Any, observation: Any) -> verify.AuditResult | None:
-    """Read the first step's gradients per checkpointed block (`verify.audit_gradients`); None, recorded as
-    skipped, where they cannot be read per rank (sharded)."""
+    """None, recorded as skipped, where the gradients are sharded."""
     sharded = verify.gradients_are_sharded(run.args, model)
     if sharded:
         run.record([runtime_decision(get_rule("gradient-audit"), "none", None, None, f"Skipped: {sharded}.")])
@@ -25,10 +25,7 @@ def gradients(run: Record, model: Any, observation: Any) -> verify.AuditResult |
 
 
 def audit(run: Record, result: verify.AuditResult, probe_follows: bool) -> None:
-    """Judge the first step's gradients per checkpointed block: a block the first forward saw run reentrant with
-    inputs that do not require grad is refused / switched / reported; one without a gradient that ran with inputs
-    requiring grad, or with only zeros, is said, and compared with no checkpointing by the parity probe when
-    `probe_follows`; one not observed is a warning."""
+    """Judge the first step's gradients per checkpointed block (`probe_follows`: the parity probe runs next)."""
     rule = get_rule("gradient-audit")
     value = run.use_reentrant
     verdicts: list[Decision] = []
@@ -50,9 +47,7 @@ def audit(run: Record, result: verify.AuditResult, probe_follows: bool) -> None:
             + rule.message
             + " Switch the audit off with SafeGCCallback(audit=False) or TRL_GC_PLUGIN_AUDIT=0."
         )
-        refusal: Action = refused(run.mode)
-        if refusal == "override" and value is not True:
-            refusal = "warn"  # nothing the plugin can switch: report it
+        refusal = refused(run.mode) if value is True else _refused_or_said(run.mode)
         verdicts.append(runtime_decision(rule, refusal, value, False if refusal == "override" else value, reason))
     compare = (
         " The parity probe below compares them with no checkpointing."
@@ -92,9 +87,7 @@ def audit(run: Record, result: verify.AuditResult, probe_follows: bool) -> None:
 
 
 def ddp_unused(run: Record, model: Any) -> None:
-    """Under DDP without `find_unused_parameters` or a static graph: trainable parameters that got no gradient at the
-    first optimizer step leave their buckets unreduced (this step's update differs across ranks) and DDP stops the
-    next forward. Refused (strict and fix: DDP's arguments are fixed once the model is wrapped), said in warn mode."""
+    """Trainable parameters without a gradient under DDP without `find_unused_parameters`: refused."""
     names = [n for n, p in ckpt.unwrap(model).named_parameters() if p.requires_grad and p.grad is None]
     if not names:
         return
@@ -107,44 +100,33 @@ def ddp_unused(run: Record, model: Any) -> None:
     run.conclude([runtime_decision(rule, action, False, True, reason)], "strict")
 
 
+def parity_wanted(setting: bool | None, args: Any, model: Any) -> tuple[bool, bool]:
+    """Whether to keep the first inputs, and whether the probe runs whatever the audit finds (`forced`)."""
+    if setting is not None:
+        return setting, setting
+    possible = probe.world_size(args) == 1 and not verify.gradients_are_sharded(args, model)
+    return possible, possible and bool(ckpt.model_use_reentrant(model))
+
+
+@dataclass(eq=False)
 class Parity:
-    """The parity probe: keeps the first training forward's inputs (`parity.FirstInputs`) until the first optimizer
-    step, then compares gradients with and without checkpointing on them (`parity.parity_probe`, bounded memory)."""
+    """Keeps the first training forward's inputs and compares gradients with and without checkpointing on them."""
 
-    def __init__(self, run: Record, forced: bool = True) -> None:
-        self.owner = run
-        self.forced = forced
-        self.first: parity.FirstInputs | None = None
-
-    @staticmethod
-    def forced(setting: bool | None, args: Any, model: Any) -> bool:
-        """Run whatever the audit finds: `parity_check=True`, or `None` for a reentrant run in one process without
-        sharding, for any model."""
-        if setting is not None:
-            return setting
-        running = ckpt.model_use_reentrant(model)
-        return bool(running and Parity.possible(setting, args, model))
-
-    @staticmethod
-    def possible(setting: bool | None, args: Any, model: Any) -> bool:
-        """Worth keeping the first inputs for: `parity_check=True`, or `None` in one process without sharding (the
-        audit may start it)."""
-        if setting is not None:
-            return setting
-        return probe.world_size(args) == 1 and not verify.gradients_are_sharded(args, model)
+    owner: Record
+    forced: bool = True
+    first: parity.FirstInputs | None = None
 
     def install(self, model: Any) -> None:
         self.first = parity.FirstInputs(model)
         self.first.install(self.owner.hooks)
 
     def remove(self) -> None:
-        if self.first is not None:  # the probe ran at the step's optimizer step, or never will
+        if self.first is not None:
             self.first.remove()
             self.first = None
 
     def run(self, model: Any, replayed: list[str] | None = None) -> None:
-        """Compare; `replayed`: the state the replayed-state check saw the recompute write again, judged here on this
-        evidence (refused in strict mode where the gradients differ from no checkpointing)."""
+        """Compare; `replayed`: the state the recompute wrote again (`Replay`), judged here on this evidence."""
         run, args = self.owner, self.owner.args
         rule = get_rule("parity-check")
         first = self.first
@@ -162,16 +144,15 @@ class Parity:
             f"{result.compared} trainable parameters compared on the {result.batch}: max difference "
             f"{result.max_abs:.3g}, max relative {result.max_rel:.3g} (tolerance {result.rtol:g} of each gradient)"
         )
+        action: Action = "none" if result.ok else "warn"
         if result.missing_with_checkpointing:
+            action = _refused_or_said(run.mode)
             summary += (
                 f"; {len(result.missing_with_checkpointing)} get a gradient only without checkpointing, e.g. "
                 f"{result.missing_with_checkpointing[0]}"
             )
         if result.outside:
             summary += f"; {len(result.outside)} differ beyond it, most {result.outside[0]}"
-        action: Action = (
-            "none" if result.ok else ("error" if result.missing_with_checkpointing and run.mode == "strict" else "warn")
-        )
         after = {"max_abs": result.max_abs, "max_rel": result.max_rel, "compared": result.compared}
         verdicts = [runtime_decision(rule, action, None, after, summary + ".")]
         if replayed and not result.ok:
@@ -179,19 +160,17 @@ class Parity:
         run.conclude(verdicts)
 
 
+def _refused_or_said(mode: Mode) -> Action:
+    """A failure the plugin has nothing to switch for: refused in strict mode, said in fix and warn mode."""
+    action = refused(mode)
+    return "warn" if action == "override" else action
+
+
 def _replay_changes_gradients(run: Record, replayed: list[str], summary: str) -> Decision:
-    """The replayed state changes what the recompute computes: the parity probe's gradients differ from no
-    checkpointing. Evidence, so refused in strict mode (before any update); said in fix and warn mode (nothing the
-    plugin could switch makes the recompute see the forward's state)."""
     rule = get_rule("forward-state-replayed")
-    action: Action = "error" if run.mode == "strict" else "warn"
     reason = (
         f"The state the recompute writes again ({names_of(replayed)}) changes the gradients: the parity probe on the "
         f"first step's inputs differs from no checkpointing ({summary}). The block's output reads that state, so "
         "its recompute computes another function than its forward did. " + rule.message
     )
-    return runtime_decision(rule, action, None, replayed[:20], reason)
-
-
-def names_of(found: list[str], limit: int = 6) -> str:
-    return ", ".join(found[:limit]) + (" ..." if len(found) > limit else "")
+    return runtime_decision(rule, _refused_or_said(run.mode), None, replayed[:20], reason)

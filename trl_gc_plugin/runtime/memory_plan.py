@@ -13,41 +13,26 @@ from ..core.rules import get_rule
 from ..core.settings import format_bytes
 from ..model import ckpt, probe, verify
 from ..planning import sharding
-from .record import Record, runtime_decision
+from .record import Check, Record, names_of, runtime_decision
 
 
 def no_plan(why: str) -> Decision:
-    """The warning that no memory plan runs, and `why`: checkpointing runs as the arguments ask."""
     why = f"No memory plan: {why}; checkpointing runs as asked."
     return runtime_decision(get_rule("memory-plan"), "warn", None, None, why, level="warning")
 
 
-class MemoryPlan:
-    """Plans how much to checkpoint under an activation-memory budget, once the first training forward shows the
-    batch shape.
-
-    Args:
-        run (`Record`): the run.
-        budget (`str` or `int`): bytes, or `"auto"` (`budget_bytes`).
-
-    Attributes:
-        comparison (`plan_check.Comparison`, *optional*): the plan's predicted saved bytes against those the first
-            training forward saved (None until then, or when not compared).
-    """
+class MemoryPlan(Check):
+    """Plans how much to checkpoint under `budget` (bytes or `"auto"`) at the first training forward."""
 
     def __init__(self, run: Record, budget: str | int) -> None:
-        self.run = run
+        super().__init__(run)
         self.budget = budget
         self.comparison: Any = None
-        self._hook: Any = None
         self._grad_share = 1.0
 
     def install(self, model: Any) -> None:
-        """Plan at the first training forward (a one-shot pre-hook, gone after it ran), from the batch it really runs
-        (DPO's chosen and rejected rows, GRPO's completions, packed rows) and the non-tensor keywords it is called
-        with (TRL's fused LM head); the sequence length is the longest the arguments allow (`max_length`), so a later,
-        longer batch fits too. That forward is then measured and checked against the prediction (`_check`).
-        Without a readable input shape, the arguments' `per_device_train_batch_size` x `max_length` is planned."""
+        """Plan at the first training forward from the batch it really runs (DPO's pairs, GRPO's completions, packed
+        rows) and its non-tensor keywords, up to the longest sequence the arguments allow; then check that forward."""
         base, args = ckpt.unwrap(model), self.run.args
 
         def first_forward(module: Any, f_args: tuple[Any, ...], f_kwargs: dict[str, Any]) -> None:
@@ -58,20 +43,20 @@ class MemoryPlan:
             self.remove()
             shape = _input_shape(f_args, f_kwargs)
             with contained("the memory plan", lambda exc: self.run.record([no_plan(f"{type(exc).__name__}: {exc}")])):
-                if shape is None:
+                keywords = _call_keywords(f_kwargs)
+                if shape is not None:
+                    planned = self._plan(model, *planned_shape(args, shape), forward_kwargs=keywords)
+                else:
                     seq = planned_sequence_length(args)
                     batch = int(getattr(args, "per_device_train_batch_size", 0) or 0)
                     if not (seq and batch):
                         self.run.record([no_plan("the first forward's input shape could not be read")])
                         return
                     planned = self._plan(model, batch, seq)
-                    if planned is not None:
-                        self._advise_safely(model, *planned)
+                if planned is None:
                     return
-                keywords = _call_keywords(f_kwargs)
-                planned = self._plan(model, *planned_shape(args, shape), forward_kwargs=keywords)
-                if planned is not None:
-                    self._advise_safely(model, *planned)
+                self._advise_safely(model, *planned)
+                if shape is not None:
                     self._start_check(model, base, planned, shape, keywords)
 
         # outside the module where torch allows it (a copy of the model made before the first forward carries
@@ -79,15 +64,10 @@ class MemoryPlan:
         handle = self.run.hooks.forward_pre_with_kwargs(base, first_forward)
         if handle is None:
             handle = self.run.hooks.add(base.register_forward_pre_hook(first_forward, with_kwargs=True, prepend=True))
-        self._hook = handle
-
-    def remove(self) -> None:
-        if self._hook is not None:
-            self.run.hooks.discard(self._hook)
-            self._hook = None
+        self._handles = [handle]
 
     def _plan(self, model: Any, batch: int, seq: int, forward_kwargs: dict[str, Any] | None = None) -> Any:
-        """Estimate, plan and apply; returns the `(estimate, plan)` the plan was made from, None when skipped."""
+        """Estimate, plan and apply; the `(estimate, plan)`, or None when skipped."""
         from ..planning import memory, planner
 
         grad_fraction = self._grad_fraction(model)
@@ -111,16 +91,11 @@ class MemoryPlan:
                 **_offload(model),
             )
             planned = [estimate, plan, planner.plan_decisions(plan, self.run.mode)]
-        if not planned:
+        if not planned or not self._apply_plan(model, planned[1], planned[2], use_reentrant):
             return None
-        estimate, plan, decisions = planned
-        if not self._apply_plan(model, plan, decisions, use_reentrant):
-            return None
-        return estimate, plan
+        return planned[0], planned[1]
 
     def _advise_safely(self, model: Any, estimate: Any, plan: Any) -> None:
-        """Record the batch advice for this plan (`throughput.advice_decision`); skipped where the arguments give no
-        batch size and accumulation, or the planned rows are not a multiple of the batch size (packed rows)."""
         from ..planning import throughput
 
         args = self.run.args
@@ -144,11 +119,7 @@ class MemoryPlan:
                 self.run.record([decision])
 
     def _grad_fraction(self, model: Any) -> float | None:
-        """The share of the parameter gradients this rank holds: 1, or 1/N under DeepSpeed ZeRO-2 and ZeRO-3, and
-        under FSDP2 and FSDP1 the rank's share of the sharded parameters (their gradients are sharded alike; the peak
-        adds the parameters gathered while a block computes, `gathered_parameter_bytes`). None, with a skipped
-        decision, under tensor parallelism (DTensor parameters without FSDP2: activations are sharded too, which the
-        estimate does not model) and any other sharding it cannot read."""
+        """The share of the parameter gradients this rank holds; None, recorded, where it cannot be read."""
         args = self.run.args
         try:
             fsdp2 = sharding.fsdp2_layout(model)
@@ -173,8 +144,7 @@ class MemoryPlan:
         return None
 
     def _apply_plan(self, model: Any, plan: Any, decisions: list[Decision], use_reentrant: Any) -> bool:
-        """Record the plan's decisions and apply the chosen candidate (not in warn mode); False when it could not
-        be applied."""
+        """Record the plan's decisions and apply its candidate (not in warn mode); False if it could not be."""
         from ..planning import planner
 
         if self.run.mode == "warn":  # warn mode changes nothing: say what would run
@@ -188,24 +158,13 @@ class MemoryPlan:
                 self.run.record([no_plan(f"it could not be applied ({exc})")])
                 return False
             self.run.ensure_guard(probe.capabilities.installed().layer_kwargs()).record()
-        report.note(
-            f"memory plan: {first_sentence(decisions[0].reason)}",
-            decisions[0].level,
-            report.is_main_process(self.run.args),
-        )
+        report.note(f"memory plan: {first_sentence(decisions[0].reason)}", decisions[0].level, self.run.is_main())
         return True
 
     def _start_check(
-        self,
-        model: Any,
-        base: Any,
-        planned: tuple[Any, Any],
-        shape: tuple[int, int],
-        keywords: dict[str, Any],
+        self, model: Any, base: Any, planned: tuple[Any, Any], shape: tuple[int, int], keywords: dict[str, Any]
     ) -> None:
-        """Measure the forward that is starting (`memory.meter`: bytes autograd saves, per block; under ZeRO-3 / FSDP
-        also the parameters held whole, `sharding.watch_held`) and, when it ends, compare them with the prediction for
-        its own batch shape (a one-shot post-hook, gone after it ran)."""
+        """Measure the forward that is starting and compare with the prediction when it ends."""
         from ..planning import memory, plan_check
 
         metering = memory.meter(model, through=True)  # the user's own saved-tensor hooks see this forward too
@@ -231,20 +190,12 @@ class MemoryPlan:
                     self.run.record([runtime_decision(rule, "warn", None, None, miss, setting="memory_plan_check")])
 
         metered = self.run.hooks.undo(finish)  # at the run's stop, if that forward never ends
-        self._hook = self.run.hooks.forward(base, after)
+        self._handles = [self.run.hooks.forward(base, after)]
 
     def _check(
-        self,
-        model: Any,
-        planned: tuple[Any, Any],
-        measured: Any,
-        shape: tuple[int, int],
-        keywords: dict[str, Any],
+        self, model: Any, planned: tuple[Any, Any], measured: Any, shape: tuple[int, int], keywords: dict[str, Any]
     ) -> None:
-        """Report a plan whose prediction misses the first step's measurement by more than 15%; fix mode re-plans
-        from the measurement. An accurate plan says nothing. The prediction for the forward's own shape is the
-        plan's estimate scaled to its tokens when the plan was made for a longer batch, and a miss is confirmed
-        with an estimate at that shape (paid only then)."""
+        """Report a prediction that misses the measurement by more than 15% (fix mode re-plans from it)."""
         from ..planning import memory, plan_check, planner
 
         estimate, plan = planned
@@ -259,12 +210,7 @@ class MemoryPlan:
         replan = None
         if self.run.mode == "fix":
             fixed = plan_check.corrected(estimate, comparison)
-            replan = planner.plan(
-                fixed,
-                plan.budget,
-                allow_selective=self._selective_allowed(model),
-                **_offload(model),
-            )
+            replan = planner.plan(fixed, plan.budget, allow_selective=self._selective_allowed(model), **_offload(model))
         after = {
             **comparison.to_dict(),
             "planned_shape": [estimate.batch_size, estimate.seq_len],
@@ -293,8 +239,7 @@ class MemoryPlan:
             self._apply_plan(model, replan, decisions, ckpt.model_use_reentrant(model))
 
     def _selective_allowed(self, model: Any) -> bool:
-        """Selective per-op saving is a candidate: non-reentrant, and no adapter it is not known to be exact for (said
-        once)."""
+        """Selective per-op saving is a candidate: non-reentrant, and no adapter it is not known to be exact for."""
         if ckpt.model_use_reentrant(model) is not False:
             return False
         unsafe = probe.selective_unsafe_adapters(model)
@@ -308,7 +253,7 @@ class MemoryPlan:
         inside = sharding.units_inside_blocks(model) if not unsafe else []
         if inside and self.run.count("fsdp2-units-inside-blocks") == 1:
             why = (
-                f"FSDP2 units inside checkpointed blocks ({', '.join(inside[:4])}{' ...' if len(inside) > 4 else ''}): "
+                f"FSDP2 units inside checkpointed blocks ({names_of(inside, 4)}): "
                 "the selective candidates stay on offer. Upstream, selective checkpointing around an inner unit has "
                 "failed at the first backward ('invocation index N encountered during backward but not found in "
                 "storage': torchtitan #3427, with expert parallelism); here (torch 2.13 and 2.15, 2 ranks, an inner "
@@ -319,12 +264,8 @@ class MemoryPlan:
         return not unsafe
 
 
-SEQUENCE_FIELDS = ("max_length", "max_seq_length")
-
-
 def budget_bytes(budget: str | int, model: Any) -> int:
-    """The budget in bytes; `auto`: free CUDA memory now, less an Adam optimizer state (8 bytes per trainable
-    parameter), less 10% for the allocator."""
+    """`auto`: the free CUDA memory less an Adam state (8 bytes per trainable parameter), less 10%."""
     if budget != "auto":
         return int(budget)
     import torch
@@ -337,8 +278,8 @@ def budget_bytes(budget: str | int, model: Any) -> int:
 
 
 def planned_sequence_length(args: Any) -> int | None:
-    """The longest sequence the arguments allow (TRL's `max_length`, GRPO's prompt + completion), None if unknown."""
-    for name in SEQUENCE_FIELDS:
+    """The longest sequence the arguments allow (`max_length`, GRPO's prompt + completion)."""
+    for name in ("max_length", "max_seq_length"):
         value = getattr(args, name, None)
         if isinstance(value, int) and value > 0:
             return value
@@ -349,9 +290,7 @@ def planned_sequence_length(args: Any) -> int | None:
 
 
 def planned_shape(args: Any, shape: tuple[int, int]) -> tuple[int, int]:
-    """The batch shape to plan for, from the first training forward's `shape` (rows x tokens): its rows (DPO's
-    chosen and rejected, GRPO's completions), and the longest sequence the arguments allow (`max_length`) when it is
-    longer; a padding-free or packed batch (one row, TRL's `padding_free`, `packing` with `bfd`) up to
+    """The first forward's rows and the longest sequence the arguments allow; a padding-free or packed row holds
     `per_device_train_batch_size` x `max_length` tokens."""
     rows, tokens = shape
     length = planned_sequence_length(args)
@@ -367,8 +306,7 @@ def planned_shape(args: Any, shape: tuple[int, int]) -> tuple[int, int]:
 
 
 def _call_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The non-tensor keyword arguments of a model call (`fused_lm_head=True`, `use_cache=False`, ...): what makes
-    the estimate's fake forward take the same path."""
+    """The non-tensor keywords of a model call (`fused_lm_head=True`): the estimate takes the same path."""
     import torch
 
     return {
@@ -381,14 +319,11 @@ def _call_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _offload(model: Any) -> dict[str, Any]:
-    """The planner's offloading arguments for `model`: allowed where it frees device memory, else why not; the cost
-    constants of the device the model is on (an integrated GPU computes as a GPU, though offloading does not pay)."""
     why = probe.offload_why_not(model)
     return {"allow_offload": not why, "offload_why_not": why, "device": _device_kind(model)}
 
 
 def _device_kind(model: Any) -> str:
-    """`cuda` when the model's first parameter is on an accelerator (the cost constants), else `cpu`."""
     for parameter in model.parameters():
         return "cpu" if parameter.device.type == "cpu" else "cuda"
     return "cpu"

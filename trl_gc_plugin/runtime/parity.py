@@ -1,33 +1,13 @@
-"""The parity probe: are the gradients with checkpointing the gradients without it? Checked once, bounded.
-
-One forward/backward of a small batch with checkpointing as it runs, one with it switched off (the modules'
-`gradient_checkpointing` flags flipped, no hook added), and the gradients of every trainable parameter compared.
-What it costs does not grow with the parameters:
-
-- **No gradient is kept.** A post-accumulate-grad hook reduces each gradient to a fingerprint the moment autograd
-  produces it and frees it (`param.grad = None`), so the passes hold at most the gradients autograd has in flight,
-  never a second copy of the model's. A fingerprint is `PROJECTIONS` random projections (float64) of the gradient:
-  each is `sum_i w_i g_i` for a fixed random sign vector `w = u ⊗ v` (Kronecker: `v` of `COLUMNS` signs shared by
-  all, `u` drawn per block of rows), computed in float32 blocks of at most `BLOCK` elements, so the transient memory
-  is bounded too. Projections are linear, so a parameter whose gradient arrives in pieces (reentrant checkpointing
-  accumulates a block's parameters inside its own backward, a tied weight twice) gets the fingerprint of the sum. For
-  Rademacher `w`, `E[<w, g>^2] = |g|^2`: the projections measure both the gradient's size and any difference.
-- **The batch is small.** The first training forward's inputs, one sample, text cut to `MAX_TOKENS` tokens; or,
-  before any was seen or where they do not run, a synthetic `length`-token sequence of token ids. On an
-  accelerator, the probe first checks that its forward fits in the free memory and otherwise skips, saying why.
-- **The run sees nothing of it.** The random number generators are forked, every buffer (running statistics,
-  counters) and every public number attribute of a module is put back as it was, the run's gradients (accumulated
-  over micro-batches) are put back as the same tensors, train/eval mode too; the optimizer is never touched. Forward
-  hooks that others put on the model do run.
-
-A parameter whose gradient is missing or all zero with checkpointing while it has one without is the silent
-failure; otherwise the gradients must agree within `rtol * |g|` per parameter (`PARITY_RTOL` in float32,
-`LOW_PRECISION_RTOL` when a trainable parameter is 16-bit), with a floor of `rtol * FLOOR * max |g|` for
-parameters whose gradient is tiny next to the largest.
+"""The parity probe: every trainable parameter's gradient with checkpointing as it runs and without (the modules'
+flags flipped), on one small batch. No gradient is kept: each is reduced as autograd produces it to `PROJECTIONS`
+random sign projections (linear, so the pieces of one gradient add up; `E[<w, g>^2] = |g|^2`) and freed. RNGs, buffers,
+number attributes, the run's gradients and train/eval mode are put back. A gradient missing (or all zero) only with
+checkpointing is the silent failure; otherwise they must agree within `rtol * max(|g|, FLOOR * max |g|)`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Iterator
@@ -40,33 +20,19 @@ from ..model.hooks import Hooks
 
 PROJECTIONS = 8
 COLUMNS = 512
-BLOCK = 1 << 22
-"""Elements of a gradient converted to float32 at a time (16 MiB)."""
+BLOCK = 1 << 22  # elements of a gradient converted to float32 at a time (16 MiB)
 MAX_TOKENS = 16
-MAX_BATCH_TOKENS = 8192
-"""The whole first batch is tried (after one sample of it failed) only up to this many tokens."""
+MAX_BATCH_TOKENS = 8192  # the whole first batch is tried (after one sample failed) up to this many tokens
 PARITY_RTOL = 1e-4
 LOW_PRECISION_RTOL = 1e-2
 FLOOR = 1e-3
+# a batch with only these keys is cut to `MAX_TOKENS` tokens
 TEXT_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "token_type_ids")
-"""Keys of a text batch the probe may cut to `MAX_TOKENS` tokens (the batch is cut only if it has no other)."""
 
 
 @dataclass
 class ParityResult:
-    """What the probe found.
-
-    Args:
-        compared: trainable parameters with a gradient in both passes.
-        max_abs: the largest projection difference (float64; about the norm of the gradient's difference).
-        max_rel: the largest `max_abs / |g|` of a parameter (|g| estimated from its projections without
-            checkpointing).
-        missing_with_checkpointing: parameters with a gradient only without checkpointing (missing or all zero
-            with it).
-        outside: parameters whose gradients differ beyond the tolerance, largest difference first.
-        skipped: why the probe did not run, or None.
-        batch: where its batch came from (`first training batch` or `synthetic`), and its shape.
-    """
+    """`max_rel`: the largest difference relative to a parameter's |g| without checkpointing."""
 
     compared: int = 0
     max_abs: float = 0.0
@@ -82,16 +48,8 @@ class ParityResult:
         return not (self.missing_with_checkpointing or self.outside)
 
 
-# --- fingerprints ------------------------------------------------------------------------------------------------
-
-
 class Fingerprints:
-    """Accumulates, per parameter, the projections of every gradient piece autograd produces, then frees it.
-
-    Args:
-        params: the trainable (name, parameter) pairs, in a fixed order (the same in both passes).
-        seed: the seed of the projections (the same in both passes).
-    """
+    """Per parameter (by index in `params`, the same in both passes), the sum of its gradient pieces' projections."""
 
     def __init__(self, params: list[tuple[str, Any]], seed: int) -> None:
         import torch
@@ -103,19 +61,14 @@ class Fingerprints:
         self._on: dict[Any, Any] = {}
         self.sums: dict[int, Any] = {}
 
-    def _v(self, device: Any) -> Any:
-        if device not in self._on:
-            self._on[device] = self._columns.to(device)
-        return self._on[device]
-
     def add(self, index: int, grad: Any) -> None:
-        """Add the projections of `grad` (any dtype, any device) to parameter `index`'s fingerprint."""
         import torch
 
-        flat = grad.detach()
-        flat = flat.view(-1) if flat.is_contiguous() else flat.reshape(-1)
+        flat = grad.detach().reshape(-1)
         total = torch.zeros(PROJECTIONS, dtype=torch.float64, device=flat.device)
-        v = self._v(flat.device)
+        if flat.device not in self._on:
+            self._on[flat.device] = self._columns.to(flat.device)
+        v = self._on[flat.device]
         for start in range(0, flat.numel(), BLOCK):
             piece = flat[start : start + BLOCK].float()
             short = (-piece.numel()) % COLUMNS
@@ -124,13 +77,11 @@ class Fingerprints:
             rows = piece.view(-1, COLUMNS) @ v  # (rows, PROJECTIONS)
             u = self._signs(rows.shape, rows.device, hash((self.seed, index, start)) & 0x7FFF_FFFF_FFFF)
             total += (rows.double() * u).sum(0)
-        previous = self.sums.get(index)
-        self.sums[index] = total if previous is None else previous + total
+        self.sums[index] = self.sums.get(index, 0) + total
 
     def _signs(self, shape: Any, device: Any, seed: int) -> Any:
-        """Random +-1 (float64) drawn where the gradient lives: a generator on the gradient's device, so an
-        accelerator never waits for the host (a CPU draw and a copy per block made the probe's backward
-        synchronous: 0.73 s of a 1.2 s probe on a 1.5B model on an H200)."""
+        """Random +-1 (float64) drawn on the gradient's device: a host draw and copy per block made the probe's
+        backward synchronous (0.73 s of a 1.2 s probe on a 1.5B model on an H200)."""
         import torch
 
         try:
@@ -150,29 +101,22 @@ def fingerprinting(prints: Fingerprints) -> Iterator[None]:
     """Each gradient reduced to its fingerprint and freed the moment autograd accumulates it."""
     handles = []
 
-    def hook(index: int) -> Any:
-        def reduce_and_free(param: Any) -> None:
-            if param.grad is not None:
-                prints.add(index, param.grad)
-                param.grad = None
-
-        return reduce_and_free
+    def reduce_and_free(index: int, param: Any) -> None:
+        if param.grad is not None:
+            prints.add(index, param.grad)
+            param.grad = None
 
     try:
         for index, (_, param) in enumerate(prints.params):
-            handles.append(param.register_post_accumulate_grad_hook(hook(index)))
+            handles.append(param.register_post_accumulate_grad_hook(functools.partial(reduce_and_free, index)))
         yield
     finally:
         for handle in handles:
             handle.remove()
 
 
-# --- the batch ---------------------------------------------------------------------------------------------------
-
-
 def first_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The first sample of a forward's inputs, as detached copies (a text batch cut to `MAX_TOKENS` tokens); None
-    when there is no batch dimension to take it from."""
+    """The first sample of a forward's inputs, copied (text cut to `MAX_TOKENS` tokens); None without one."""
     import torch
 
     tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() >= 1]
@@ -193,14 +137,7 @@ def first_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
 
 
 class FirstInputs:
-    """The first training forward's inputs for the probe: one sample (copied) and the whole batch (referenced, for
-    inputs one sample cannot be cut from, such as flattened image patches). Watched through a process-wide forward hook
-    that only looks at this model (and its unwrapped base), so nothing is attached to the model itself: a copy or a
-    pickle of it made meanwhile carries nothing of the plugin. Removed after that forward.
-
-    Args:
-        model: the model as the Trainer calls it.
-    """
+    """The first training forward's inputs, seen by a process-wide hook: nothing is attached to the model."""
 
     def __init__(self, model: Any) -> None:
         self._outer, self._base = id(model), id(ckpt.unwrap(model))
@@ -242,8 +179,7 @@ class FirstInputs:
 
 
 def synthetic(model: Any, seed: int, length: int) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """A `length`-token sequence of token ids (and decoder ids for an encoder-decoder), labelled with itself when
-    the forward takes labels; None for a model whose main input is not token ids."""
+    """`length` token ids (labels for a causal LM, decoder ids for an encoder-decoder); None without ids."""
     import inspect
 
     import torch
@@ -267,9 +203,8 @@ def synthetic(model: Any, seed: int, length: int) -> tuple[tuple[Any, ...], dict
 
 
 def _scalar(output: Any, seed: int) -> Any:
-    """What the probe differentiates: the model's loss when it is finite (it carries auxiliary losses such as a
-    router's load balancing) plus a fixed random projection of the first output that requires grad (the logits), so
-    a model without labels is probed too."""
+    """The finite loss (with auxiliary losses such as a router's) plus a fixed random projection of the first output
+    that requires grad (the logits), so a model without labels is probed too."""
     import torch
 
     loss = getattr(output, "loss", None)
@@ -295,13 +230,8 @@ def _scalar(output: Any, seed: int) -> Any:
     return total
 
 
-# --- memory ------------------------------------------------------------------------------------------------------
-
-
 def fits(model: Any, tokens: int) -> str | None:
-    """On CUDA: None when the probe's forward without checkpointing fits in the free memory, else why not. The
-    estimate: per layer 40 bytes per token per hidden unit (activations kept without checkpointing, 16-bit), the
-    logits three times in float32, and twice the largest parameter's gradient in float32."""
+    """On CUDA: why the probe's forward without checkpointing does not fit in the free memory, else None."""
     import torch
 
     params = list(model.parameters())
@@ -320,9 +250,6 @@ def fits(model: Any, tokens: int) -> str | None:
     return None
 
 
-# --- the probe ---------------------------------------------------------------------------------------------------
-
-
 def parity_probe(
     model: Any,
     inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
@@ -330,32 +257,19 @@ def parity_probe(
     seed: int = 0,
     length: int = 16,
 ) -> ParityResult:
-    """Compare the gradients of every trainable parameter with and without checkpointing on one small batch.
-
-    Args:
-        model: the model as the Trainer holds it (a PEFT wrapper is fine).
-        inputs: (args, kwargs) of one sample of the first training batch (`first_sample`).
-        batch: (args, kwargs) of the whole first training batch, tried when one sample does not run and it has at
-            most `MAX_BATCH_TOKENS` tokens. Neither, or neither runs: a synthetic `length`-token sequence.
-        seed: seeds the synthetic batch, the projections and the forward's random ops (the same in both passes).
-
-    Returns:
-        The `ParityResult`. Puts back the run's gradients, buffers, random number generators and train/eval mode.
-    """
+    """Compare on `inputs` (one sample, `first_sample`), else the whole `batch` (up to `MAX_BATCH_TOKENS`), else a
+    synthetic `length`-token sequence; `seed` seeds the batch, the projections and the forward's random ops."""
     import torch
 
-    result = ParityResult()
     base = ckpt.unwrap(model)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params:
-        result.skipped = "no trainable parameters"
-        return result
+        return ParityResult(skipped="no trainable parameters")
     flagged = [m for m in base.modules() if getattr(m, ckpt.FLAG, None) is True]
     if not flagged:
-        result.skipped = "no module checkpoints"
-        return result
+        return ParityResult(skipped="no module checkpoints")
     low = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in params)
-    result.rtol = LOW_PRECISION_RTOL if low else PARITY_RTOL
+    result = ParityResult(rtol=LOW_PRECISION_RTOL if low else PARITY_RTOL)
     device = params[0][1].device
     candidates = []
     if inputs is not None:
@@ -398,11 +312,15 @@ def _passes(
     saved_grads = [p.grad for _, p in params]
     base = ckpt.unwrap(model)
     buffers = [(b, b.detach().clone()) for b in base.buffers()]
-    counters = _number_attributes(base)
+    counters = [  # public number attributes (a step counter a forward advances)
+        (module, name, value)
+        for module in base.modules()
+        for name, value in vars(module).items()
+        if not name.startswith("_") and isinstance(value, numbers.Number) and not isinstance(value, bool)
+    ]
     was_training = model.training
     device = params[0][1].device
     devices = [device] if device.type == "cuda" else []
-
     saved = ckpt.snapshot(base, functions=False)
 
     def put_back_state() -> None:
@@ -437,17 +355,6 @@ def _passes(
         put_back_state()
         model.train(was_training)
     return with_gc, without
-
-
-def _number_attributes(base: Any) -> list[tuple[Any, str, Any]]:
-    """The public number attributes of every module (a step counter a forward advances), to put back after the
-    probe's passes."""
-    return [
-        (module, name, value)
-        for module in base.modules()
-        for name, value in vars(module).items()
-        if not name.startswith("_") and isinstance(value, numbers.Number) and not isinstance(value, bool)
-    ]
 
 
 def _compare(

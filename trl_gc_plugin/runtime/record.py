@@ -1,8 +1,5 @@
-"""A run's record: its settings, every decision taken for it, the `use_reentrant` in force and who set it, and every
-hook the run added (`model.hooks.Hooks`); how a finding is recorded, refused, repaired and how the run leaves.
-
-`run.Run` is this record with the stages of a run; the runtime checks take the run as a `Record`.
-"""
+"""A run's record (decisions, the `use_reentrant` in force and who set it, its hooks): how a finding is recorded,
+refused or repaired, and how the run leaves. `run.Run` adds the stages; the runtime checks take a `Record`."""
 
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ from ..model.verify import Watch
 from ..model.write import CacheSwitch, set_args_kwarg
 
 STAND_BACK = frozenset(r.id for r in RULES if r.stand_back)
-"""Rules that hand checkpointing to another library or the model's own code: the plugin then decides nothing."""
 
 
 def runtime_decision(
@@ -34,32 +30,26 @@ def runtime_decision(
     setting: str | None = None,
     level: Level | None = None,
 ) -> Decision:
-    """A decision taken while the run trains (source `runtime`, stage `train`)."""
     return rule.decision(action, before, after, "runtime", reason, "train", setting, level)
 
 
-class Record:
-    """What the plugin knows and did about one run, on any route.
+def names_of(found: list[str], limit: int = 6) -> str:
+    return ", ".join(found[:limit]) + (" ..." if len(found) > limit else "")
 
-    Args:
-        settings (`GCSettings`): the settings, resolved once before the run was armed.
-        main_process (`bool`, *optional*): whether this process logs and writes files, when the arguments must not
-            be asked (in `__post_init__`, before the distributed state is set up); else read from the arguments.
-        write_json (`bool`): write `gc_decisions.json` (the setting, unless the route writes none: `__post_init__`).
-    """
+
+class Record:
+    """What the plugin knows and did about one run, on any route."""
 
     def __init__(self, settings: GCSettings, main_process: bool | None = None, write_json: bool = True) -> None:
         self.settings = settings
         self.mode = settings.mode
-        self.main_process = main_process
+        self.main_process = main_process  # given where the arguments must not be asked (`__post_init__`)
         self.write_json = write_json and settings.write_json
         self.args: Any = None
         self._model: Callable[[], Any] = lambda: None
         self.decisions: list[Decision] = []
-        self.use_reentrant: Any = None
-        """The `use_reentrant` in force (the one holder of it)."""
-        self.source = "unset"
-        """Who set it: `user`, `plugin`, `trainer`, a launcher, `unknown` or `unset`."""
+        self.use_reentrant: Any = None  # the one holder of the value in force
+        self.source = "unset"  # who set it: `user`, `plugin`, `trainer`, a launcher, `unknown` or `unset`
         self.json_path: str | None = None
         self.reported: dict[str, int] = {}
         self.hooks = Hooks()
@@ -70,7 +60,6 @@ class Record:
 
     @property
     def model(self) -> Any:
-        """The model, held weakly: a run never keeps a model alive."""
         return self._model()
 
     @model.setter
@@ -80,19 +69,15 @@ class Record:
         except TypeError:  # not weakly referable
             self._model = lambda: model
 
-    # --- what the run is -----------------------------------------------------------------------------------------
-
     def stands_back(self) -> bool:
-        """Another library or the model's own code owns checkpointing (a `stand_back` rule applied): the plugin
-        decides nothing and only reports what its checks see."""
+        """Another library or the model's own code owns checkpointing: the plugin decides nothing, only reports."""
         return any(d.rule_id in STAND_BACK for d in self.decisions)
 
     def explicit(self) -> tuple[bool, str]:
-        """Whether the running `use_reentrant=True` is the user's own choice (or of unknown origin), and its source."""
+        """Whether the running `use_reentrant=True` is the user's own choice (or of unknown origin); its source."""
         return self.use_reentrant is True and self.source in ("user", "unknown"), self.source
 
     def count(self, key: str) -> int:
-        """How many times `key` has been seen this run, this time included (a finding is said once)."""
         self.reported[key] = self.reported.get(key, 0) + 1
         return self.reported[key]
 
@@ -104,16 +89,13 @@ class Record:
     def is_main(self) -> bool:
         return self.main_process if self.main_process is not None else report.is_main_process(self.args)
 
-    # --- recording and refusing ----------------------------------------------------------------------------------
-
     def record(self, new: list[Decision]) -> None:
         if new:
             self.decisions.extend(new)
             self.publish(new)
 
     def conclude(self, new: list[Decision], mode: str | None = None) -> None:
-        """Record a check's findings and refuse for its `error` ones (in `mode`, the run's by default), after
-        removing every trace of the run: a refused run never reaches its end."""
+        """Record a check's findings and refuse for its `error` ones (in `mode`, the run's by default)."""
         self.record(new)
         self.refuse(new, mode, recorded=True)
 
@@ -131,7 +113,7 @@ class Record:
             raise
 
     def publish(self, new: list[Decision]) -> None:
-        """Log the new decisions (main process) and rewrite `gc_decisions.json` when checkpointing is involved."""
+        """Log the new decisions and rewrite `gc_decisions.json` when checkpointing is involved."""
         main = self.is_main()
         report.log_decisions(new, main)
         if not (main and self.write_json and any(d.rule_id != "checkpointing-off" for d in self.decisions)):
@@ -146,10 +128,7 @@ class Record:
                 "warning",
             )
 
-    # --- acting on the model -------------------------------------------------------------------------------------
-
     def switch(self, value: bool) -> None:
-        """Run `use_reentrant=value` from now on: the arguments, the model, the drift watch and the record."""
         set_args_kwarg(self.args, "use_reentrant", value)
         if self.model is not None:
             ckpt.set_keyword(self.model, "use_reentrant", value)
@@ -158,8 +137,7 @@ class Record:
         self.set_use_reentrant(value, "plugin")
 
     def ensure_guard(self, layer_kwargs: Any, keep: bool = True) -> EnableGuard:
-        """The enable guard, installed once: it reports every re-enable to `reenabled`, and with `keep` keeps what
-        the plugin enabled across them."""
+        """The enable guard, installed once: reports each re-enable to `reenabled`; `keep`: keeps what was enabled."""
         if self.guard is None:
             self.guard = EnableGuard(self.model, layer_kwargs, keep, after=self.reenabled)
             self.guard.install(self.hooks)
@@ -167,16 +145,27 @@ class Record:
         return self.guard
 
     def reenabled(self) -> None:
-        """The model's checkpointing was enabled again (`Run` checks what drifted)."""
+        """The model's checkpointing was enabled again (`Run` checks drift)."""
 
-    def stop(self, keep_lasting: bool = False, keep_repairs: bool = False) -> None:
-        """Remove every trace of the run: its hooks (the checks', the enable guard's, the loop's) and the repairs made
-        on the model, and the `use_cache` switch; `keep_lasting` / `keep_repairs` as `Hooks.remove`'s (a loop goes on
-        after the route)."""
+    def stop(self, keep_repairs: bool = False) -> None:
+        """Remove every trace of the run (its hooks, its repairs unless `keep_repairs`, the `use_cache` switch)."""
         self.stopped = True
-        self.hooks.remove(keep_lasting, keep_repairs)
+        self.hooks.remove(keep_repairs=keep_repairs)
         self.guard = None
         if self.cache is not None:
             self.cache.restore()
             self.cache = None
         self.watch = None
+
+
+class Check:
+    """A first-step check whose hooks (`_handles`) go at `remove` (idempotent)."""
+
+    def __init__(self, run: Record) -> None:
+        self.run = run
+        self._handles: list[Any] = []
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            self.run.hooks.discard(handle)
+        self._handles = []

@@ -1,14 +1,6 @@
-"""The state a checkpointed forward changes, changed again by its recompute in the backward.
-
-Checkpointing runs a block's forward twice: once in the forward pass and once, to rebuild its activations, in the
-backward. Whatever the forward writes besides its output (a counter, MoE tokens-per-expert, a BatchNorm running
-statistic) is written twice: every batch counts double, silently. `Replay` looks once, in the first training step:
-at the end of the first training forward it reads the state of every checkpointed block (each buffer's version
-counter and sum, the public number attributes of its modules), and at the end of that forward's backward (an
-autograd engine callback) it reads them again. Anything that changed in between was changed by the recompute.
-
-Its cost is one pass over the blocks' modules and one float64 sum per buffer (no copy) at each of the two points,
-once per run; it holds no tensor (a number per buffer) and nothing of it is attached to the model.
+"""Rule `forward-state-replayed`: state a checkpointed forward writes besides its output (a counter, MoE
+tokens-per-expert, BatchNorm statistics) is written again by the recompute, so every batch counts double. Read once,
+at the end of the first training forward and at the end of its backward (no tensor kept, nothing on the model).
 """
 
 from __future__ import annotations
@@ -21,15 +13,13 @@ from ..core.errors import contained
 from ..core.rules import get_rule
 from ..model import ckpt
 from .first_forward import grad_output
-from .record import Record, runtime_decision
+from .record import Check, Record, names_of, runtime_decision
 
 State = dict[str, Any]
 
+# other libraries' bookkeeping a recompute legitimately changes again: DeepSpeed ZeRO-3 counts its pre-backward hooks
+# on every module it partitions (`deepspeed/runtime/zero/parameter_offload.py`, 0.19.8); its others start with `ds_`
 NOT_MODEL_STATE = frozenset({"applied_pre_backward_ref_cnt"})
-"""Number attributes other libraries keep on the modules for their own bookkeeping, which a recompute legitimately
-changes again (not the model's state). DeepSpeed ZeRO-3 counts its pre-backward hooks on every module it partitions
-(`deepspeed/runtime/zero/parameter_offload.py`, read in 0.19.8): without this, every ZeRO-3 run with checkpointing
-was warned of replayed state. Its other attributes start with `ds_`, skipped like private ones."""
 
 
 def read_state(base: Any) -> State:
@@ -72,14 +62,10 @@ def changed(before: State, after: State) -> list[str]:
     return out
 
 
-class Replay:
-    """The runtime check of rule `forward-state-replayed`: installed at train begin on a model that checkpoints,
-    it watches the first grad-enabled training forward and its backward, then removes itself."""
-
+class Replay(Check):
     def __init__(self, run: Record) -> None:
-        self.run = run
+        super().__init__(run)
         self.found: list[str] | None = None
-        self._handle: Any = None
 
     def install(self, model: Any) -> None:
         base = ckpt.unwrap(model)
@@ -109,22 +95,16 @@ class Replay:
 
             tensor.register_hook(on_grad)
 
-        self._handle = self.run.hooks.forward(base, after_forward)
-
-    def remove(self) -> None:
-        if self._handle is not None:
-            self.run.hooks.discard(self._handle)
-            self._handle = None
+        self._handles = [self.run.hooks.forward(base, after_forward)]
 
     def _judge(self, names: list[str]) -> None:
         self.found = names
         if not names:
             return
         rule = get_rule("forward-state-replayed")
-        shown = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
         reason = (
             f"{len(names)} value(s) written by a checkpointed block's forward were written again by its recompute in "
-            f"the first backward ({shown}): every batch updates them twice. " + rule.message
+            f"the first backward ({names_of(names)}): every batch updates them twice. " + rule.message
         )
         self.run.record([runtime_decision(rule, "warn", None, names[:20], reason)])
 
