@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 
 
 def trainer_kinds() -> tuple[str, ...]:
-    """The trainers TRL has: its CLI's commands first, then its other trainer classes (as the plugin names them
-    from the config class), and `trainer` for transformers' own Trainer. TRL configs take only the CLI's commands."""
+    """TRL's CLI commands, then its other trainers, then `trainer` (transformers' own)."""
     from .configcheck.launchers.trl import CLI_TRAINERS
     from .core.facts import GENERATING_TRAINERS, RL_TRAINERS
 
@@ -37,8 +36,7 @@ verdict depends on what was not read, or an option is invalid."""
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `check` (and of `trl-gc-check`). Numbers, versions and names are taken as strings and checked
-    by `_launch`, so a bad value is one line naming the option and what it takes."""
+    """The options of `check` / `trl-gc-check`, taken as strings: `_launch` checks them (one line per bad value)."""
     parser.add_argument(
         "configs",
         nargs="+",
@@ -120,7 +118,6 @@ class OptionError(ValueError):
 
 
 def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
-    """The check's options from the command line; `OptionError` naming the option and what it takes."""
     import os
 
     from packaging.version import InvalidVersion, Version
@@ -192,8 +189,7 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
 
 
 def run_check(ns: argparse.Namespace) -> int:
-    """Check every config; exit 0 all fine, 1 strict mode (or the launcher) refuses one, 2 one cannot be checked or
-    an option is invalid. Problems go to stderr, one line each; never a traceback."""
+    """Check every config and return the exit status; problems go to stderr, one line each, never a traceback."""
     try:
         launch, mode = _launch(ns)
         from .configcheck.check import check_files, exit_code, render, render_brief, render_json, summary
@@ -226,8 +222,6 @@ def run_check(ns: argparse.Namespace) -> int:
 
 
 class _CheckParser(argparse.ArgumentParser):
-    """argparse, with usage errors as one line and exit status 2 (as the check's own errors)."""
-
     def error(self, message: str) -> NoReturn:
         _one_line_error(self, message)
 

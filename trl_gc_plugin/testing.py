@@ -1,7 +1,5 @@
-"""Tiny, offline building blocks for tests, examples and benchmarks: a byte-level BPE tokenizer trained in memory,
-a 2-layer Llama built from a config, and small datasets. Nothing here touches the network.
-
-Not imported by `trl_gc_plugin` itself; needs `datasets` and `tokenizers` (both come with TRL).
+"""Tiny, offline building blocks for tests, examples and benchmarks: an in-memory BPE tokenizer, a 2-layer Llama and
+small datasets. Not imported by `trl_gc_plugin` itself; needs `datasets` and `tokenizers` (both come with TRL).
 """
 
 from __future__ import annotations
