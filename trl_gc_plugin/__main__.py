@@ -134,9 +134,8 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
             raise OptionError(f"--nproc {ns.nproc!r}: expected a whole number of processes >= 1") from None
         if nproc < 1:
             raise OptionError(f"--nproc {nproc}: expected a whole number of processes >= 1")
-    trainer = ns.trainer
-    if trainer is not None and trainer not in trainer_kinds():
-        raise OptionError(f"--trainer {trainer!r}: not a trainer TRL has; one of {', '.join(trainer_kinds())}")
+    if ns.trainer is not None and ns.trainer not in trainer_kinds():
+        raise OptionError(f"--trainer {ns.trainer!r}: not a trainer TRL has; one of {', '.join(trainer_kinds())}")
     from .core.settings import BY_NAME, GCSettings, parse_mode
 
     try:
@@ -147,7 +146,6 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
     resolved = GCSettings.resolve({"mode": ns.mode}, caller="trl-gc-check --mode", say=False)  # the run's precedence
     for line in resolved.problems:
         sys.stderr.write(f"trl-gc-check: {line}; using the default.\n")
-    mode = resolved.mode
     if ns.format not in ("auto", *FORMATS):
         raise OptionError(f"--format {ns.format!r}: one of auto, {', '.join(FORMATS)}")
     if ns.parser not in ("auto", "launcher", "model"):
@@ -166,26 +164,23 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
                 f"--accelerate-config {accelerate!r}: not a file, nor a config TRL ships (zero3, fsdp2, ...)"
             )
         accelerate = bundled
-    versions = []
-    for package in CHECK_PACKAGES:
-        value = getattr(ns, f"v_{package}")
-        if value is None:
-            continue
+    versions = [(package, getattr(ns, f"v_{package}")) for package in CHECK_PACKAGES]
+    versions = [(package, value) for package, value in versions if value is not None]
+    for package, value in versions:
         try:
             Version(value)
         except InvalidVersion:
             raise OptionError(f"--{package}-version {value!r}: not a version number (PEP 440), e.g. 0.19.8") from None
-        versions.append((package, value))
     launch = Launch(
         nproc=nproc,
-        trainer=trainer,
+        trainer=ns.trainer,
         versions=tuple(versions),
         format=ns.format,
         parser=ns.parser,
         accelerate_config=accelerate,
         timeout=timeout,
     )
-    return launch, mode
+    return launch, resolved.mode
 
 
 def run_check(ns: argparse.Namespace) -> int:

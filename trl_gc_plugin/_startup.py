@@ -93,13 +93,9 @@ class _TransformersFinder:
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
         if fullname not in self.pending:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
+        finders = (f for f in sys.meta_path if f is not self and hasattr(f, "find_spec"))
+        spec = next((s for f in finders if (s := f.find_spec(fullname, path, target)) is not None), None)
+        if spec is None:
             return None
         loader = getattr(spec, "loader", None)
         exec_module = getattr(loader, "exec_module", None)

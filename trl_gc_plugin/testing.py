@@ -54,7 +54,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 def make_config(tokenizer: PreTrainedTokenizerFast | None = None, **overrides: Any) -> LlamaConfig:
     tokenizer = tokenizer or make_tokenizer()
-    kwargs: dict[str, Any] = dict(
+    defaults: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -67,8 +67,7 @@ def make_config(tokenizer: PreTrainedTokenizerFast | None = None, **overrides: A
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+    return LlamaConfig(**(defaults | overrides))
 
 
 def make_model(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:

@@ -28,14 +28,11 @@ def parse_flag(value: object) -> bool | None:
 
 def launcher_main_process() -> bool:
     """False on the ranks other than 0 of a distributed launch (the launcher's `RANK`, else `LOCAL_RANK`)."""
-    for var in ("RANK", "LOCAL_RANK"):
-        value = os.environ.get(var)
-        if value:
-            try:
-                return int(value) == 0
-            except ValueError:
-                return True
-    return True
+    value = os.environ.get("RANK") or os.environ.get("LOCAL_RANK")
+    try:
+        return int(value) == 0 if value else True
+    except ValueError:
+        return True
 
 
 def pydantic_bool(value: object) -> bool | None:

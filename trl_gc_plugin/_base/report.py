@@ -9,6 +9,7 @@ the main process logs; a launcher that builds the arguments before starting the 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 from collections.abc import Iterable
@@ -36,17 +37,11 @@ def _said(pid: int) -> frozenset[str]:
 _INHERITED = _said(os.getppid())
 
 
-def _digest(text: str) -> str:
-    import hashlib
-
-    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
-
-
 def _said_by_parent(decision: Any) -> bool:
     """A post-init decision line the parent process logged already; else remember it for this one's children."""
     if getattr(decision, "stage", None) != "post_init":
         return False
-    digest = _digest(decision.line())
+    digest = hashlib.blake2b(decision.line().encode(), digest_size=6).hexdigest()
     if digest in _INHERITED:
         return True
     own = _said(os.getpid())
@@ -85,10 +80,8 @@ def follow_trainer(args: Any) -> None:
 def is_main_process(args: Any = None) -> bool:
     """Rank 0 of `args`' distributed state when given, else of the launcher's environment."""
     if args is not None:
-        try:
+        with contextlib.suppress(Exception):  # args not fully built, or no distributed state yet
             return int(args.process_index) == 0
-        except Exception:  # args not fully built, or no distributed state yet
-            pass
     return launcher_main_process()
 
 

@@ -20,9 +20,7 @@ class WeakIdMap(Generic[V]):
 
     def get(self, obj: Any) -> V | None:
         item = self._data.get(id(obj))
-        if item is None or item[0]() is not obj:
-            return None
-        return item[1]
+        return item[1] if item is not None and item[0]() is obj else None
 
     def set(self, obj: Any, value: V) -> None:
         key = id(obj)

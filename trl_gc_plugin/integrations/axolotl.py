@@ -37,7 +37,7 @@ def _get(cfg: Any, key: str) -> Any:
 
 
 class SafeGCArgs(BaseModel):
-    """The plugin's keys in an Axolotl config, checked by the settings layer (not pydantic) for the plugin's messages."""
+    """The plugin's keys in an Axolotl config, checked by the settings layer (the plugin's messages), not pydantic."""
 
     trl_gc_mode: Any = None
     trl_gc_audit: Any = None

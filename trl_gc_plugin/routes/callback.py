@@ -41,13 +41,10 @@ def _guarded(event: F) -> F:
 class SafeGCCallback(TrainerCallback):
     """A [`~transformers.TrainerCallback`] that makes gradient checkpointing safe for the run it is attached to.
 
-    `on_init_end` decides `use_reentrant` with the rule table, validates the combination and writes the decision into
-    the arguments (both the `activation_checkpointing*` and `gradient_checkpointing*` names) and the model;
-    `on_train_begin` repairs a model that runs something else and watches the first training forward (reentrant
-    blocks with trainable parameters and no input requiring grad: the silent failure, refused, repaired or reported
-    before the backward); the first `on_pre_optimizer_step` audits the gradients; each step keeps `use_cache` off and
-    the decision in place (DPO and GRPO re-enable checkpointing every step); `on_train_end` restores the model config.
-    Nothing is stored on the arguments, the trainer state or the config: checkpoints load without the plugin.
+    `on_init_end` decides `use_reentrant` with the rule table and writes it into the arguments and the model;
+    `on_train_begin` repairs the model and watches the first training forward for the silent failure (reentrant blocks
+    with trainable parameters and no input requiring grad); the first optimizer step audits the gradients; each step
+    keeps the decision in place (DPO and GRPO re-enable every step). Nothing is stored on what checkpoints save.
 
     Args:
         mode (`str`, *optional*): `"strict"` (default) fills unset values, repairs upstream inconsistencies and raises

@@ -68,12 +68,9 @@ def label_axolotl_value(args: Any, given: tuple[bool, Any]) -> None:
     """Record `use_reentrant` in the arguments as Axolotl's where the YAML did not set that value."""
     kwargs = getattr(args, probe.kwargs_field(args), None)
     value = kwargs.get("use_reentrant") if isinstance(kwargs, dict) else None
-    if value is None:
-        return
     in_yaml, yaml_value = given
-    if in_yaml and value == yaml_value:
-        return  # the user's own: the plugin's usual reading ("yours") is right
-    probe.remember(args, value, AXOLOTL)
+    if value is not None and not (in_yaml and value == yaml_value):  # else the user's own: "yours" is right
+        probe.remember(args, value, AXOLOTL)
 
 
 def adopt(args: Any) -> None:

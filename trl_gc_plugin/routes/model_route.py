@@ -63,8 +63,7 @@ class LoopConfig:
 
     @property
     def process_index(self) -> int:
-        dist = _distributed()
-        if dist is not None:
+        if (dist := _distributed()) is not None:
             return int(dist.get_rank())
         return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
 
@@ -105,10 +104,6 @@ class ModelRoute:
         self.state = "new"  # then `decided`, `first step` (its checks armed), `done` (first step checked), `ended`
         self._calls: list[Any] = []
         self._tracked: tuple[weakref.ref[Any], int] | None = None
-
-    @property
-    def waiting(self) -> bool:
-        return self.state in ("new", "decided", "first step")
 
     def decide(self) -> list[Decision]:
         model = self.model_ref()
@@ -165,7 +160,8 @@ class ModelRoute:
         if not (torch.is_grad_enabled() and ckpt.unwrap(model).training):
             return
         if self.state == "first step":
-            if self._updated_without_a_step():
+            param = self._tracked[0]() if self._tracked is not None else None  # changed in place, yet no step seen
+            if param is not None and param._version != self._tracked[1]:
                 self.end("the model's parameters changed without a torch optimizer step (an update by hand?)")
             return
         if not probe.checkpointing_on(model):  # turned off again before training: nothing to guard
@@ -189,17 +185,12 @@ class ModelRoute:
             self.state = "done"
             self.run.hooks.remove(keep_lasting=True)  # the enable guard stays; `__call__` goes at the next forward
 
-    def _updated_without_a_step(self) -> bool:
-        if self._tracked is None:
-            return False
-        ref, version = self._tracked
-        param = ref()
-        return param is not None and param._version != version
-
     def end(self, why: str | None = None) -> None:
         """Take the route off the model, keeping its repairs; `why` the first step's checks did not run."""
-        if why and self.waiting and self.run.settings.audit:
-            report.note(f"{_name(self.model_ref())}: the first-step checks did not run: {why}.", "info")
+        if why and self.state in ("new", "decided", "first step") and self.run.settings.audit:
+            model = self.model_ref()
+            name = type(ckpt.unwrap(model)).__name__ if model is not None else "a collected model"
+            report.note(f"{name}: the first-step checks did not run: {why}.", "info")
         self.state = "ended"
         self._calls = []
         self.run.stop(keep_repairs=True)
@@ -219,9 +210,7 @@ def _collected(route: weakref.ref[ModelRoute]) -> None:
 def _sync_model(model: Any, before: dict[str, Any], after: dict[str, Any]) -> None:
     """What the decisions changed in the loop's kwargs, onto the model's checkpoint function (the loop enabled once,
     before the plugin decided)."""
-    for key in sorted(set(before) | set(after)):
-        if key in _LAYER_ARGS:
-            continue  # layer arguments: transformers applied them at the enable call
+    for key in sorted((set(before) | set(after)) - set(_LAYER_ARGS)):  # transformers applied those at the enable call
         if before.get(key, _MISSING) != after.get(key, _MISSING):
             ckpt.set_keyword(model, key, after.get(key))
 
@@ -232,9 +221,8 @@ def _steps(optimizer: Any, model: Any) -> bool:
     trainable = [p for p in model.parameters() if p.requires_grad]
     ids = {id(p) for p in trainable}
     groups = getattr(optimizer, "param_groups", None) or []
-    if any(id(p) in ids for group in groups for p in group.get("params", ())):
-        return True
-    return any(p.grad is not None for p in trainable)
+    held = any(id(p) in ids for group in groups for p in group.get("params", ()))
+    return held or any(p.grad is not None for p in trainable)
 
 
 def _version_of(model: Any) -> tuple[weakref.ref[Any], int] | None:
@@ -243,10 +231,6 @@ def _version_of(model: Any) -> tuple[weakref.ref[Any], int] | None:
         if param.requires_grad:
             return None if hasattr(param, "ds_id") else (weakref.ref(param), param._version)
     return None
-
-
-def _name(model: Any) -> str:
-    return type(ckpt.unwrap(model)).__name__ if model is not None else "a collected model"
 
 
 def _zero3_partitions(model: Any) -> dict[str, Any] | None:
@@ -271,14 +255,10 @@ def guard(
     `TRL_GC_PLUGIN_OUTPUT_DIR`, else no file). Returns the decisions; `GCConfigError` in strict mode for a setup
     known to break training (before any update).
     """
-    given = {
-        "mode": mode,
-        "audit": audit,
-        "parity_check": parity_check,
-        "memory_budget": memory_budget,
-        "output_dir": output_dir,
-    }
-    settings = GCSettings.resolve(given, caller="guard")
+    settings = GCSettings.resolve(
+        dict(mode=mode, audit=audit, parity_check=parity_check, memory_budget=memory_budget, output_dir=output_dir),
+        caller="guard",
+    )
     report.setup()
     base = ckpt.unwrap(model)
     old = _ROUTES.pop(base)

@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -92,8 +93,6 @@ TRACEBACK_ENV = "TRL_GC_PLUGIN_TRACEBACK"
 def install_refusal_hook() -> None:
     """For `TRL_GC_PLUGIN=1` launchers: an uncaught `GCConfigError` prints its message, not a traceback through the
     launcher's argument parsing (unless `TRL_GC_PLUGIN_TRACEBACK=1`). Undone by `uninstall()`."""
-    import sys
-
     with _lock:
         current = sys.excepthook
         if getattr(current, _MARK, False):
@@ -113,8 +112,6 @@ def install_refusal_hook() -> None:
 
 
 def _remove_refusal_hook() -> None:
-    import sys
-
     hook = sys.excepthook
     if getattr(hook, _MARK, False):
         sys.excepthook = hook.previous  # type: ignore[attr-defined]
