@@ -1,9 +1,8 @@
 """The Axolotl plugin: `plugins: [trl_gc_plugin.integrations.axolotl.SafeGCPlugin]` in an Axolotl config.
 
-`register(cfg)` keeps what the raw YAML says about `use_reentrant` (Axolotl writes its own); `get_input_args()` adds
-the `trl_gc_*` keys, validated by the plugin's settings layer; `add_callbacks_pre_trainer` passes the callback to the
-Trainer's constructor (a post-trainer callback would miss `on_init_end`). Axolotl's `PluginManager` only logs an
-`ImportError` and trains on without the plugin, so a failed import here raises `RuntimeError` instead.
+`register(cfg)` keeps what the raw YAML says about `use_reentrant`; `get_input_args()` adds the `trl_gc_*` keys; the
+callback goes to the Trainer's constructor (a post-trainer one would miss `on_init_end`). Axolotl's `PluginManager`
+only logs an `ImportError` and trains on unchecked, so a failed import here raises `RuntimeError`.
 """
 
 from __future__ import annotations

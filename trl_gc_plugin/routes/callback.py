@@ -83,8 +83,7 @@ class SafeGCCallback(TrainerCallback):
         self.audit = resolved.audit
         self.parity_check = resolved.parity_check
         self._owner: SafeGCCallback | None = None
-        self._active = False
-        self._broken = False
+        self._active = self._broken = False
         self._reset_run()
         report.setup()
 

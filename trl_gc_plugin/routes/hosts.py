@@ -1,10 +1,7 @@
-"""What the plugin adapts to inside a launcher that runs it without the launcher's own integration (`TRL_GC_PLUGIN=1
-axolotl train cfg.yml`; the Axolotl plugin calls the same code). Axolotl, the only host modelled so far:
-
-- its `AxolotlLogger` filter drops non-`axolotl*` records below `LOG_LEVEL` (WARNING): the plugin's INFO summary was
-  hidden; the plugin's loggers get Axolotl's own rule instead (shown from `AXOLOTL_LOG_LEVEL`, INFO by default).
-- it writes `use_reentrant` into the arguments itself (`normalize_config`: true; the builder: false when unset); the
-  YAML (from `register(cfg)`, or the first `.yml` / `.yaml` argument, read as YAML only) tells the user's from its.
+"""What the plugin adapts to inside Axolotl run without its `plugins:` line (`TRL_GC_PLUGIN=1 axolotl train`; the
+Axolotl plugin calls the same code): Axolotl's logging filter hides non-`axolotl*` INFO records, so the plugin's
+loggers get Axolotl's own rule; and Axolotl writes `use_reentrant` itself, so the YAML (from `register(cfg)` or the
+process's `.yml` argument, read as YAML only) tells the user's value from Axolotl's.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The model route: the plugin for training loops without a `Trainer` (OpenRLHF, verl, `accelerate`, plain PyTorch),
-through the same `runtime.run.Run` the Trainer route drives. A `LoopConfig` stands in for `TrainingArguments` and the
-model's events for the callback's: its first training forward (decide, refuse or repair, arm the first step's checks),
-its first optimizer step (torch's process-wide pre-hook: audit and parity probe before any update) and its re-enables.
-Entered by `guard(model)` or, under `install()` / `TRL_GC_PLUGIN=1`, by the patched enable methods; a model a Trainer
-`claim`s stays the Trainer route's. Until its first step, a route holds the model weakly.
+"""The model route: the plugin for loops without a `Trainer` (OpenRLHF, verl, `accelerate`, plain PyTorch), through
+the same `Run` as the Trainer route. A `LoopConfig` stands in for `TrainingArguments`, the model's first training
+forward, first optimizer step (torch's process-wide pre-hook) and re-enables for the callback's events. Entered by
+`guard(model)` or the patched enable methods (`install()`); a model a Trainer `claim`s stays the Trainer route's.
 """
 
 from __future__ import annotations
@@ -132,10 +130,9 @@ class ModelRoute:
         model = self.model_ref()
         if model is not None:
             base = ckpt.unwrap(model)
-            entries = [base, probe.embeddings(base)]
             self._calls = [
                 self.run.hooks.method(entry, "__call__", self._on_call, lasting=True)
-                for entry in entries
+                for entry in (base, probe.embeddings(base))
                 if entry is not None
             ]
             ends = weakref.finalize(model, _collected, weakref.ref(self))  # the model collected: the route ends

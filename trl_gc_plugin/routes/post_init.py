@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import logging
 import os
 import sys
 import threading
@@ -23,8 +22,6 @@ from ..core.settings import BOOL_FORMS, BY_NAME, INSTALLED, GCSettings, parse_bo
 from ..model import hooks, probe
 from ..runtime.run import Run
 from . import hosts, model_route
-
-logger = logging.getLogger("trl_gc_plugin")
 
 _MARK = "__trl_gc_plugin_wrapper__"
 _lock = threading.RLock()
@@ -160,7 +157,7 @@ def uninstall() -> None:
             if getattr(cls.__dict__.get("__post_init__"), _MARK, False):
                 cls.__post_init__ = original
             else:
-                logger.warning("TrainingArguments.__post_init__ was re-patched by someone else; left as it is.")
+                report.logger.warning("TrainingArguments.__post_init__ was re-patched by someone else; left as it is.")
         _remove_callback()
         _remove_refusal_hook()
         _state["original"] = None

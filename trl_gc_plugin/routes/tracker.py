@@ -1,9 +1,6 @@
-"""The plugin's decisions and figures in the run's tracker (whatever `report_to` says).
-
-The summary goes into the first `logs` after the first step (`Trainer.log` has copied them into `state.log_history`
-already: nothing reaches `trainer_state.json`). A reporter only sees what callbacks before it added, and a callback
-passed to the Trainer comes after the reporters, so at `on_init_end` the plugin moves itself just before the first
-one. Strings go only to the reporters that take them (MLflow warns for every string).
+"""The plugin's summary in the run's tracker (`report_to`): added to the first `logs` after the first step, which
+`Trainer.log` has already copied into the state (nothing reaches `trainer_state.json`). A reporter sees only what the
+callbacks before it added, so the plugin moves itself before the first one; strings go only to those that take them.
 """
 
 from __future__ import annotations
