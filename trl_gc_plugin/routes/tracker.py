@@ -79,17 +79,11 @@ def calling_handler(depth: int = 12) -> Any:
         return None
 
 
-def move_before_reporters(callback: Any) -> bool:
-    """Put `callback` just before the first reporter of the calling `CallbackHandler`; True when it moved."""
+def move_before_reporters(callback: Any) -> None:
+    """Put `callback` just before the first reporter of the calling `CallbackHandler` (if it comes after one)."""
     handler = calling_handler()
-    if handler is None:
-        return False
-    callbacks = handler.callbacks
+    callbacks = handler.callbacks if handler is not None else []
     mine = next((i for i, c in enumerate(callbacks) if c is callback), None)
-    if mine is None:
-        return False
     first = next((i for i, c in enumerate(callbacks) if _is_reporter(c)), None)
-    if first is None or first > mine:
-        return False
-    callbacks.insert(first, callbacks.pop(mine))
-    return True
+    if mine is not None and first is not None and first < mine:
+        callbacks.insert(first, callbacks.pop(mine))
