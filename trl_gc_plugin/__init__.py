@@ -1,9 +1,7 @@
 """trl-gc-plugin: safe gradient (activation) checkpointing for transformers and TRL.
 
-Importing this package patches nothing and imports nothing heavy: every public name is loaded on first use
-(PEP 562), so the start-up hook (`_startup.py`) can live inside the package at no cost. Use `SafeGCCallback`
-explicitly, call `install()` (undo with `uninstall()`), or set `TRL_GC_PLUGIN=1`; in a loop without a Trainer, call
-`guard(model)` after `gradient_checkpointing_enable` (or let `install()` / `TRL_GC_PLUGIN=1` do it).
+Importing this package patches nothing and loads every public name on first use (PEP 562), so the start-up hook can
+live inside it at no cost. Use `SafeGCCallback`, `install()` / `TRL_GC_PLUGIN=1`, or `guard(model)` in a loop.
 """
 
 from __future__ import annotations

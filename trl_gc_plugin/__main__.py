@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 
 
 def trainer_kinds() -> tuple[str, ...]:
-    """The trainers TRL has: its CLI's commands first, then its other trainer classes (as the plugin names them
-    from the config class), and `trainer` for transformers' own Trainer. TRL configs take only the CLI's commands."""
+    """TRL's CLI commands, then its other trainers, then `trainer` (transformers' own)."""
     from .configcheck.launchers.trl import CLI_TRAINERS
     from .core.facts import GENERATING_TRAINERS, RL_TRAINERS
 
@@ -37,8 +36,7 @@ verdict depends on what was not read, or an option is invalid."""
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `check` (and of `trl-gc-check`). Numbers, versions and names are taken as strings and checked
-    by `_launch`, so a bad value is one line naming the option and what it takes."""
+    """The options of `check` / `trl-gc-check`, taken as strings: `_launch` checks them (one line per bad value)."""
     parser.add_argument(
         "configs",
         nargs="+",
@@ -120,7 +118,6 @@ class OptionError(ValueError):
 
 
 def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
-    """The check's options from the command line; `OptionError` naming the option and what it takes."""
     import os
 
     from packaging.version import InvalidVersion, Version
@@ -137,9 +134,8 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
             raise OptionError(f"--nproc {ns.nproc!r}: expected a whole number of processes >= 1") from None
         if nproc < 1:
             raise OptionError(f"--nproc {nproc}: expected a whole number of processes >= 1")
-    trainer = ns.trainer
-    if trainer is not None and trainer not in trainer_kinds():
-        raise OptionError(f"--trainer {trainer!r}: not a trainer TRL has; one of {', '.join(trainer_kinds())}")
+    if ns.trainer is not None and ns.trainer not in trainer_kinds():
+        raise OptionError(f"--trainer {ns.trainer!r}: not a trainer TRL has; one of {', '.join(trainer_kinds())}")
     from .core.settings import BY_NAME, GCSettings, parse_mode
 
     try:
@@ -150,7 +146,6 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
     resolved = GCSettings.resolve({"mode": ns.mode}, caller="trl-gc-check --mode", say=False)  # the run's precedence
     for line in resolved.problems:
         sys.stderr.write(f"trl-gc-check: {line}; using the default.\n")
-    mode = resolved.mode
     if ns.format not in ("auto", *FORMATS):
         raise OptionError(f"--format {ns.format!r}: one of auto, {', '.join(FORMATS)}")
     if ns.parser not in ("auto", "launcher", "model"):
@@ -169,31 +164,27 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
                 f"--accelerate-config {accelerate!r}: not a file, nor a config TRL ships (zero3, fsdp2, ...)"
             )
         accelerate = bundled
-    versions = []
-    for package in CHECK_PACKAGES:
-        value = getattr(ns, f"v_{package}")
-        if value is None:
-            continue
+    versions = [(package, getattr(ns, f"v_{package}")) for package in CHECK_PACKAGES]
+    versions = [(package, value) for package, value in versions if value is not None]
+    for package, value in versions:
         try:
             Version(value)
         except InvalidVersion:
             raise OptionError(f"--{package}-version {value!r}: not a version number (PEP 440), e.g. 0.19.8") from None
-        versions.append((package, value))
     launch = Launch(
         nproc=nproc,
-        trainer=trainer,
+        trainer=ns.trainer,
         versions=tuple(versions),
         format=ns.format,
         parser=ns.parser,
         accelerate_config=accelerate,
         timeout=timeout,
     )
-    return launch, mode
+    return launch, resolved.mode
 
 
 def run_check(ns: argparse.Namespace) -> int:
-    """Check every config; exit 0 all fine, 1 strict mode (or the launcher) refuses one, 2 one cannot be checked or
-    an option is invalid. Problems go to stderr, one line each; never a traceback."""
+    """Check every config and return the exit status; problems go to stderr, one line each, never a traceback."""
     try:
         launch, mode = _launch(ns)
         from .configcheck.check import check_files, exit_code, render, render_brief, render_json, summary
@@ -226,8 +217,6 @@ def run_check(ns: argparse.Namespace) -> int:
 
 
 class _CheckParser(argparse.ArgumentParser):
-    """argparse, with usage errors as one line and exit status 2 (as the check's own errors)."""
-
     def error(self, message: str) -> NoReturn:
         _one_line_error(self, message)
 

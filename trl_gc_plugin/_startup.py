@@ -1,22 +1,10 @@
 """Start-up hook for `TRL_GC_PLUGIN`: stdlib only, never raises, runs once per process; importing it runs it.
 
-`trl_gc_plugin.pth` imports this module only when the variable is set: its line tests `"TRL_GC_PLUGIN" in
-os.environ` and nothing else, because what a `.pth` line costs every interpreter start-up is parsing and compiling
-it, token by token (`benchmarks/pth_cost.py`). Every other decision is taken here. On Python 3.15+, `trl_gc_plugin.start` (PEP 829)
-names `run`, and its presence disables the `.pth` import line.
-
-- unset, empty, `0`/`false`/`no`/`off` (any case): returns; nothing is patched.
-- `1`/`true`/`yes`/`on`: puts a finder on `sys.meta_path` that waits for `transformers.training_args`,
-  `transformers.trainer` and `transformers.modeling_utils` (the enable methods, for loops without a Trainer) to be
-  imported, patches each right after it has executed, and removes itself once all are done. What is already imported is patched at once. Neither torch nor transformers is imported here.
-- anything else: the same finder, but the first of those imports writes one warning on stderr instead of patching,
-  so processes that never import transformers' training code (pip, unrelated scripts) stay silent. The process
-  that warns sets `_TRL_GC_PLUGIN_WARNED` to the value; the processes it starts inherit it (`trl sft` ->
-  `accelerate launch` -> the training process) and stay silent for that same value. Ranks other than 0 of a
-  distributed launch (`RANK`, else `LOCAL_RANK`) stay silent too, as the plugin's own logs do: one warning per
-  launch.
-
-The variable is only a flag: no module named by an environment value is ever imported.
+`trl_gc_plugin.pth` imports it only when the variable is set (its line costs every interpreter start-up:
+`benchmarks/pth_cost.py`); on Python 3.15+ `trl_gc_plugin.start` (PEP 829) names `run`. On: a finder patches
+`transformers.training_args`, `.trainer` and `.modeling_utils` right after each is imported (at once if already).
+Off: nothing. Anything else: one warning at the first of those imports, on rank 0 only, and not again in the
+processes it starts (`_TRL_GC_PLUGIN_WARNED`). No module named by an environment value is ever imported.
 """
 
 from __future__ import annotations
@@ -40,9 +28,8 @@ def enabled(value: str | None) -> bool | None:
     """True for 1/true/yes/on/t/y, False for unset/empty/0/false/no/off/f/n (any case), None for anything else."""
     if value is None or not value.strip():
         return False
-    from ._base.flags import (
-        parse_flag,
-    )  # here, not at the top: Python 3.15's `.start` imports this module every start-up
+    # here, not at the top: Python 3.15's `.start` imports this module every start-up
+    from ._base.flags import parse_flag
 
     return parse_flag(value)
 
@@ -52,8 +39,8 @@ _warned = False
 
 
 def run() -> None:
-    """Entry point of the `.pth` line (by importing this module) and of the `.start` file; runs once per process
-    (site-packages can be scanned twice, e.g. through a `lib64 -> lib` symlink in a venv)."""
+    """Entry point of the `.pth` line and the `.start` file; once per process (site-packages can be scanned twice,
+    e.g. through a `lib64 -> lib` symlink)."""
     global _ran
     if _ran:
         return
@@ -63,16 +50,13 @@ def run() -> None:
         state = enabled(value)
         if state is True:
             _arm(_patch)
-        elif state is None and os.environ.get(WARNED_ENV) != value and _main_process():
-            _arm(_warn)
+        elif state is None and os.environ.get(WARNED_ENV) != value:
+            from ._base.flags import launcher_main_process  # imported already (`enabled` read the value)
+
+            if launcher_main_process():
+                _arm(_warn)
     except Exception as exc:  # never break interpreter start-up
         _write(f"trl_gc_plugin: start-up hook not installed: {exc!r}\n")
-
-
-def _main_process() -> bool:
-    from ._base.flags import launcher_main_process  # imported already (`enabled` read the value)
-
-    return launcher_main_process()
 
 
 def _write(text: str) -> None:
@@ -83,8 +67,7 @@ def _write(text: str) -> None:
 
 
 def _warn(fullname: str, module: object) -> None:
-    """Called instead of `_patch` for a value that is neither on nor off: once per process, and not again in the
-    processes this one starts (they inherit `WARNED_ENV`)."""
+    """Instead of `_patch` for a value neither on nor off: once per process and its children (`WARNED_ENV`)."""
     global _warned
     if _warned:
         return
@@ -101,8 +84,7 @@ def _warn(fullname: str, module: object) -> None:
 
 
 class _TransformersFinder:
-    """A meta-path finder that lets the real finders find the target modules and wraps their `exec_module`: once a
-    target has executed, `action(fullname, module)` runs (`_patch`, or `_warn`, which needs only the first)."""
+    """A meta-path finder that wraps the target modules' `exec_module`: once one has executed, `action` runs."""
 
     def __init__(self, action: _Action) -> None:
         self.action = action
@@ -111,13 +93,9 @@ class _TransformersFinder:
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
         if fullname not in self.pending:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
+        finders = (f for f in sys.meta_path if f is not self and hasattr(f, "find_spec"))
+        spec = next((s for f in finders if (s := f.find_spec(fullname, path, target)) is not None), None)
+        if spec is None:
             return None
         loader = getattr(spec, "loader", None)
         exec_module = getattr(loader, "exec_module", None)
@@ -143,17 +121,15 @@ class _TransformersFinder:
 
 def _patch(fullname: str, module: object) -> None:
     try:
-        from .routes import post_init as patching
+        from .routes import model_route, post_init
 
         if fullname == "transformers.training_args":
-            patching.patch_training_args(module.TrainingArguments)  # type: ignore[attr-defined]
-            patching.install_refusal_hook()  # a launcher's refusal reads as the message, not a traceback
+            post_init.patch_training_args(module.TrainingArguments)  # type: ignore[attr-defined]
+            post_init.install_refusal_hook()  # a launcher's refusal reads as the message, not a traceback
         elif fullname == "transformers.trainer":
-            patching.register_callback(module)
+            post_init.register_callback(module)
         elif fullname == "transformers.modeling_utils":
-            from .routes import model_route as loop
-
-            loop.patch_enable(module.PreTrainedModel)  # type: ignore[attr-defined]  # loops without a Trainer
+            model_route.patch_enable(module.PreTrainedModel)  # type: ignore[attr-defined]  # loops without a Trainer
     except Exception:
         import logging
 

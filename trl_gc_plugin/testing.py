@@ -1,7 +1,5 @@
-"""Tiny, offline building blocks for tests, examples and benchmarks: a byte-level BPE tokenizer trained in memory,
-a 2-layer Llama built from a config, and small datasets. Nothing here touches the network.
-
-Not imported by `trl_gc_plugin` itself; needs `datasets` and `tokenizers` (both come with TRL).
+"""Tiny, offline building blocks for tests, examples and benchmarks: an in-memory BPE tokenizer, a 2-layer Llama and
+small datasets. Not imported by `trl_gc_plugin` itself; needs `datasets` and `tokenizers` (both come with TRL).
 """
 
 from __future__ import annotations
@@ -56,7 +54,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 def make_config(tokenizer: PreTrainedTokenizerFast | None = None, **overrides: Any) -> LlamaConfig:
     tokenizer = tokenizer or make_tokenizer()
-    kwargs: dict[str, Any] = dict(
+    defaults: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -69,8 +67,7 @@ def make_config(tokenizer: PreTrainedTokenizerFast | None = None, **overrides: A
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+    return LlamaConfig(**(defaults | overrides))
 
 
 def make_model(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:

@@ -11,9 +11,8 @@ FORMS = "True/False, 1/0, or a string yes/no, true/false, t/f, y/n, 1/0, on/off 
 
 
 def parse_flag(value: object) -> bool | None:
-    """True/False for a bool, 0/1, or a string in ON/OFF (any case, surrounding blanks ignored); None otherwise
-    (an empty string included: the caller says what empty means). The one spelling of every on/off setting: the
-    environment variables, `SafeGCCallback`'s and `install()`'s arguments, the launchers' plugin keys."""
+    """True/False for a bool, 0/1, or a string in ON/OFF (any case, blanks ignored); None otherwise (empty included).
+    The one spelling of every on/off setting."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -29,20 +28,16 @@ def parse_flag(value: object) -> bool | None:
 
 def launcher_main_process() -> bool:
     """False on the ranks other than 0 of a distributed launch (the launcher's `RANK`, else `LOCAL_RANK`)."""
-    for var in ("RANK", "LOCAL_RANK"):
-        value = os.environ.get(var)
-        if value:
-            try:
-                return int(value) == 0
-            except ValueError:
-                return True
-    return True
+    value = os.environ.get("RANK") or os.environ.get("LOCAL_RANK")
+    try:
+        return int(value) == 0 if value else True
+    except ValueError:
+        return True
 
 
 def pydantic_bool(value: object) -> bool | None:
-    """How pydantic v2 validates a `bool` field in lax mode (Axolotl's schema): `parse_flag`'s values (the same
-    words: 1/on/t/true/y/yes, 0/off/f/false/n/no, any case) and the floats 0.0/1.0, but no blanks around a string
-    (pydantic refuses " true"); None when pydantic would refuse the value."""
+    """How pydantic v2 validates a `bool` in lax mode (Axolotl's schema): `parse_flag`'s values and 0.0/1.0, but no
+    blanks around a string; None when pydantic would refuse the value."""
     if isinstance(value, float) and value in (0.0, 1.0):
         return bool(value)
     if isinstance(value, str) and value != value.strip():

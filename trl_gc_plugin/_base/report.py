@@ -1,24 +1,15 @@
 """How the plugin talks: stdlib logging, the conventions of the Trainer it lives in, each message once per process.
 
-Two loggers, both under `trl_gc_plugin`:
-
-- `trl_gc_plugin`: one short summary per run (INFO: what runs, what changed, where `gc_decisions.json` is), and what
-  the user should act on (WARNING), refusals (ERROR). Visible under default settings.
-- `trl_gc_plugin.decisions`: one line per decision, at the decision's level. Its INFO lines (defaults filled,
-  routine repairs of upstream behaviour) show when the Trainer's log level is `info` or `debug`
-  (`TrainingArguments(log_level="info")`, `--log_level info` on the TRL CLI); its warnings and errors always show.
-
-Like transformers does for its own library logger, the plugin gives `trl_gc_plugin` a stderr handler and stops
-propagation, unless the application configured the logger first (a handler or a level of its own): then the
-application decides. Levels follow the Trainer only while they are the plugin's own defaults. Only the main process
-logs. A message already logged in this process is not logged again (the summary excepted), nor a decision taken
-when the arguments were built that the process which started this one already logged: a launcher that builds the
-arguments before it starts the training processes (`trl sft` -> `accelerate launch`) says each once (`SAID_ENV`).
+`trl_gc_plugin` carries the run's one-line summary (INFO), warnings and refusals; `trl_gc_plugin.decisions` one line
+per decision (its INFO lines show with the Trainer's `log_level="info"`). As transformers does for its own logger, the
+plugin gives `trl_gc_plugin` a stderr handler and stops propagation unless the application configured it first. Only
+the main process logs; a launcher that builds the arguments before starting the training processes says each once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 from collections.abc import Iterable
@@ -29,20 +20,12 @@ from .flags import launcher_main_process
 logger = logging.getLogger("trl_gc_plugin")
 details = logging.getLogger("trl_gc_plugin.decisions")
 
-_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "critical": logging.CRITICAL,
-}
+_LEVELS = {name: getattr(logging, name.upper()) for name in ("debug", "info", "warning", "error", "critical")}
 _state: dict[str, Any] = {"handler": None, "owns_levels": False}
 _seen: set[str] = set()
 
+# `<pid>:<digest>,...`: the post-init decision lines process `<pid>` logged, which its direct children do not repeat
 SAID_ENV = "_TRL_GC_PLUGIN_SAID"
-"""Private: `<pid>:<digest>,<digest>...`, the post-init decision lines process `<pid>` logged; a process it started
-itself (`os.getppid()` is `<pid>`: `accelerate launch` run inside `trl sft`, torchrun's workers) does not log them
-again. A process started through a shell or by someone else says everything."""
 
 
 def _said(pid: int) -> frozenset[str]:
@@ -54,18 +37,11 @@ def _said(pid: int) -> frozenset[str]:
 _INHERITED = _said(os.getppid())
 
 
-def _digest(text: str) -> str:
-    import hashlib
-
-    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
-
-
 def _said_by_parent(decision: Any) -> bool:
-    """A post-init decision line the process that started this one logged already; else remember it for the
-    processes this one starts (only post-init lines: a launcher's parent builds the arguments, never the Trainer)."""
+    """A post-init decision line the parent process logged already; else remember it for this one's children."""
     if getattr(decision, "stage", None) != "post_init":
         return False
-    digest = _digest(decision.line())
+    digest = hashlib.blake2b(decision.line().encode(), digest_size=6).hexdigest()
     if digest in _INHERITED:
         return True
     own = _said(os.getpid())
@@ -76,8 +52,7 @@ def _said_by_parent(decision: Any) -> bool:
 
 
 def setup() -> None:
-    """Give `trl_gc_plugin` a handler and default levels (summary INFO, details WARNING), once, unless the
-    application configured it already."""
+    """Give `trl_gc_plugin` a handler and default levels, once, unless the application configured it already."""
     if _state["handler"] is not None:
         return
     if logger.handlers or logger.level != logging.NOTSET or details.level != logging.NOTSET:
@@ -93,27 +68,20 @@ def setup() -> None:
 
 
 def follow_trainer(args: Any) -> None:
-    """Set the levels from the Trainer's (`args.log_level`: `passive` keeps the defaults; `info`/`debug` show
-    every decision; `warning`/`error` hide the summary too), as long as they are the plugin's own defaults."""
+    """Set the levels from `args.log_level` (`passive`: the defaults) while they are the plugin's own."""
     setup()
     if not _state["owns_levels"]:
         return
     name = str(getattr(args, "log_level", "passive") or "passive").lower()
-    if name not in _LEVELS:
-        logger.setLevel(logging.INFO)
-        details.setLevel(logging.WARNING)
-        return
-    logger.setLevel(_LEVELS[name])
-    details.setLevel(_LEVELS[name])
+    logger.setLevel(_LEVELS.get(name, logging.INFO))
+    details.setLevel(_LEVELS.get(name, logging.WARNING))
 
 
 def is_main_process(args: Any = None) -> bool:
-    """True on the main process: rank 0 of `args`' distributed state when given, else of the launcher's env vars."""
+    """Rank 0 of `args`' distributed state when given, else of the launcher's environment."""
     if args is not None:
-        try:
+        with contextlib.suppress(Exception):  # args not fully built, or no distributed state yet
             return int(args.process_index) == 0
-        except Exception:  # args not fully built, or no distributed state yet
-            pass
     return launcher_main_process()
 
 
@@ -166,7 +134,7 @@ def summary_line(decisions: list[Any], mode: str, use_reentrant: Any, source: st
 
 
 def reset() -> None:
-    """Forget which messages were logged, and undo `setup()` (the handler, propagation and levels it set)."""
+    """Forget which messages were logged, and undo `setup()`."""
     _seen.clear()
     handler = _state["handler"]
     if handler:

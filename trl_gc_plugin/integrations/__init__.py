@@ -1,5 +1,3 @@
-"""Plugins for training frameworks that load their extensions by a dotted path.
-
-Nothing is imported here: each submodule imports its framework at its top and is loaded only by that framework
-(`axolotl`: `plugins: [trl_gc_plugin.integrations.axolotl.SafeGCPlugin]`). `import trl_gc_plugin` never loads them.
+"""Plugins for frameworks that load extensions by a dotted path (`plugins: [trl_gc_plugin.integrations.axolotl.
+SafeGCPlugin]`): each imports its framework at its top and is loaded only by it, never by `import trl_gc_plugin`.
 """

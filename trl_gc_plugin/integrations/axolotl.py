@@ -1,27 +1,8 @@
 """The Axolotl plugin: `plugins: [trl_gc_plugin.integrations.axolotl.SafeGCPlugin]` in an Axolotl config.
 
-What it does, hook by hook (Axolotl's `BasePlugin`, `axolotl.integrations.base`):
-
-- `register(cfg)` (the raw YAML, before validation): keeps what the file itself says about `use_reentrant`, so the
-  plugin can later tell the user's value from the one Axolotl wrote (`normalize_config` writes
-  `{use_reentrant: true}`, the builder `{use_reentrant: false}` when the kwargs are unset), and makes the plugin's
-  lines visible under Axolotl's logging (below).
-- `get_input_args()`: the config keys `trl_gc_mode`, `trl_gc_memory_budget`, `trl_gc_audit`, `trl_gc_parity_check`,
-  `trl_gc_write_json` (`SafeGCArgs`, a pydantic model Axolotl merges into its config schema), validated by the
-  plugin's one settings layer (`GCSettings.resolve(..., caller="axolotl")`: the same one-line messages as
-  `SafeGCCallback(...)`; a bad `trl_gc_mode`, or any bad value in strict mode, refuses the config).
-- `add_callbacks_pre_trainer(cfg, model)`: the `SafeGCCallback`. Pre-trainer callbacks are passed to the Trainer's
-  constructor, so the callback sees `on_init_end` (where it decides and fixes the arguments) and comes before
-  Axolotl's own callbacks (its reporters among them) in the list; a post-trainer callback is added after the
-  Trainer's `__init__` and would miss `on_init_end`.
-
-What the plugin adapts to inside Axolotl (its logging filter, the `use_reentrant` it writes itself) is
-`routes/hosts.py`, shared with the `TRL_GC_PLUGIN=1` route, which needs no `plugins:` line.
-
-A plugin that fails to import is logged by Axolotl's `PluginManager` (ERROR and a traceback) and training goes on
-without it. This module therefore turns an `ImportError` of its own imports into a `RuntimeError`, which
-`PluginManager` does not catch: `axolotl train` stops. A misspelled module path cannot be caught here (this code
-never runs); `trl-gc-check cfg.yml` reads the `plugins:` list.
+`register(cfg)` keeps what the raw YAML says about `use_reentrant`; `get_input_args()` adds the `trl_gc_*` keys; the
+callback goes to the Trainer's constructor (a post-trainer one would miss `on_init_end`). Axolotl's `PluginManager`
+only logs an `ImportError` and trains on unchecked, so a failed import here raises `RuntimeError`.
 """
 
 from __future__ import annotations
@@ -43,19 +24,19 @@ except ImportError as exc:  # PluginManager only logs an ImportError and trains 
     ) from exc
 
 PLUGIN_LINE = f"{__name__}.SafeGCPlugin"
-KEY_PREFIX = "trl_gc_"
-SOURCE = hosts.AXOLOTL
-OFFLOADING_OWNS = ("true", "legacy", "disk")
-"""`activation_offloading` values with which Axolotl turns the Trainer's checkpointing off and checkpoints itself."""
+OFFLOADING_OWNS = ("true", "legacy", "disk")  # `activation_offloading` values with which Axolotl checkpoints itself
 
 
 def config_key(name: str) -> str:
-    return KEY_PREFIX + name
+    return "trl_gc_" + name
+
+
+def _get(cfg: Any, key: str) -> Any:
+    return cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
 
 
 class SafeGCArgs(BaseModel):
-    """The plugin's keys in an Axolotl config (one per setting of `trl_gc_plugin.core.settings`, prefixed `trl_gc_`).
-    Values are checked by the settings layer, not by pydantic's types, so the messages are the plugin's."""
+    """The plugin's keys in an Axolotl config, checked by the settings layer (the plugin's messages), not pydantic."""
 
     trl_gc_mode: Any = None
     trl_gc_audit: Any = None
@@ -78,19 +59,14 @@ assert {config_key(s.name) for s in CALLBACK_SETTINGS} == set(SafeGCArgs.model_f
 
 
 def resolve(cfg: Any) -> GCSettings:
-    """The plugin's settings from an Axolotl config (a mapping or the validated model); `GCConfigError` (a
-    `ValueError`, which pydantic reports as a validation error) for a bad value, as `SafeGCCallback` would."""
-    get = cfg.get if hasattr(cfg, "get") else lambda key: getattr(cfg, key, None)
-    return GCSettings.resolve({s.name: get(config_key(s.name)) for s in CALLBACK_SETTINGS}, caller="axolotl")
-
-
-show_under_axolotl = hosts.show_under_axolotl
+    """The settings from an Axolotl config (a mapping or the validated model); `GCConfigError` (a `ValueError`,
+    which pydantic reports) for a bad value."""
+    return GCSettings.resolve({s.name: _get(cfg, config_key(s.name)) for s in CALLBACK_SETTINGS}, caller="axolotl")
 
 
 class AxolotlSafeGCCallback(SafeGCCallback):
     """`SafeGCCallback` with what only the Axolotl config tells: who wrote `use_reentrant`, and whether Axolotl's
-    activation offloading owns checkpointing (then a model that checkpoints while the arguments say off is not
-    checkpointing "not asked for")."""
+    activation offloading owns checkpointing."""
 
     def __init__(self, yaml_reentrant: tuple[bool, Any], offloading: Any, **settings: Any) -> None:
         self.yaml_reentrant = yaml_reentrant
@@ -107,9 +83,6 @@ class AxolotlSafeGCCallback(SafeGCCallback):
         super().on_init_end(args, state, control, model=model, **kwargs)
 
 
-_yaml_reentrant = hosts.yaml_reentrant
-
-
 class SafeGCPlugin(BasePlugin):
     """Safe gradient checkpointing for Axolotl: `plugins: [trl_gc_plugin.integrations.axolotl.SafeGCPlugin]`."""
 
@@ -118,16 +91,15 @@ class SafeGCPlugin(BasePlugin):
         self.yaml_reentrant: tuple[bool, Any] = (False, None)
 
     def register(self, cfg: Any) -> None:
-        self.yaml_reentrant = _yaml_reentrant(cfg)
-        show_under_axolotl()
+        self.yaml_reentrant = hosts.yaml_reentrant(cfg)
+        hosts.show_under_axolotl()
 
     def get_input_args(self) -> str:
         return f"{__name__}.{SafeGCArgs.__name__}"
 
     def add_callbacks_pre_trainer(self, cfg: Any, model: Any) -> list[Any]:
-        show_under_axolotl()
-        get = cfg.get if hasattr(cfg, "get") else lambda key: getattr(cfg, key, None)
+        hosts.show_under_axolotl()
         resolve(cfg)  # validated already with the config; again here for a caller that skipped the schema
-        given = {s.name: get(config_key(s.name)) for s in CALLBACK_SETTINGS if get(config_key(s.name)) is not None}
         # only what the config sets: the rest comes from install() / TRL_GC_PLUGIN_* / the defaults, as usual
-        return [AxolotlSafeGCCallback(self.yaml_reentrant, get("activation_offloading"), **given)]
+        given = {s.name: v for s in CALLBACK_SETTINGS if (v := _get(cfg, config_key(s.name))) is not None}
+        return [AxolotlSafeGCCallback(self.yaml_reentrant, _get(cfg, "activation_offloading"), **given)]

@@ -19,15 +19,13 @@ from ..model.observe import Call
 from ..runtime.run import Run
 from . import hosts, model_route, tracker
 
-_OWNERS: WeakIdMap[SafeGCCallback] = WeakIdMap()
-"""Which callback acts for a Trainer, keyed by the Trainer's `TrainerState` (kept off the state object itself)."""
+_OWNERS: WeakIdMap[SafeGCCallback] = WeakIdMap()  # the callback acting for a Trainer, by its `TrainerState`
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _guarded(event: F) -> F:
-    """A plugin bug never stops training (`errors.contained`): the callback stands down for the rest of the run and
-    every hook of the run goes; a deliberate `GCConfigError` stops the run."""
+    """A plugin bug never stops training: the callback stands down for the run; a `GCConfigError` stops it."""
 
     @functools.wraps(event)
     def wrapper(self: SafeGCCallback, *args: Any, **kwargs: Any) -> Any:
@@ -43,80 +41,31 @@ def _guarded(event: F) -> F:
 class SafeGCCallback(TrainerCallback):
     """A [`~transformers.TrainerCallback`] that makes gradient checkpointing safe for the run it is attached to.
 
-    At `on_init_end` it reads the arguments and the model, decides `use_reentrant` with the rule table
-    (`trl_gc_plugin.RULES`), validates the combination, writes the decision into the arguments (both the
-    `activation_checkpointing*` and the deprecated `gradient_checkpointing*` names, as one object) and into a
-    model that already checkpoints, and logs a one-line summary. Then it verifies the running training:
-
-    - `on_train_begin` (checkpointing is live): the model runs what was decided, else it is repaired; one-shot hooks
-      watch the first training forward of every checkpointing stack (`observe.py`): a block that runs reentrant with
-      trainable parameters and inputs that do not require grad is the silent failure, refused (a value you set,
-      strict mode), repaired, or reported before the backward.
-    - `on_pre_optimizer_step`, first step only (`audit=True`): every checkpointed block with trainable parameters
-      received a gradient; a block without one is blamed on checkpointing only with that evidence, otherwise reported
-      as unused by the loss.
-    - `on_step_begin` / `on_step_end`: `use_cache` off for the step and back for saves; the arguments and the model
-      still hold the decision (DPO and GRPO re-enable checkpointing every step), and the embeddings carry one
-      input-require-grad hook, not a pile. A few attribute reads.
-    - `on_train_end`: puts back what it changed on the model config.
-
-    Nothing is stored on the arguments, the trainer state or the model config: checkpoints written under the plugin
-    load where it is not installed.
+    `on_init_end` decides `use_reentrant` with the rule table and writes it into the arguments and the model;
+    `on_train_begin` repairs the model and watches the first training forward for the silent failure (reentrant blocks
+    with trainable parameters and no input requiring grad); the first optimizer step audits the gradients; each step
+    keeps the decision in place (DPO and GRPO re-enable every step). Nothing is stored on what checkpoints save.
 
     Args:
-        mode (`str`, *optional*):
-            `"strict"` (default): fill unset values, repair upstream inconsistencies, raise `GCConfigError` before any
-            parameter update for an explicit choice known to break training. `"fix"`: as strict, but override such a
-            choice with a loud warning. `"warn"`: change nothing, log what strict/fix would do. Any case. `None`: the
-            mode given to `install()`, else `TRL_GC_PLUGIN_MODE`, else strict.
-        write_json (`bool`, *optional*, defaults to `True`):
-            Write the decisions to `<output_dir>/gc_decisions.json` (main process, checkpointing on).
-        audit (`bool`, *optional*):
-            The first-step gradient audit; defaults to `TRL_GC_PLUGIN_AUDIT`, then on.
-        parity_check (`bool`, *optional*):
-            Compare gradients with and without checkpointing once, at the first optimizer step (before any update),
-            on a synthetic 16-token sequence: two extra forward/backward passes (0.5-0.84 s, 9-10% of one step on the modes
-            benchmark's model). `None` (default): on when the run is reentrant, the less verified path, for causal
-            language models in single-process runs; `True`/`False`: always / never.
+        mode (`str`, *optional*): `"strict"` (default) fills unset values, repairs upstream inconsistencies and raises
+            `GCConfigError` before any update for an explicit choice known to break training; `"fix"` overrides such
+            a choice with a loud warning; `"warn"` changes nothing and logs what strict/fix would do. `None`: the mode
+            given to `install()`, else `TRL_GC_PLUGIN_MODE`, else strict.
+        write_json (`bool`, defaults to `True`): write `<output_dir>/gc_decisions.json` (main process).
+        audit (`bool`, *optional*): the first-step gradient audit; defaults to `TRL_GC_PLUGIN_AUDIT`, then on.
+        parity_check (`bool`, *optional*): compare gradients with and without checkpointing once, on a synthetic
+            16-token sequence (two extra passes, ~9-10% of one step). `None`: on for reentrant runs of causal LMs in
+            single-process runs.
+        memory_budget (`str` or `int`, *optional*): activation memory per device (`"40GiB"`, bytes, or `"auto"`:
+            free CUDA memory less the optimizer state); the plugin then applies the fastest checkpointing plan that
+            fits (rule `memory-plan`) and checks it against the first forward. `None`: `install()`'s, else
+            `TRL_GC_PLUGIN_BUDGET`, else no plan.
 
-        memory_budget (`str` or `int`, *optional*):
-            Activation memory per device (`"40GiB"`, `"512MiB"`, bytes, or `"auto"`: the free CUDA memory at train
-            begin less the optimizer state). With a budget, the plugin plans how much to checkpoint: the fastest
-            candidate (no checkpointing, every n-th block, every block, selective per-op saving, offloading) whose
-            predicted peak fits, applied to the live model (rule `memory-plan`), planned at the first training
-            forward for the rows it runs and the longest sequence the arguments allow, and checked against what that
-            forward saved (off by more than 15%: a warning; fix mode re-plans). `None`: the budget given to
-            `install()`, else `TRL_GC_PLUGIN_BUDGET`, else no plan (checkpointing as asked).
-
-    Environment:
-        TRL_GC_PLUGIN_MODE: the mode when `mode` is None and `install()` gave none.
-        TRL_GC_PLUGIN_AUDIT: `0` switches the gradient audit off when `audit` is None.
-        TRL_GC_PLUGIN_BUDGET: the memory budget when `memory_budget` is None and `install()` gave none.
-
-    Attributes:
-        decisions (`list[Decision]`): the decisions for the last Trainer this callback saw, the ones taken when
-            its arguments were built (with `install()`) first.
-        plan_check (`plan_check.Comparison`, *optional*): with a memory budget, the plan's predicted saved bytes
-            against those the first training forward saved (None until then, or when not compared).
-
-    Example:
-        ```python
-        from trl import SFTConfig, SFTTrainer
-        from trl_gc_plugin import SafeGCCallback
-
-        trainer = SFTTrainer(
-            model=model,
-            args=SFTConfig(output_dir="out", gradient_checkpointing=True),
-            train_dataset=dataset,
-            callbacks=[SafeGCCallback()],
-        )
-        ```
+    Example: `SFTTrainer(..., args=SFTConfig(gradient_checkpointing=True, ...), callbacks=[SafeGCCallback()])`
     """
 
     auto_registered = False
-    offloader: str | None = None
-    """A launcher's activation offloading that replaces the Trainer's checkpointing (Axolotl's): said at train begin
-    instead of the `checkpointing-unasked` finding."""
+    offloader: str | None = None  # a launcher's activation offloading that replaces checkpointing (Axolotl's)
 
     def __init__(
         self,
@@ -127,22 +76,19 @@ class SafeGCCallback(TrainerCallback):
         memory_budget: str | int | None = None,
     ) -> None:
         given = {"mode": mode, "write_json": write_json, "audit": audit, "parity_check": parity_check}
-        resolved = GCSettings.resolve({**given, "memory_budget": memory_budget})
-        self.settings = resolved
+        self.settings = resolved = GCSettings.resolve({**given, "memory_budget": memory_budget})
         self.mode: Mode = resolved.mode
         self.memory_budget = resolved.memory_budget
         self.write_json = resolved.write_json
         self.audit = resolved.audit
         self.parity_check = resolved.parity_check
         self._owner: SafeGCCallback | None = None
-        self._active = False
-        self._broken = False
+        self._active = self._broken = False
         self._reset_run()
         report.setup()
 
     def register(self, cfg: Any = None) -> None:
-        """Axolotl calls `register` on what its `plugins:` list names; this class is a Trainer callback, not an
-        Axolotl plugin: say which line to write instead of Axolotl's bare `AttributeError`."""
+        """Axolotl calls `register` on what its `plugins:` list names: say which line to write."""
         raise GCConfigError(
             "trl_gc_plugin.SafeGCCallback is a Trainer callback, not an Axolotl plugin: write "
             "`plugins: [trl_gc_plugin.integrations.axolotl.SafeGCPlugin]` in the Axolotl config."
@@ -150,27 +96,23 @@ class SafeGCCallback(TrainerCallback):
 
     @property
     def decisions(self) -> list[Decision]:
-        """The decisions for the last Trainer this callback saw (those of the acting callback when this one stood
-        by)."""
+        """The decisions for the last Trainer this callback saw (the acting callback's when this one stood by)."""
         return self._owner.decisions if self._owner is not None else self._run.decisions
 
     @property
     def observed(self) -> dict[str, Call]:
-        """What the first training forward passed to each checkpointed block (`observe.Call` by block name)."""
         first_forward = self._run.first_forward
         return first_forward.observed if first_forward is not None else {}
 
     @property
     def plan_check(self) -> Any:
-        """With a memory budget: the plan's predicted saved bytes against those the first training forward saved."""
+        """With a memory budget: the plan's predicted saved bytes against the first training forward's."""
         plan = self._run.memory_plan
         return plan.comparison if plan is not None else None
 
     def _reset_run(self) -> None:
         self._run = Run(self.settings, offloader=self.offloader)
         self._tracked = False
-
-    # --- events ------------------------------------------------------------------------------------------------
 
     @_guarded
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -194,8 +136,7 @@ class SafeGCCallback(TrainerCallback):
 
     @_guarded
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
-        """Once, in the first log after the first training step, on the main process: the plugin's summary for the
-        run's reporters (`tracker.py`); `Trainer.log` has already copied `logs` into the trainer state by then."""
+        """The plugin's summary for the reporters, once, after the first step (`logs` is already in the state)."""
         if self._tracked or not self._active or not isinstance(logs, dict) or state.global_step < 1:
             return
         self._tracked = True
@@ -207,8 +148,6 @@ class SafeGCCallback(TrainerCallback):
 
     @_guarded
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        """Checkpointing is live now: check the model runs what was decided; repair it when it does not. Then install
-        the first step's checks."""
         if self._active and model is not None:
             facts = self._run.begin(args, model, self._asked(args))
             self._run.arm_first_step(facts, model)
@@ -228,24 +167,19 @@ class SafeGCCallback(TrainerCallback):
 
     @_guarded
     def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if not self._active:
-            return
-        self._run.finish("the Trainer took no optimizer step")
+        if self._active:
+            self._run.finish("the Trainer took no optimizer step")
 
     @staticmethod
     def _asked(args: Any) -> bool:
         return bool(getattr(args, probe.flag_field(args), False))
 
     def _stand_down(self, event: str, exc: Exception) -> None:
-        """After a plugin bug: said once, every hook of the run goes, the callback does nothing more for this run."""
         self._broken, self._active = True, False
         self._run.fail(exc, event)
 
-    # --- two callbacks for one Trainer ---------------------------------------------------------------------------
-
     def _owner_for(self, state: Any) -> SafeGCCallback:
-        """The callback that acts for this Trainer: an explicitly passed `SafeGCCallback` before the one `install()`
-        or `TRL_GC_PLUGIN=1` registered (its settings are the user's for this Trainer), else the first to arrive."""
+        """The callback that acts for this Trainer: an explicitly passed one before the one `install()` registered."""
         owner = _OWNERS.get(state)
         if owner is None:
             peers = _explicit_callbacks_of_this_trainer() if self.auto_registered else []
@@ -254,9 +188,7 @@ class SafeGCCallback(TrainerCallback):
         return owner
 
     def _become_passive(self, owner: SafeGCCallback) -> None:
-        """Registered twice (explicitly and through TRL_GC_PLUGIN / install()): one instance acts."""
-        self._active = False
-        self._owner = owner
+        self._active, self._owner = False, owner
         if owner.mode != self.mode:
             report.note(
                 f"SafeGCCallback is registered twice for this Trainer: the one passed to the Trainer acts "
@@ -266,8 +198,7 @@ class SafeGCCallback(TrainerCallback):
 
 
 def _explicit_callbacks_of_this_trainer() -> list[SafeGCCallback]:
-    """The `SafeGCCallback`s passed explicitly to the Trainer whose callback handler is calling us now (read-only
-    look at the calling `CallbackHandler.call_event` frame; empty if it cannot be found)."""
+    """The `SafeGCCallback`s passed explicitly to the Trainer whose `CallbackHandler` is calling now."""
     callbacks = getattr(tracker.calling_handler(), "callbacks", None)
     return [c for c in callbacks or () if isinstance(c, SafeGCCallback) and not c.auto_registered]
 

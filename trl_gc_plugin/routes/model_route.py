@@ -1,29 +1,7 @@
-"""The model route: the plugin for training loops without a `Trainer` (OpenRLHF, verl, `accelerate` and plain PyTorch
-loops), through the same `runtime.run.Run` the Trainer route drives.
-
-Such a loop turns checkpointing on with `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)`
-(`activation_checkpointing_enable` on transformers >= 5.23) and has no `TrainingArguments` and no callback events.
-The route stands in for both:
-
-- the arguments are a `LoopConfig` holding what the loop passed to the enable call (its `use_reentrant` is the
-  user's, as a value written in `TrainingArguments` is), and the launch facts the process shows (the world size of
-  `torch.distributed` or the launcher's environment, a DeepSpeed config transformers holds for ZeRO-3, accelerate's
-  environment);
-- the events are the model's first training forward (seen at the model's class, `hooks.Hooks.method`: decide, refuse
-  or repair, install the first step's checks: a refusal comes before any backward), its first optimizer step (torch's
-  process-wide optimizer pre-hook: the gradient audit and the parity probe before any parameter update; then the first
-  step's checks go) and its re-enables (the enable guard: what drifted is put back, said once).
-
-Two ways in: `guard(model, ...)` after the enable call (settings resolved and decided at once, the decisions
-returned), and, under `install()` / `TRL_GC_PLUGIN=1`, the patched enable methods of `PreTrainedModel` (settings
-resolved at the enable call, which raises a strict refusal; decided at the first training forward). A model a Trainer
-manages (`claim`, called by `SafeGCCallback`) is the Trainer route's: the model route stays silent for it.
-
-One lifecycle, every exit path: the run's hooks (`Run.hooks`) go when its first step is over (the enable guard stays
-with the model, dispatched by identity, and leaves with it or with `uninstall()`), on a refusal, when the model is
-updated without a torch optimizer step (said once: the first-step checks did not run), on `uninstall()`, and at the
-end of the process (said once for a route whose first training step never came). While it waits, a route holds the
-model weakly and nothing of it runs on other models' forwards.
+"""The model route: the plugin for loops without a `Trainer` (OpenRLHF, verl, `accelerate`, plain PyTorch), through
+the same `Run` as the Trainer route. A `LoopConfig` stands in for `TrainingArguments`, the model's first training
+forward, first optimizer step (torch's process-wide pre-hook) and re-enables for the callback's events. Entered by
+`guard(model)` or the patched enable methods (`install()`); a model a Trainer `claim`s stays the Trainer route's.
 """
 
 from __future__ import annotations
@@ -45,37 +23,27 @@ from ..model import ckpt, probe
 from ..model.hooks import Handle
 from ..runtime.run import Run
 
-ENABLE_METHODS = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
-"""The `PreTrainedModel` methods a loop turns checkpointing on with (the second exists from transformers 5.23)."""
+ENABLE_METHODS = ("gradient_checkpointing_enable", "activation_checkpointing_enable")  # the second: transformers 5.23+
 
 _MARK = "__trl_gc_plugin_loop__"
 _lock = threading.RLock()
-_patched: dict[str, Any] = {}
-"""Method name -> the original function, while the enable methods are patched."""
+_patched: dict[str, Any] = {}  # method name -> the original function
 _patched_class: list[Any] = []
 
-_CLAIMED: WeakIdMap[bool] = WeakIdMap()
-"""Models a Trainer route owns (keyed by the transformers model under any wrapper)."""
+_CLAIMED: WeakIdMap[bool] = WeakIdMap()  # models a Trainer route owns (keyed by the unwrapped model)
 _ROUTES: WeakIdMap[ModelRoute] = WeakIdMap()
-"""The route of each model (armed, in its first step, or done)."""
+_ENABLED: WeakIdMap[tuple[dict[str, Any] | None]] = WeakIdMap()  # what each model's last enable call was passed
 _inside = threading.local()
+_MISSING = object()
+_LAYER_ARGS = ("every_n_layers", "offload")
 
 
 @dataclass
 class LoopConfig:
     """The arguments of a loop without a Trainer, as the rules read them (the fields `TrainingArguments` has).
 
-    Args:
-        gradient_checkpointing: checkpointing asked for (set True by the route: the loop called the enable method).
-        gradient_checkpointing_kwargs: what the loop passed, with `every_n_layers` / `offload` when it passed them
-            as arguments; None when it passed nothing.
-        output_dir: where `gc_decisions.json` goes (`guard(output_dir=...)`, else `TRL_GC_PLUGIN_OUTPUT_DIR`); None
-            writes no file.
-        deepspeed: `{"zero_optimization": {"stage": 3}}` when the model's parameters are ZeRO-3 partitions (loaded
-            under `deepspeed.zero.Init`, as OpenRLHF and accelerate load for ZeRO-3), else None; a DeepSpeed config
-            transformers still holds (`hf_deepspeed_config`) comes first.
-        ddp_find_unused_parameters / ddp_static_graph: torch DDP's defaults (False), which `accelerate` keeps unless
-            the loop passes `DistributedDataParallelKwargs`.
+    `deepspeed` is `{"zero_optimization": {"stage": 3}}` when the parameters are ZeRO-3 partitions (a DeepSpeed config
+    transformers still holds comes first); the DDP fields are torch's defaults, which `accelerate` keeps.
     """
 
     gradient_checkpointing: bool = False
@@ -93,15 +61,13 @@ class LoopConfig:
 
     @property
     def process_index(self) -> int:
-        dist = _distributed()
-        if dist is not None:
+        if (dist := _distributed()) is not None:
             return int(dist.get_rank())
         return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
 
     @property
     def hf_deepspeed_config(self) -> Any:
-        """The DeepSpeed config transformers holds (`HfDeepSpeedConfig`, which OpenRLHF and accelerate create for
-        ZeRO-3 before loading the model), else None."""
+        """The `HfDeepSpeedConfig` OpenRLHF and accelerate create for ZeRO-3 before loading the model, else None."""
         try:
             from transformers.integrations import deepspeed as hf_deepspeed
         except ImportError:
@@ -118,50 +84,31 @@ def _distributed() -> Any:
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
+# A loop's checkpointed forward drops the KV cache per layer itself (`GradientCheckpointingLayer`), and the cache
+# switch needs the Trainer's step events: `use-cache-off` has nothing to do here.
 ROUTE_FACTS: dict[str, Any] = {"use_cache": False}
-"""What the route knows better than the probe: a loop's checkpointed training forward drops the KV cache per layer
-itself (transformers' `GradientCheckpointingLayer`, with a warning), and the plugin's cache switch needs the
-Trainer's step events, so the `use-cache-off` rule has nothing to do here."""
 
 
 class ModelRoute:
-    """The plugin for one model trained without a Trainer: a `Run` driven by the model's own events.
-
-    Args:
-        model: the transformers model (or a wrapper of it) whose checkpointing the loop enabled.
-        settings (`GCSettings`): the settings, resolved before the route was armed.
-        kwargs: what the loop passed to the enable call (None: nothing), or None with `known=False` when the route
-            only sees the model (its checkpoint function's keywords: their author is unknown, so a value there is
-            treated as set explicitly).
-    """
+    """The plugin for one model trained without a Trainer: a `Run` driven by the model's own events. `kwargs`: what
+    the loop passed to the enable call; `known=False` when only the model is seen (its checkpoint function's keywords,
+    whose author is unknown)."""
 
     def __init__(self, model: Any, settings: GCSettings, kwargs: dict[str, Any] | None, known: bool) -> None:
         self.model_ref = weakref.ref(model)
         self.kwargs = dict(kwargs) if kwargs is not None else None
         self.known = known
         self.run = Run(settings, cache_switch=False, route_facts=ROUTE_FACTS)
-        self.state = "new"
-        """`new`, `decided`, `first step` (its checks armed), `done` (its first step checked) or `ended`."""
+        self.state = "new"  # then `decided`, `first step` (its checks armed), `done` (first step checked), `ended`
         self._calls: list[Any] = []
-        self._step: Any = None
         self._tracked: tuple[weakref.ref[Any], int] | None = None
 
-    @property
-    def waiting(self) -> bool:
-        """Its first step's checks have not run yet (and will not, if it ends now)."""
-        return self.state in ("new", "decided", "first step")
-
-    # --- the run's stages, from the model's events --------------------------------------------------------------
-
     def decide(self) -> list[Decision]:
-        """Decide for the model and what the loop asked (refuse before anything runs, or apply). Returns the
-        decisions."""
         model = self.model_ref()
         if model is None:
             return []
-        args = LoopConfig(output_dir=self.run.settings.output_dir, deepspeed=_zero3_partitions(model))
-        args.gradient_checkpointing = True
-        args.gradient_checkpointing_kwargs = dict(self.kwargs) if self.kwargs is not None else None
+        kwargs = dict(self.kwargs) if self.kwargs is not None else None
+        args = LoopConfig(True, kwargs, self.run.settings.output_dir, _zero3_partitions(model))
         if self.known:
             given = self.kwargs or {}
             probe.start_record(args, "use_reentrant" in given, given.get("use_reentrant"))
@@ -178,17 +125,14 @@ class ModelRoute:
         return decisions
 
     def arm(self) -> None:
-        """Wait for the model's first training forward at the model's and its input embeddings' `__call__` (a wrapper
-        may call the model's `forward` directly, as PEFT < 0.14's tuners do; the embeddings run in every forward that
-        gets token ids), at their classes: by identity, so neither another model nor a copy of this one is hooked,
-        and the route holds the model weakly until then."""
+        """Wait for the first training forward at the model's and its input embeddings' `__call__` (PEFT < 0.14 calls
+        the model's `forward` directly), dispatched at their classes by identity."""
         model = self.model_ref()
         if model is not None:
             base = ckpt.unwrap(model)
-            entries = [base, probe.embeddings(base)]
             self._calls = [
                 self.run.hooks.method(entry, "__call__", self._on_call, lasting=True)
-                for entry in entries
+                for entry in (base, probe.embeddings(base))
                 if entry is not None
             ]
             ends = weakref.finalize(model, _collected, weakref.ref(self))  # the model collected: the route ends
@@ -213,7 +157,8 @@ class ModelRoute:
         if not (torch.is_grad_enabled() and ckpt.unwrap(model).training):
             return
         if self.state == "first step":
-            if self._updated_without_a_step():
+            param = self._tracked[0]() if self._tracked is not None else None  # changed in place, yet no step seen
+            if param is not None and param._version != self._tracked[1]:
                 self.end("the model's parameters changed without a torch optimizer step (an update by hand?)")
             return
         if not probe.checkpointing_on(model):  # turned off again before training: nothing to guard
@@ -223,7 +168,7 @@ class ModelRoute:
             self.decide()
         facts = self.run.begin(self.run.args, model, asked=True)
         self.run.arm_first_step(facts, model)
-        self._step = self.run.hooks.optimizer_step(self._on_step)
+        self.run.hooks.optimizer_step(self._on_step)
         self._tracked = _version_of(model)
         self.state = "first step"
 
@@ -237,21 +182,12 @@ class ModelRoute:
             self.state = "done"
             self.run.hooks.remove(keep_lasting=True)  # the enable guard stays; `__call__` goes at the next forward
 
-    def _updated_without_a_step(self) -> bool:
-        """The tracked parameter changed in place although no optimizer step of this model was seen."""
-        if self._tracked is None:
-            return False
-        ref, version = self._tracked
-        param = ref()
-        return param is not None and param._version != version
-
-    # --- the way out ----------------------------------------------------------------------------------------------
-
     def end(self, why: str | None = None) -> None:
-        """Take the route off the model (what it repaired on the model stays: the loop goes on); `why` its first
-        step's checks did not run, said once when they had not."""
-        if why and self.waiting and self.run.settings.audit:
-            report.note(f"{_name(self.model_ref())}: the first-step checks did not run: {why}.", "info")
+        """Take the route off the model, keeping its repairs; `why` the first step's checks did not run."""
+        if why and self.state in ("new", "decided", "first step") and self.run.settings.audit:
+            model = self.model_ref()
+            name = type(ckpt.unwrap(model)).__name__ if model is not None else "a collected model"
+            report.note(f"{name}: the first-step checks did not run: {why}.", "info")
         self.state = "ended"
         self._calls = []
         self.run.stop(keep_repairs=True)
@@ -269,51 +205,35 @@ def _collected(route: weakref.ref[ModelRoute]) -> None:
 
 
 def _sync_model(model: Any, before: dict[str, Any], after: dict[str, Any]) -> None:
-    """What the decisions changed in the loop's kwargs, onto the model's checkpoint function (a Trainer would enable
-    again with its arguments; a loop enabled once, before the plugin decided)."""
-    for key in sorted(set(before) | set(after)):
-        if key in ("every_n_layers", "offload"):
-            continue  # layer arguments: transformers applied them at the enable call
+    """What the decisions changed in the loop's kwargs, onto the model's checkpoint function (the loop enabled once,
+    before the plugin decided)."""
+    for key in sorted((set(before) | set(after)) - set(_LAYER_ARGS)):  # transformers applied those at the enable call
         if before.get(key, _MISSING) != after.get(key, _MISSING):
             ckpt.set_keyword(model, key, after.get(key))
 
 
 def _steps(optimizer: Any, model: Any) -> bool:
-    """Whether `optimizer` steps `model`: it holds one of its trainable parameters, or (an optimizer over copies:
-    DeepSpeed's partitions) some of them hold a gradient now. An optimizer of another model (a critic, a reward model)
-    waits for nothing."""
+    """Whether `optimizer` steps `model`: it holds one of its trainable parameters, or (over copies: DeepSpeed's
+    partitions) some of them hold a gradient now."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     ids = {id(p) for p in trainable}
     groups = getattr(optimizer, "param_groups", None) or []
-    if any(id(p) in ids for group in groups for p in group.get("params", ())):
-        return True
-    return any(p.grad is not None for p in trainable)
+    held = any(id(p) in ids for group in groups for p in group.get("params", ()))
+    return held or any(p.grad is not None for p in trainable)
 
 
 def _version_of(model: Any) -> tuple[weakref.ref[Any], int] | None:
-    """The first trainable parameter and its version counter (an update bumps it; a forward, a backward and
-    gradient accumulation do not); None under DeepSpeed ZeRO-3, whose partitions are swapped in and out."""
+    """The first trainable parameter and its version counter (only an update bumps it); None under ZeRO-3."""
     for param in model.parameters():
         if param.requires_grad:
             return None if hasattr(param, "ds_id") else (weakref.ref(param), param._version)
     return None
 
 
-def _name(model: Any) -> str:
-    return type(ckpt.unwrap(model)).__name__ if model is not None else "a collected model"
-
-
-_MISSING = object()
-
-
 def _zero3_partitions(model: Any) -> dict[str, Any] | None:
-    """`{"zero_optimization": {"stage": 3}}` when the model's parameters are DeepSpeed ZeRO-3 partitions (they carry
-    `ds_id`); the first parameter tells (zero.Init partitions every parameter)."""
+    # zero.Init partitions every parameter: the first tells
     first = next(iter(model.parameters()), None)
     return {"zero_optimization": {"stage": 3}} if first is not None and hasattr(first, "ds_id") else None
-
-
-# --- the public call ---------------------------------------------------------------------------------------------
 
 
 def guard(
@@ -325,44 +245,17 @@ def guard(
     memory_budget: str | int | None = None,
     output_dir: str | None = None,
 ) -> list[Decision]:
-    """Make checkpointing safe for `model` in a training loop without a `Trainer`: decide now with the rule table
-    (refuse in strict mode, repair in fix mode, say what would change in warn mode), and check the first training
-    step (the first forward, and the gradients before the first optimizer step).
-
-    Call it after `model.gradient_checkpointing_enable(...)` and before the first training forward. With `install()`
-    or `TRL_GC_PLUGIN=1` it is not needed: the enable call arms the same route for the first training forward.
-
-    Args:
-        model: the transformers model (or its PEFT / DDP wrapper).
-        mode (`str`, *optional*): `strict`, `fix` or `warn`, as `SafeGCCallback`'s.
-        audit / parity_check / memory_budget: as `SafeGCCallback`'s.
-        output_dir (`str`, *optional*): where to write `gc_decisions.json` (an existing directory); defaults to
-            `TRL_GC_PLUGIN_OUTPUT_DIR`, else no file.
-
-    Returns:
-        `list[Decision]`: the decisions taken (also logged).
-
-    Raises:
-        `GCConfigError`: in strict mode, for a setup known to break training (before any update).
-
-    Example:
-        ```python
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-        decisions = trl_gc_plugin.guard(model, mode="fix")
-        for batch in loader:
-            loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-        ```
+    """Make checkpointing safe for `model` in a loop without a `Trainer`: decide now (strict refuses, fix repairs, warn
+    reports) and check the first training step. Call it after `model.gradient_checkpointing_enable(...)`, before the
+    first training forward (under `install()` / `TRL_GC_PLUGIN=1` the enable call does it). `mode`, `audit`,
+    `parity_check`, `memory_budget` as `SafeGCCallback`'s; `output_dir`: where `gc_decisions.json` goes (default
+    `TRL_GC_PLUGIN_OUTPUT_DIR`, else no file). Returns the decisions; `GCConfigError` in strict mode for a setup
+    known to break training (before any update).
     """
-    given = {
-        "mode": mode,
-        "audit": audit,
-        "parity_check": parity_check,
-        "memory_budget": memory_budget,
-        "output_dir": output_dir,
-    }
-    settings = GCSettings.resolve(given, caller="guard")
+    settings = GCSettings.resolve(
+        dict(mode=mode, audit=audit, parity_check=parity_check, memory_budget=memory_budget, output_dir=output_dir),
+        caller="guard",
+    )
     report.setup()
     base = ckpt.unwrap(model)
     old = _ROUTES.pop(base)
@@ -381,14 +274,8 @@ def guard(
     return decisions
 
 
-# --- the patched enable methods ----------------------------------------------------------------------------------
-
-_ENABLED: WeakIdMap[tuple[dict[str, Any] | None]] = WeakIdMap()
-"""What each model's last enable call was passed (while the patch is in place)."""
-
-
 def claim(model: Any) -> None:
-    """A Trainer route owns `model` from now on: a route armed for it goes, and later enable calls arm none."""
+    """A Trainer route owns `model` from now on: its model route goes, and later enable calls arm none."""
     base = ckpt.unwrap(model)
     _CLAIMED.set(base, True)
     route = _ROUTES.pop(base)
@@ -397,18 +284,12 @@ def claim(model: Any) -> None:
 
 
 def _loop_kwargs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """The enable call's arguments as the Trainer's checkpointing kwargs (`every_n_layers` / `offload` given as
-    arguments are added to them)."""
+    """The enable call's arguments as the Trainer's checkpointing kwargs, with `every_n_layers` / `offload`."""
     given = kwargs.get(f"{name.split('_', 1)[0]}_checkpointing_kwargs", args[0] if args else None)
     out = dict(given) if isinstance(given, dict) else None
-    layer = {k: kwargs[k] for k in ("every_n_layers", "offload") if k in kwargs}
-    layer.update(dict(zip(("every_n_layers", "offload"), args[1:3], strict=False)))
-    layer = {
-        k: v for k, v in layer.items() if not (k == "every_n_layers" and v == 1) and not (k == "offload" and not v)
-    }
-    if layer:
-        out = {**(out or {}), **layer}
-    return out
+    layer = {k: kwargs[k] for k in _LAYER_ARGS if k in kwargs} | dict(zip(_LAYER_ARGS, args[1:3], strict=False))
+    layer = {k: v for k, v in layer.items() if (v != 1 if k == "every_n_layers" else v)}  # not the defaults
+    return {**(out or {}), **layer} if layer else out
 
 
 def _wrap(name: str, original: Any) -> Any:
@@ -478,13 +359,8 @@ def unpatch_enable() -> None:
     end_all("uninstall() was called")
 
 
-def is_patched() -> bool:
-    return bool(_patched)
-
-
 def end_all(when: str) -> None:
-    """Every model route ends (`uninstall()`, the end of the process, `when`), saying so for those whose first step
-    had not come."""
+    """Every model route ends, saying so for those whose first step had not come."""
     for route in list(_ROUTES.values()):
         waited_for = "a training forward" if route.state in ("new", "decided") else "an optimizer step of the model"
         route.end(f"{when} before {waited_for}")

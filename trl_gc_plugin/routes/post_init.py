@@ -1,11 +1,6 @@
-"""The post-init route and `install()`: patches, all reversible: `TrainingArguments.__post_init__`, the callback in
-`DEFAULT_CALLBACKS`, and (through `model_route`) the enable methods of loops without a Trainer.
-
-`install()` wraps `TrainingArguments.__post_init__` (every subclass - `SFTConfig`, `DPOConfig`, `GRPOConfig`... -
-runs it through `super().__post_init__()` or inherits it), so the safe `use_reentrant` is in the arguments from
-construction, before any trainer reads them; and it appends `SafeGCCallback` to `transformers.trainer.DEFAULT_CALLBACKS`,
-the list every `Trainer` (and every TRL trainer) starts from. `uninstall()` puts back exactly what was there.
-Importing `trl_gc_plugin` does none of this.
+"""`install()` and the post-init route, all reversible: `TrainingArguments.__post_init__` (every TRL config runs it,
+so the safe `use_reentrant` is in the arguments from construction), the callback in `DEFAULT_CALLBACKS` (every
+Trainer starts from it), and the enable methods (`model_route`). Importing `trl_gc_plugin` does none of this.
 """
 
 from __future__ import annotations
@@ -13,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -26,14 +21,11 @@ from ..core.modes import Mode
 from ..core.settings import BOOL_FORMS, BY_NAME, INSTALLED, GCSettings, parse_bool
 from ..model import hooks, probe
 from ..runtime.run import Run
-from . import hosts
-
-logger = logging.getLogger("trl_gc_plugin")
+from . import hosts, model_route
 
 _MARK = "__trl_gc_plugin_wrapper__"
 _lock = threading.RLock()
-_state: dict[str, Any] = {"original": None, "callback": None}
-"""What the patches replaced; what `install()` was given is `settings.INSTALLED`."""
+_state: dict[str, Any] = {"original": None, "callback": None}  # what the patches replaced
 
 
 def _user_use_reentrant(args: Any) -> tuple[bool, Any]:
@@ -50,21 +42,20 @@ def _user_use_reentrant(args: Any) -> tuple[bool, Any]:
     return (False, None)
 
 
-def post_init_decide(args: Any, settings: GCSettings, user_given: bool, user_value: Any) -> list[Any]:
-    """What the patched `__post_init__` runs once the original has: a `Run` on the arguments alone (stage
-    `post_init`) decides, refuses or applies and logs, as the callback's stages do; its decisions stay in the
-    arguments' record (`probe.PostInitRecord`, outside the object) for the callback to carry on from."""
+def post_init_decide(args: Any, user_given: bool, user_value: Any) -> None:
+    """After the original `__post_init__`: a `Run` on the arguments alone decides; its decisions stay in the
+    arguments' record (outside the object) for the callback to carry on from."""
+    # `install()`'s settings, else the variables: a strict refusal of a bad value refuses the arguments
+    settings = GCSettings.resolve({}, caller="TRL_GC_PLUGIN=1")
     record = probe.start_record(args, user_given, user_value)
     if not probe.facts_from_args(args, stage="post_init").gc_enabled:
-        return []
+        return
     with contained("the launcher's adaptation"):
         hosts.adopt(args)  # inside Axolotl without its plugin line: its logging, the value it wrote
     report.follow_trainer(args)
     # the distributed state is not read here (`args.process_index` would set it up): the launcher's rank decides
     run = Run(settings, main_process=report.is_main_process(), write_json=False)
-    decisions = run.decide(args, None, stage="post_init")
-    record.decisions.extend(decisions)
-    return decisions
+    record.decisions.extend(run.decide(args, None, stage="post_init"))
 
 
 def _wrap(original: Any) -> Any:
@@ -73,7 +64,7 @@ def _wrap(original: Any) -> Any:
         user_given, user_value = _user_use_reentrant(self)
         result = original(self, *a, **kw)
         if is_installed():  # uninstalled while an old reference was still around: behave as the original
-            post_init_decide(self, _settings(), user_given, user_value)
+            post_init_decide(self, user_given, user_value)
         return result
 
     setattr(__post_init__, _MARK, True)
@@ -81,9 +72,8 @@ def _wrap(original: Any) -> Any:
 
 
 def patch_training_args(cls: Any, mode: Mode | None = None) -> None:
-    """Wrap `cls.__post_init__` (`transformers.TrainingArguments`); a second call only updates the mode. Without a
-    mode (the `TRL_GC_PLUGIN=1` route, patched while transformers is imported) the variables are read when a run
-    starts; a bad `TRL_GC_PLUGIN_MODE` is said now, once, by the main process, and `strict` used."""
+    """Wrap `cls.__post_init__` (idempotent). Without a mode (`TRL_GC_PLUGIN=1`) a bad `TRL_GC_PLUGIN_MODE` is said
+    now, once."""
     if mode is None:
         env = BY_NAME["mode"].env
         GCSettings.resolve({}, installed={}, environ={env: os.environ.get(env, "")}, caller="TRL_GC_PLUGIN=1")
@@ -94,22 +84,12 @@ def patch_training_args(cls: Any, mode: Mode | None = None) -> None:
             cls.__post_init__ = _wrap(current)
 
 
-def _settings() -> GCSettings:
-    """The settings of a run this route starts: `install()`'s, else the variables (a strict refusal of a bad value
-    refuses the arguments, as the callback refuses it when the Trainer is built)."""
-    return GCSettings.resolve({}, caller="TRL_GC_PLUGIN=1")
-
-
 TRACEBACK_ENV = "TRL_GC_PLUGIN_TRACEBACK"
 
 
 def install_refusal_hook() -> None:
-    """For the `TRL_GC_PLUGIN=1` route (launchers: the TRL CLI, `accelerate launch`, LLaMA-Factory): an uncaught
-    `GCConfigError` prints its message (which says what to change) instead of a traceback through the launcher's
-    argument parsing; any other exception goes to the previous `sys.excepthook`. `TRL_GC_PLUGIN_TRACEBACK=1` shows
-    the traceback as well. Undone by `uninstall()`."""
-    import sys
-
+    """For `TRL_GC_PLUGIN=1` launchers: an uncaught `GCConfigError` prints its message, not a traceback through the
+    launcher's argument parsing (unless `TRL_GC_PLUGIN_TRACEBACK=1`). Undone by `uninstall()`."""
     with _lock:
         current = sys.excepthook
         if getattr(current, _MARK, False):
@@ -129,8 +109,6 @@ def install_refusal_hook() -> None:
 
 
 def _remove_refusal_hook() -> None:
-    import sys
-
     hook = sys.excepthook
     if getattr(hook, _MARK, False):
         sys.excepthook = hook.previous  # type: ignore[attr-defined]
@@ -150,23 +128,9 @@ def register_callback(trainer_module: Any = None) -> None:
 
 
 def install(mode: str | None = None, callback: bool = True, memory_budget: str | int | None = None) -> None:
-    """Patch `TrainingArguments.__post_init__` and register `SafeGCCallback` for every Trainer.
-
-    Idempotent: a second call only updates the mode. Undo with `uninstall()`.
-
-    Args:
-        mode (`str`, *optional*): `strict`, `fix` or `warn`; defaults to `TRL_GC_PLUGIN_MODE`, then `strict`.
-        callback (`bool`, *optional*, defaults to `True`): also append the callback to
-            `transformers.trainer.DEFAULT_CALLBACKS`, so every Trainer built afterwards gets it.
-        memory_budget (`str` or `int`, *optional*): the activation-memory budget the registered callback plans
-            checkpointing for (see `SafeGCCallback`); defaults to `TRL_GC_PLUGIN_BUDGET`, then no plan.
-
-    Example:
-        ```python
-        import trl_gc_plugin
-        trl_gc_plugin.install()
-        args = SFTConfig(output_dir="out")  # gradient_checkpointing_kwargs == {"use_reentrant": False}
-        ```
+    """Patch `TrainingArguments.__post_init__` and register `SafeGCCallback` for every Trainer (and, with `callback`,
+    the enable methods for loops without one). Idempotent: a second call only updates the mode. Undo with
+    `uninstall()`. `mode` defaults to `TRL_GC_PLUGIN_MODE`, then strict; `memory_budget` as `SafeGCCallback`'s.
     """
     from transformers import TrainingArguments
 
@@ -182,34 +146,27 @@ def install(mode: str | None = None, callback: bool = True, memory_budget: str |
         patch_training_args(TrainingArguments, resolved.mode)
     if callback:
         register_callback()
-        from .model_route import patch_enable
-
-        patch_enable()  # loops without a Trainer: the model route
+        model_route.patch_enable()  # loops without a Trainer
 
 
 def uninstall() -> None:
-    """Undo `install()` (or the `TRL_GC_PLUGIN` start-up hook): restore the original `__post_init__`, remove the
-    callback from `DEFAULT_CALLBACKS`, restore the enable methods, and remove every hook a run still holds. Safe to
-    call when nothing is installed."""
+    """Undo `install()` (or the `TRL_GC_PLUGIN` start-up hook) and remove every hook a run still holds."""
     with _lock:
         if _state["original"] is not None:
             cls, original = _state["original"]
             if getattr(cls.__dict__.get("__post_init__"), _MARK, False):
                 cls.__post_init__ = original
             else:
-                logger.warning("TrainingArguments.__post_init__ was re-patched by someone else; left as it is.")
+                report.logger.warning("TrainingArguments.__post_init__ was re-patched by someone else; left as it is.")
         _remove_callback()
         _remove_refusal_hook()
         _state["original"] = None
         INSTALLED.clear()
-    from .model_route import unpatch_enable
-
-    unpatch_enable()
+    model_route.unpatch_enable()
     hooks.remove_all()
 
 
 def _remove_callback() -> None:
-    """Take the callback `install()` added out of `DEFAULT_CALLBACKS` (nothing when it added none)."""
     if _state["callback"] is not None:
         defaults, cb = _state["callback"]
         while cb in defaults:
@@ -218,13 +175,12 @@ def _remove_callback() -> None:
 
 
 def is_installed() -> bool:
-    """Whether the `__post_init__` patch is in place."""
     return _state["original"] is not None
 
 
 @contextlib.contextmanager
 def installed(mode: str | None = None, callback: bool = True, memory_budget: str | int | None = None) -> Iterator[None]:
-    """`install()` for the duration of a `with` block (tests, notebooks); restores the previous state."""
+    """`install()` for the duration of a `with` block; restores the previous state."""
     was, old_settings, old_callback = is_installed(), dict(INSTALLED), _state["callback"]
     install(mode, callback=callback, memory_budget=memory_budget)
     try:
@@ -237,6 +193,4 @@ def installed(mode: str | None = None, callback: bool = True, memory_budget: str
             INSTALLED.update(old_settings)
             if old_callback is None and _state["callback"] is not None:
                 _remove_callback()
-                from .model_route import unpatch_enable
-
-                unpatch_enable()
+                model_route.unpatch_enable()

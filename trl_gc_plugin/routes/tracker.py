@@ -1,21 +1,6 @@
-"""The plugin's decisions and figures in the run's tracker (W&B, TensorBoard, MLflow, ... whatever `report_to` says).
-
-transformers' reporters are `TrainerCallback`s that write what `Trainer.log` hands to `on_log`. The plugin adds its
-summary to the first `logs` dict after the first training step, on the main process: the `use_reentrant` that runs
-and who chose it, counts of refusals / overrides / repairs / warnings, and with a memory budget the plan's predicted
-and measured activation bytes of the first forward. `Trainer.log` appends a copy of `logs` to
-`state.log_history` *before* calling `on_log`, so nothing of the plugin reaches `trainer_state.json` or any checkpoint.
-
-A reporter only sees what the callbacks before it added. transformers orders the callbacks as `DEFAULT_CALLBACKS`
-(where `install()` / `TRL_GC_PLUGIN=1` put the plugin), then the reporters of `report_to`, then the callbacks passed
-to the Trainer. So a `SafeGCCallback` passed by the user would come after the reporters: at `on_init_end` it moves
-itself to just before the first reporter in the Trainer's `CallbackHandler` (found on the call stack: the handler is
-the caller of every event), and nothing else in the order changes. Where the handler cannot be found, the figures
-still go into `logs` (the console's log line shows them) and the reporters before the callback miss them; the
-decision file `gc_decisions.json` has everything either way.
-
-Strings go only to the reporters known to take them (`TensorBoard` writes them as text, W&B and trackio as they are);
-MLflow and the others get the numbers only (MLflow warns for every string).
+"""The plugin's summary in the run's tracker (`report_to`): added to the first `logs` after the first step, which
+`Trainer.log` has already copied into the state (nothing reaches `trainer_state.json`). A reporter sees only what the
+callbacks before it added, so the plugin moves itself before the first one; strings go only to those that take them.
 """
 
 from __future__ import annotations
@@ -25,12 +10,11 @@ from collections.abc import Sequence
 from typing import Any
 
 PREFIX = "trl_gc/"
-TEXT_REPORTERS = frozenset({"tensorboard", "wandb", "trackio"})
-"""`report_to` names whose callbacks log a string value as it is."""
+TEXT_REPORTERS = frozenset({"tensorboard", "wandb", "trackio"})  # `report_to` names that log a string as it is
 
 
 def reporters(args: Any) -> list[str]:
-    """The normalized `report_to` of the arguments (`"all"` / `None` as transformers resolves them, best effort)."""
+    """The normalized `report_to` of the arguments (`"all"` as transformers resolves it, best effort)."""
     value = getattr(args, "report_to", None)
     if value is None or value == "none":
         return []
@@ -60,9 +44,8 @@ def summary(
     if isinstance(use_reentrant, bool):
         out[PREFIX + "use_reentrant"] = int(use_reentrant)
     actions = [getattr(d, "action", "") for d in decisions]
-    out[PREFIX + "refusals"] = actions.count("error")
-    out[PREFIX + "overrides"] = actions.count("override")
-    out[PREFIX + "repairs"] = actions.count("repair")
+    for key, action in (("refusals", "error"), ("overrides", "override"), ("repairs", "repair")):
+        out[PREFIX + key] = actions.count(action)
     out[PREFIX + "warnings"] = sum(1 for d in decisions if getattr(d, "level", "") == "warning")
     if plan_check is not None:
         out[PREFIX + "plan_predicted_bytes"] = int(plan_check.predicted)
@@ -82,8 +65,7 @@ def _is_reporter(callback: Any) -> bool:
 
 
 def calling_handler(depth: int = 12) -> Any:
-    """The Trainer's `CallbackHandler` whose event the caller of this function's caller is handling (a read-only look
-    at the call stack, `depth` frames up); None when there is none."""
+    """The Trainer's `CallbackHandler` handling an event up the caller's call stack (read only), else None."""
     try:
         from transformers.trainer_callback import CallbackHandler
 
@@ -97,18 +79,11 @@ def calling_handler(depth: int = 12) -> Any:
         return None
 
 
-def move_before_reporters(callback: Any) -> bool:
-    """Put `callback` just before the first reporter of the Trainer's `CallbackHandler` on the call stack (the caller
-    of the event being handled). True when it moved; False when it already ran before them or no handler was found."""
+def move_before_reporters(callback: Any) -> None:
+    """Put `callback` just before the first reporter of the calling `CallbackHandler` (if it comes after one)."""
     handler = calling_handler()
-    if handler is None:
-        return False
-    callbacks = handler.callbacks
-    if not any(c is callback for c in callbacks):
-        return False
-    mine = next(i for i, c in enumerate(callbacks) if c is callback)
+    callbacks = handler.callbacks if handler is not None else []
+    mine = next((i for i, c in enumerate(callbacks) if c is callback), None)
     first = next((i for i, c in enumerate(callbacks) if _is_reporter(c)), None)
-    if first is None or first > mine:
-        return False
-    callbacks.insert(first, callbacks.pop(mine))
-    return True
+    if mine is not None and first is not None and first < mine:
+        callbacks.insert(first, callbacks.pop(mine))
