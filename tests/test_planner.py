@@ -252,7 +252,7 @@ def test_reentrant_plans_are_gradient_exact():
     est = memory.estimate(model, BATCH, SEQ)
     for candidate in runnable(est, allow_selective=False):
         planner.apply_plan(model, candidate, use_reentrant=True)
-        assert ckpt.layout_of(model).pattern == candidate.pattern
+        assert ckpt.layout_of(model).pattern == candidate.layout.pattern
         got = gradients(model, inputs)
         assert all(torch.equal(got[k], reference[k]) for k in reference), candidate.name
 
@@ -351,7 +351,7 @@ def test_a_plan_that_fits_is_a_default_decision():
     assert d.level == "info" and d.after["plan"] == result.chosen.name
     assert result.chosen.name in d.reason and planner.format_bytes(result.chosen.peak_bytes) in d.reason
     assert "recomputes" in d.reason and "fit" in d.reason
-    data = json.loads(d.to_json())
+    data = json.loads(json.dumps(d.to_dict(), default=repr))
     assert len(data["after"]["candidates"]) == len(result.candidates)
     assert "\n" not in d.line() and "memory-plan" in d.line()
 

@@ -67,7 +67,7 @@ def test_a_mixed_plan_is_exact_and_fits_the_budget_measured(lean):
         assert any(mixed.layout.lean) and not all(mixed.layout.lean), mixed.summary()
         assert "lean selective" in mixed.summary()
     planner.apply_plan(model, mixed, use_reentrant=False)
-    assert ckpt.layout_of(model).pattern == mixed.pattern
+    assert ckpt.layout_of(model).pattern == mixed.layout.pattern
     assert ckpt.layout_of(model).selective == mixed.layout.selective
     assert ckpt.layout_of(model).lean == mixed.layout.lean
     assert ckpt.layout_of(model) == mixed.layout
@@ -153,7 +153,7 @@ def test_the_knapsack_finds_the_brute_force_optimum_on_uneven_blocks(allow_selec
         assert mixed is not None and mixed.peak_bytes <= budget
         assert mixed.recompute <= min(feasible) + 1e-12, (step, mixed.recompute, min(feasible))
         assert allow_selective or not any(mixed.layout.selective)
-        found_mixed += len(set(mixed.layout.selective)) > 1 or 0 < sum(mixed.pattern) < est.num_blocks
+        found_mixed += len(set(mixed.layout.selective)) > 1 or 0 < sum(mixed.layout.pattern) < est.num_blocks
         found_lean += any(mixed.layout.lean)
     assert found_mixed >= 5
     assert (found_lean > 0) is allow_selective

@@ -204,7 +204,7 @@ def render(plan: Any, label: str, show_all: bool = False) -> str:
     rows = [("candidate", "blocks", "saved", "peak", "peak at", "recompute", "fits", "")]
     keep = {"none", "full", "selective", "selective-lean", "offload", "mixed"}
     for c in plan.candidates:
-        main = c.name in keep or (c.every_n is not None and c.every_n <= 8)
+        main = c.name in keep or (c.layout.every_n is not None and c.layout.every_n <= 8)
         if not (show_all or main or c is plan.chosen or c is plan.lowest):
             continue
         fits = "yes" if c.peak_bytes <= plan.budget else "no"
@@ -212,7 +212,7 @@ def render(plan: Any, label: str, show_all: bool = False) -> str:
         rows.append(
             (
                 c.name,
-                f"{c.checkpointed}/{len(c.pattern)}",
+                f"{c.layout.checkpointed}/{len(c.layout)}",
                 format_bytes(c.saved_bytes),
                 format_bytes(c.peak_bytes),
                 c.peak_at,

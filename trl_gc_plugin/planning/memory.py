@@ -210,58 +210,61 @@ class _Counter:
         self.shared_keys.clear()
 
 
-def _would_keep_mode(counter: _Counter) -> Any:
-    """A dispatch mode counting what the policies would keep on every op, the matmul FLOPs and the other ops' bytes."""
+def _after_each_op(hook: Any) -> Any:
+    """A dispatch mode calling `hook(func, args, kwargs, out)` after every op it runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    state = policies.policy_state()
-
-    class WouldKeep(TorchDispatchMode):
+    class AfterEachOp(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
-            block = counter.where()
-            flops = _flops(func, args, out)
-            if block is None:
-                counter.report.outside_flops += flops
-                return out
-            counter.report.block_flops[block] += flops
-            counter.report.ops[block] += 1
-            if getattr(getattr(func, "_schema", None), "is_mutable", False):
-                counter.written(_written(func, args, kwargs), str(func))
-            if policies.lean_keeps(func, args, state):
-                counter.keep(out, lean=True, op=str(func))
-                counter.report.lean_matmul_flops[block] += flops
-            if policies.keeps(func, args, state):
-                counter.keep(out, op=str(func))
-                counter.report.matmul_flops[block] += flops
-            else:
-                inputs = {storage_key(t) for t in _leaves((args, kwargs))}
-                counter.report.other_bytes[block] += sum(
-                    storage_nbytes(t) for t in _leaves(out) if storage_key(t) not in inputs
-                )
+            hook(func, args, kwargs, out)
             return out
 
-    return WouldKeep()
+    return AfterEachOp()
+
+
+def _would_keep_mode(counter: _Counter) -> Any:
+    """A dispatch mode counting what the policies would keep on every op, the matmul FLOPs and the other ops' bytes."""
+    state = policies.policy_state()
+
+    def count(func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        block = counter.where()
+        flops = _flops(func, args, out)
+        if block is None:
+            counter.report.outside_flops += flops
+            return
+        counter.report.block_flops[block] += flops
+        counter.report.ops[block] += 1
+        if getattr(getattr(func, "_schema", None), "is_mutable", False):
+            counter.written(_written(func, args, kwargs), str(func))
+        if policies.lean_keeps(func, args, state):
+            counter.keep(out, lean=True, op=str(func))
+            counter.report.lean_matmul_flops[block] += flops
+        if policies.keeps(func, args, state):
+            counter.keep(out, op=str(func))
+            counter.report.matmul_flops[block] += flops
+        else:
+            inputs = {storage_key(t) for t in _leaves((args, kwargs))}
+            counter.report.other_bytes[block] += sum(
+                storage_nbytes(t) for t in _leaves(out) if storage_key(t) not in inputs
+            )
+
+    return _after_each_op(count)
 
 
 def _counting_context(counter: _Counter, lean: bool) -> Any:
     """The blocks' selective `context_fn` with a dispatch mode above its cache that counts what the policy keeps (SAC's
     cache is invisible to saved-tensor hooks; torch before 2.13 calls the policy before the op, without its output)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     state = policies.policy_state()
     keeps = policies.lean_keeps if lean else policies.keeps
 
-    class CountKept(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            if keeps(func, args, state):
-                counter.keep(out)
-            return out
+    def count(func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if keeps(func, args, state):
+            counter.keep(out)
 
     def context_fn() -> tuple[Any, Any]:
         forward, recompute = policies.lean_context() if lean else policies.selective_context()
-        return _entered_in_order(forward, CountKept()), recompute
+        return _entered_in_order(forward, _after_each_op(count)), recompute
 
     return context_fn
 
@@ -372,20 +375,15 @@ class LiveBytes:
 def live_bytes() -> Iterator[LiveBytes]:
     """Track the tensor memory of what runs inside (forward and backward, any device) through a dispatch mode: for
     tests and benchmarks, it slows every op down."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     tracker = LiveBytes()
 
-    class Track(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            inputs = {storage_key(t) for t in _leaves((args, kwargs))}
-            for t in _leaves(out):
-                if storage_key(t) not in inputs:  # views and in-place results allocate nothing
-                    tracker._add(t.untyped_storage())
-            return out
+    def track(func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        inputs = {storage_key(t) for t in _leaves((args, kwargs))}
+        for t in _leaves(out):
+            if storage_key(t) not in inputs:  # views and in-place results allocate nothing
+                tracker._add(t.untyped_storage())
 
-    with Track():
+    with _after_each_op(track):
         yield tracker
 
 
@@ -652,21 +650,6 @@ def _estimate_config(config: Any, batch_size: int, seq_len: int, dtype: Any, att
         torch.set_default_dtype(previous)
 
 
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
-
-
 def _fake_copy(base: Any, fake_mode: Any) -> Any:
     """A fake-tensor copy of `base`, checkpointing off, without hooks (the plugin's one-shot observers must not fire on
     it; the input-require-grad hook is put back)."""
@@ -675,9 +658,8 @@ def _fake_copy(base: Any, fake_mode: Any) -> Any:
     memo: dict[int, Any] = {}
     _whole_partitioned(base, fake_mode, memo)
     for module in base.modules():
-        for name in _HOOK_DICTS:
-            hooks = getattr(module, name, None)
-            if hooks is not None:
+        for name, hooks in vars(module).items():
+            if "_hooks" in name and isinstance(hooks, dict):  # _forward_hooks, ..., _load_state_dict_post_hooks
                 memo[id(hooks)] = type(hooks)()
         func = ckpt.function_of(module)
         if func is not None:

@@ -45,18 +45,6 @@ class Candidate:
     why_not: str = ""
 
     @property
-    def pattern(self) -> tuple[bool, ...]:
-        return self.layout.pattern
-
-    @property
-    def checkpointed(self) -> int:
-        return self.layout.checkpointed
-
-    @property
-    def every_n(self) -> int | None:
-        return self.layout.every_n
-
-    @property
     def offload(self) -> bool:
         return any(self.layout.offload)
 
@@ -77,21 +65,21 @@ class Candidate:
         }
         if uniform in what:
             return f"{self.name} (every block, {what[uniform]})"
-        return f"{self.name} ({self.checkpointed} of {len(layout)} blocks)"
+        return f"{self.name} ({layout.checkpointed} of {len(layout)} blocks)"
 
     def to_dict(self) -> dict[str, Any]:
         layout, mixed = self.layout, self.layout.uniform_kind is None
         return {
             "name": self.name,
             "pattern": [int(x) for x in layout.pattern],
-            "every_n": self.every_n,
+            "every_n": layout.every_n,
             "selective": any(layout.selective),
             "offload": self.offload,
             "saved_bytes": self.saved_bytes,
             "peak_bytes": self.peak_bytes,
             "peak_at": self.peak_at,
             "recompute": round(self.recompute, 4),
-            "recompute_blocks": round(self.checkpointed / len(layout), 4) if len(layout) else 0.0,
+            "recompute_blocks": round(layout.checkpointed / len(layout), 4) if len(layout) else 0.0,
             "allowed": self.allowed,
             "why_not": self.why_not,
             "selective_blocks": [int(x) for x in layout.selective] if mixed and any(layout.selective) else [],
@@ -177,7 +165,7 @@ def predict_peak(
     """(Predicted peak, where, the bytes of every phase) for one forward and backward under `layout`."""
     kept = est.kept(layout)
     shared = est.shared if not all(layout.pattern) else 0
-    saved = est.outside + shared + sum(kept)
+    saved = est.saved_bytes(layout)
     alive = est.kwargs_bytes - shared  # keyword tensors of the blocks not counted as saved are alive all the same
     scale = 0.0 if grads_preallocated else grad_fraction
     grads = [round(g * scale) for g in est.grad_bytes]
@@ -234,21 +222,19 @@ def candidates(
     n = est.num_blocks
     balance = BALANCE["cpu"] if balance is None else balance
     op_overhead = OP_OVERHEAD["cpu"] if op_overhead is None else op_overhead
-    shapes: list[tuple[str, Layout, bool, str]] = [("none", Layout.uniform("none", n), True, "")]
+    shapes: list[tuple[str, Layout, str]] = [("none", Layout.uniform("none", n), "")]
     for k in range(1, n):
         layout = Layout.from_pattern(spread(k, n))
-        shapes.append((f"every-{layout.every_n}" if layout.every_n else f"{k}-of-{n}", layout, True, ""))
-    shapes.append(("full", Layout.uniform("full", n), True, ""))
+        shapes.append((f"every-{layout.every_n}" if layout.every_n else f"{k}-of-{n}", layout, ""))
+    shapes.append(("full", Layout.uniform("full", n), ""))
     for name, kind in (("selective", "selective"), ("selective-lean", "lean")):
         if kind == "lean" and not est.has_lean:
             continue
         why = _unsafe_why(est.unsafe(kind)) if allow_selective else _NEEDS_NON_REENTRANT
-        shapes.append((name, Layout.uniform(kind, n), not why, why))
-    shapes.append(("offload", Layout.uniform("offload", n), allow_offload, "" if allow_offload else offload_why_not))
-    out = [
-        _candidate(est, name, layout, balance, op_overhead, grads_preallocated, grad_fraction, allowed, why)
-        for name, layout, allowed, why in shapes
-    ]
+        shapes.append((name, Layout.uniform(kind, n), why))
+    shapes.append(("offload", Layout.uniform("offload", n), "" if allow_offload else offload_why_not))
+    model = (balance, op_overhead, grads_preallocated, grad_fraction)
+    out = [_candidate(est, name, layout, model, why) for name, layout, why in shapes]
     return sorted(out, key=_cheapest_first)
 
 
@@ -265,19 +251,13 @@ def _unsafe_why(where: str) -> str:
 
 
 def _candidate(
-    est: ActivationEstimate,
-    name: str,
-    layout: Layout,
-    balance: float,
-    op_overhead: float,
-    grads_preallocated: bool,
-    grad_fraction: float,
-    allowed: bool = True,
-    why_not: str = "",
+    est: ActivationEstimate, name: str, layout: Layout, model: tuple[float, float, bool, float], why_not: str = ""
 ) -> Candidate:
+    """`model`: (balance, op_overhead, grads_preallocated, grad_fraction); `why_not` disallows it."""
+    balance, op_overhead, grads_preallocated, grad_fraction = model
     peak, where, _ = predict_peak(est, layout, grads_preallocated, grad_fraction)
     cost = recompute_cost(est, layout, balance, op_overhead)
-    return Candidate(name, layout, est.saved_bytes(layout), peak, where, cost, allowed, why_not)
+    return Candidate(name, layout, est.saved_bytes(layout), peak, where, cost, not why_not, why_not)
 
 
 def _cheapest_first(c: Candidate) -> tuple[float, int]:
@@ -325,7 +305,7 @@ def mixed_candidate(
         if choice is None:
             return None
         layout = Layout(tuple(options[k] for k in choice))
-        mixed = _candidate(est, "mixed", layout, balance, op_overhead, grads_preallocated, grad_fraction)
+        mixed = _candidate(est, "mixed", layout, (balance, op_overhead, grads_preallocated, grad_fraction))
         if mixed.peak_bytes <= budget_bytes:
             return mixed
         room -= mixed.peak_bytes - budget_bytes
@@ -424,7 +404,7 @@ def plan(
 def _cost(c: Candidate) -> str:
     if c.name == "none":
         return "recomputes nothing"
-    blocks = f"{c.checkpointed} of {len(c.layout)} blocks"
+    blocks = f"{c.layout.checkpointed} of {len(c.layout)} blocks"
     count, uniform = c.layout.count(), c.layout.uniform_kind
     kind = {"selective": "their elementwise ops", "lean": "their elementwise ops and widening matmuls"}.get(
         uniform, "them"
