@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -98,7 +98,7 @@ def test_old_deepspeed_by_its_recompute_fix(ds, applies):
 
 def test_detected_capabilities_win_over_the_version():
     """A patched or back-ported transformers: the rules follow what it can do, not its number."""
-    caps = for_versions({"transformers": "5.23.0"}).replace(every_n_layers=False, source="installed")
+    caps = replace(for_versions({"transformers": "5.23.0"}), every_n_layers=False, source="installed")
     f = facts("5.23.0", kwargs_keys=("every_n_layers",), every_n_layers=2, capabilities=caps)
     assert [d.before for d in decide(f) if d.rule_id == "layer-kwargs-unsupported"] == [("every_n_layers",)]
 

@@ -82,9 +82,6 @@ class Capabilities:
         """The checkpointing kwargs this transformers takes out and applies itself (`every_n_layers`, `offload`)."""
         return frozenset(k for k in ("every_n_layers", "offload") if getattr(self, k) is True)
 
-    def replace(self, **changes: Any) -> Capabilities:
-        return replace(self, **changes)
-
 
 # --- from a version (the config checker, hand-made facts) ----------------------------------------------------------
 
@@ -118,7 +115,7 @@ def for_versions(versions: Mapping[str, str | None]) -> Capabilities:
     for name, package, first, _ in PACKAGE_FIXES:
         release = _release(versions.get(package) or "")
         if release is not None:
-            caps = caps.replace(**{name: _at_least(release, first)})
+            caps = replace(caps, **{name: _at_least(release, first)})
     return caps
 
 
@@ -303,7 +300,7 @@ PACKAGE_FIXES = (
 def installed() -> Capabilities:
     """The capabilities of the installed stack (read once per process)."""
     fixes = {name: detect() for name, _, _, detect in PACKAGE_FIXES}
-    return detect_transformers().replace(trl_reenables_per_step=detect_trl(), **fixes)
+    return replace(detect_transformers(), trl_reenables_per_step=detect_trl(), **fixes)
 
 
 def for_check(versions: Mapping[str, str | None]) -> Capabilities:
@@ -314,10 +311,10 @@ def for_check(versions: Mapping[str, str | None]) -> Capabilities:
         for name, package, _, _ in PACKAGE_FIXES:
             wanted = versions.get(package)
             if wanted is not None and wanted != installed_version(package):
-                caps = caps.replace(**{name: getattr(for_versions({package: wanted}), name)})
+                caps = replace(caps, **{name: getattr(for_versions({package: wanted}), name)})
         return caps
     table = for_versions(versions)
     for name, package, _, detect in PACKAGE_FIXES:
         if versions.get(package) == installed_version(package):
-            table = table.replace(**{name: detect()})
+            table = replace(table, **{name: detect()})
     return table

@@ -146,6 +146,3 @@ class Facts:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    def version(self, package: str) -> str | None:
-        return self.versions.get(package)

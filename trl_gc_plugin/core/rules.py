@@ -377,7 +377,7 @@ RULES: tuple[Rule, ...] = (
         setting="activation_offloading",
         when=lambda f: f.trl_activation_offloading and f.accelerator is not False,
         detail=lambda f: (
-            f"transformers {f.version('transformers') or ''} has its own `offload` (gradient_checkpointing_kwargs="
+            f"transformers {f.versions.get('transformers') or ''} has its own `offload` (gradient_checkpointing_kwargs="
             "{'offload': True}: each checkpointed layer's inputs saved on the CPU at layer boundaries, no side "
             "stream): use it instead, or"
             if f.caps.offload
