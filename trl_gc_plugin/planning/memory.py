@@ -17,8 +17,6 @@ from typing import Any
 from ..core.layout import SELECTIVE, Kind, Layout
 from ..model import ckpt, policies, probe
 
-# --- the meter ---------------------------------------------------------------------------------------------------
-
 
 def storage_key(tensor: Any) -> int:
     """The C++ storage object's address: holds for `meta` and fake tensors too (`data_ptr()` is 0 there)."""
@@ -385,9 +383,6 @@ def live_bytes() -> Iterator[LiveBytes]:
 
     with _after_each_op(track):
         yield tracker
-
-
-# --- the estimate ------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,6 @@ RULE_ID = "memory-plan"
 BALANCE = {"cpu": 22.0, "cuda": 500.0}
 OP_OVERHEAD = {"cpu": 1e6, "cuda": 3e9}
 
-# --- candidates --------------------------------------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -398,9 +396,6 @@ def plan(
     return Plan(chosen, tuple(table), budget_bytes, chosen is not None, lowest, summary)
 
 
-# --- decisions ---------------------------------------------------------------------------------------------------
-
-
 def _cost(c: Candidate) -> str:
     if c.name == "none":
         return "recomputes nothing"
@@ -455,9 +450,6 @@ def plan_decisions(plan: Plan, mode: str) -> list[Decision]:
         return [rule.decision("error", "full", after, "runtime", reason, "train")]
     reason = f"{need}. Training with it anyway ({mode} mode); it may run out of memory."
     return [replace(rule.decision("warn", "full", after, "runtime", reason, "train"), applied=True)]
-
-
-# --- applying a plan to the live model ---------------------------------------------------------------------------
 
 
 def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
