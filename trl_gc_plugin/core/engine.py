@@ -61,13 +61,6 @@ def _refuse_explicit(rule: Rule, mode: Mode, current: Any, source: str, facts: F
     return rule.decision(action, current, rule.value, source, reason, facts.stage)
 
 
-def _in_warn_mode(decision: Decision) -> Decision:
-    """In warn mode every change becomes a `warn` (logged, not applied), at the level the change would have had."""
-    if decision.action not in ("default", "override", "repair"):
-        return decision
-    return dataclasses.replace(decision, action="warn", applied=False)
-
-
 def decide(facts: Facts, mode: Mode = "strict", rules: Sequence[Rule] = RULES) -> Decisions:
     """The decisions for one training setup, in the order they are to be applied. `error` decisions are never
     applied; the caller raises `GCConfigError` for them in strict and fix mode.
@@ -106,7 +99,11 @@ def _decide(facts: Facts, mode: Mode, rules: Sequence[Rule]) -> list[Decision]:
     final = _choose_use_reentrant(by_kind, facts, mode, value, source, out)  # 2./3. the value
     _stale_model(repairs.get("model-kwargs-stale"), facts, final, out)  # 4. the live model
     _other_settings(by_kind, facts, mode, value, source, out)  # 5. other settings, then checks
-    return [_in_warn_mode(d) for d in out] if mode == "warn" else out
+    if mode != "warn":
+        return out
+    # in warn mode every change becomes a `warn` (logged, not applied), at the level the change would have had
+    changes = ("default", "override", "repair")
+    return [dataclasses.replace(d, action="warn", applied=False) if d.action in changes else d for d in out]
 
 
 def _field_disagreement(rule: Rule, facts: Facts, value: Any, source: str, out: list[Decision]) -> tuple[Any, str]:

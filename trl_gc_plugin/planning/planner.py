@@ -19,8 +19,6 @@ from ..core.settings import format_bytes
 from ..model import ckpt
 from .memory import ActivationEstimate
 
-RULE_ID = "memory-plan"
-
 # FLOP-equivalents per byte written by a memory-bound op, and per aten op run under the selective policy, by device.
 # CPU balance: `benchmarks/fit_balance.py` (median of the measured selective/full ratios at 256-1024 tokens; the earlier
 # 170 came from a loaded machine). CUDA: fitted to the H100 step times of `benchmarks/planner.py`.
@@ -228,24 +226,20 @@ def candidates(
     for name, kind in (("selective", "selective"), ("selective-lean", "lean")):
         if kind == "lean" and not est.has_lean:
             continue
-        why = _unsafe_why(est.unsafe(kind)) if allow_selective else _NEEDS_NON_REENTRANT
+        why = "needs use_reentrant=False (torch accepts context_fn only for non-reentrant checkpointing)"
+        if allow_selective:
+            where = est.unsafe(kind)
+            why = (
+                f"a block writes in place to an output this policy keeps ({where}): torch refuses the cached tensor "
+                "at the first backward ('Tensor cached during selective activation checkpoint has been mutated')"
+                if where
+                else ""
+            )
         shapes.append((name, Layout.uniform(kind, n), why))
     shapes.append(("offload", Layout.uniform("offload", n), "" if allow_offload else offload_why_not))
     model = (balance, op_overhead, grads_preallocated, grad_fraction)
     out = [_candidate(est, name, layout, model, why) for name, layout, why in shapes]
     return sorted(out, key=_cheapest_first)
-
-
-_NEEDS_NON_REENTRANT = "needs use_reentrant=False (torch accepts context_fn only for non-reentrant checkpointing)"
-
-
-def _unsafe_why(where: str) -> str:
-    return (
-        f"a block writes in place to an output this policy keeps ({where}): torch refuses the cached tensor at the "
-        "first backward ('Tensor cached during selective activation checkpoint has been mutated')"
-        if where
-        else ""
-    )
 
 
 def _candidate(
@@ -415,7 +409,7 @@ def plan_decisions(plan: Plan, mode: str) -> list[Decision]:
     fits), `error` (nothing fits, strict) or `warn` (nothing fits: the lowest-memory plan is applied)."""
     from ..core.rules import get_rule
 
-    rule = get_rule(RULE_ID)
+    rule = get_rule("memory-plan")
     budget = format_bytes(plan.budget)
     after = {"plan": None, **plan.to_dict()}
     fitting = [c for c in plan.candidates if c.allowed and c.peak_bytes <= plan.budget]
