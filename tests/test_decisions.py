@@ -5,7 +5,7 @@ import logging
 
 from trl_gc_plugin import Decision, Facts, decide
 from trl_gc_plugin._base.report import is_main_process, log_decisions
-from trl_gc_plugin.core.decisions import read_decisions, write_decisions
+from trl_gc_plugin.core.decisions import write_decisions
 
 
 def sample() -> list[Decision]:
@@ -22,7 +22,7 @@ def test_round_trip_through_json(tmp_path):
         data = json.load(fh)
     assert {"rule_id", "action", "setting", "before", "after", "source", "reason", "evidence", "applied",
             "stage", "level"} <= set(data[0])
-    assert read_decisions(path) == decisions
+    assert [Decision.from_dict(item) for item in data] == decisions
     assert Decision.from_dict(json.loads(json.dumps(decisions[0].to_dict(), default=repr))) == decisions[0]
 
 

@@ -5,6 +5,7 @@ invalidates is, in every mode, and fix mode re-plans from the measurement. No ho
 
 from __future__ import annotations
 
+import json
 from typing import ClassVar
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from trainers import make_trainer
 
 from trl_gc_plugin import SafeGCCallback
-from trl_gc_plugin.core.decisions import read_decisions
+from trl_gc_plugin.core.decisions import Decision
 from trl_gc_plugin.model import ckpt
 from trl_gc_plugin.planning import memory, plan_check
 from trl_gc_plugin.testing import make_model
@@ -134,7 +135,8 @@ def test_an_invalidated_plan_is_reported(how, mode, tmp_path):
     assert (after["replanned"] is not None) == (mode == "fix")
     if mode == "fix":  # re-planned from the measurement: a second plan decision
         assert len(plans(callback)) == 2
-    loaded = [d for d in read_decisions(tmp_path / "gc_decisions.json") if d.setting == CHECK]
+    loaded = [Decision.from_dict(d) for d in json.loads((tmp_path / "gc_decisions.json").read_text())]
+    loaded = [d for d in loaded if d.setting == CHECK]
     assert loaded and loaded[0].after["measured"] == after["measured"]  # both figures and the shape in the file
 
 

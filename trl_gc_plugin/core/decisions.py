@@ -114,8 +114,3 @@ def write_decisions(decisions: list[Decision], output_dir: str | os.PathLike[str
         json.dump([d.to_dict() for d in decisions], fh, indent=2, default=repr)
         fh.write("\n")
     return path
-
-
-def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
-    with open(path, encoding="utf-8") as fh:
-        return [Decision.from_dict(item) for item in json.load(fh)]
