@@ -51,15 +51,13 @@ BUDGET_FORMS = (
 def parse_size(text: str | int | float) -> int:
     """Bytes from a size (`40GiB`, `1.5GB`, `800M`, an int or float of bytes; K/M/G/T binary, KB..TB decimal); a
     number of bytes must be whole. `ValueError` naming the accepted forms for anything else."""
-    if isinstance(text, bool) or not isinstance(text, int | float | str):
-        raise ValueError(f"memory budget: expected {BUDGET_FORMS}; got {text!r}")
-    if isinstance(text, int | float):
+    match = _SIZE.match(text) if isinstance(text, str) else None
+    if isinstance(text, int | float) and not isinstance(text, bool):
         value, unit = float(text), ""
-    else:
-        match = _SIZE.match(text)
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"memory budget: expected {BUDGET_FORMS}; got {text!r}")
+    elif match is not None and match.group(2).lower() in _UNITS:
         value, unit = float(match.group(1)), match.group(2).lower()
+    else:
+        raise ValueError(f"memory budget: expected {BUDGET_FORMS}; got {text!r}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"memory budget: must be a positive size ({BUDGET_FORMS}); got {text!r}")
     if _UNITS[unit] == 1 and not value.is_integer():
