@@ -207,20 +207,11 @@ def render(plan: Any, label: str, show_all: bool = False) -> str:
         main = c.name in keep or (c.layout.every_n is not None and c.layout.every_n <= 8)
         if not (show_all or main or c is plan.chosen or c is plan.lowest):
             continue
-        fits = "yes" if c.peak_bytes <= plan.budget else "no"
+        fits = ("yes" if c.peak_bytes <= plan.budget else "no") if c.allowed else "-"
         note = c.why_not if not c.allowed else ("<- plan" if c is plan.chosen else "")
-        rows.append(
-            (
-                c.name,
-                f"{c.layout.checkpointed}/{len(c.layout)}",
-                format_bytes(c.saved_bytes),
-                format_bytes(c.peak_bytes),
-                c.peak_at,
-                f"{c.recompute:.0%}",
-                fits if c.allowed else "-",
-                note,
-            )
-        )
+        blocks = f"{c.layout.checkpointed}/{len(c.layout)}"
+        saved, peak = format_bytes(c.saved_bytes), format_bytes(c.peak_bytes)
+        rows.append((c.name, blocks, saved, peak, c.peak_at, f"{c.recompute:.0%}", fits, note))
     lines = [head, "", *_table(rows), ""]
     if plan.chosen is not None:
         lines.append(f"plan: {plan.chosen.summary()}, predicted peak {format_bytes(plan.chosen.peak_bytes)}")
