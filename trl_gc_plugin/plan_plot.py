@@ -22,33 +22,21 @@ def plot(plan: Any, label: str, path: str) -> None:
     except ImportError:
         raise PlotUnavailable("--plot needs matplotlib: pip install 'trl-gc-plugin[plot]'") from None
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    note = {"textcoords": "offset points", "fontsize": 8}
     try:
         for c in plan.candidates:
             chosen = plan.chosen is not None and c.name == plan.chosen.name
             fits = c.peak_bytes <= plan.budget
             colour = "tab:green" if chosen else ("tab:blue" if c.allowed and fits else "tab:gray")
             marker = "*" if chosen else ("o" if c.allowed else "x")
-            ax.scatter(c.recompute, c.peak_bytes / GIB, s=220 if chosen else 40, c=colour, marker=marker, zorder=3)
+            point = (c.recompute, c.peak_bytes / GIB)
+            ax.scatter(*point, s=220 if chosen else 40, c=colour, marker=marker, zorder=3)
             if chosen or "-of-" not in c.name:  # the k-of-n layouts between every-N ones go unlabelled
-                ax.annotate(
-                    c.name,
-                    (c.recompute, c.peak_bytes / GIB),
-                    textcoords="offset points",
-                    xytext=(6, 4),
-                    fontsize=8,
-                    color=colour,
-                )
+                ax.annotate(c.name, point, xytext=(6, 4), color=colour, **note)
         ax.axhline(plan.budget / GIB, color="tab:red", linestyle="--", linewidth=1)
-        ax.annotate(
-            f"budget {plan.budget / GIB:.3g} GiB",
-            (1, plan.budget / GIB),
-            xycoords=("axes fraction", "data"),
-            textcoords="offset points",
-            xytext=(-4, 4),
-            ha="right",
-            fontsize=8,
-            color="tab:red",
-        )
+        budget = f"budget {plan.budget / GIB:.3g} GiB"
+        where = {"xycoords": ("axes fraction", "data"), "xytext": (-4, 4), "ha": "right", "color": "tab:red"}
+        ax.annotate(budget, (1, plan.budget / GIB), **where, **note)
         pick = f"pick: {plan.chosen.name}" if plan.chosen is not None else "nothing fits"
         ax.set_title(f"{label}: {pick}", fontsize=10)
         ax.set_xlabel("predicted recompute (share of one forward)")
