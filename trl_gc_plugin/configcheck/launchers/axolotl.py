@@ -18,6 +18,7 @@ from .common import (
     KWARGS_CHANGES,
     ConfigError,
     Context,
+    Fact,
     LauncherRule,
     Origin,
     Reading,
@@ -764,28 +765,6 @@ def _model_facts(s: View, ctx: Context, reading: Reading) -> None:
     peft = bool(s.adapter)
     quant = "bitsandbytes_4bit" if s.load_in_4bit else "bitsandbytes_8bit" if s.load_in_8bit else None
     quant = quant or ("gptq" if s.gptq else None)
-    reading.set(
-        "is_peft",
-        peft,
-        "file" if "adapter" in s.raw else "launcher default",
-        f"adapter: {s.adapter}" if s.adapter else "no adapter (full fine-tune)",
-    )
-    reading.set("quantization", quant, "file", "load_in_4bit / load_in_8bit / gptq")
-    reading.set(
-        "frozen_params",
-        peft or s.unfrozen is not None or quant is not None,
-        "file",
-        "adapter / unfrozen_parameters / quantization",
-    )
-    reading.set(
-        "model_is_pretrained", not peft, "file", "a PEFT model is not a PreTrainedModel" if peft else "no adapter"
-    )
-    reading.set(
-        "trainable_in_blocks",
-        True,
-        "assumed",
-        "a config trains the decoder blocks (full, partially or through adapters)",
-    )
     grads: bool | None = True
     origin: Origin = "launcher rewrite"
     if peft:
@@ -797,7 +776,19 @@ def _model_facts(s: View, ctx: Context, reading: Reading) -> None:
     else:
         grads, origin = None, "assumed"
         detail = "unfrozen_parameters decides whether the embeddings train; settled at the first forward"
-    reading.set("inputs_require_grad", grads, origin, detail)
+    reading.set_model(
+        peft=Fact(
+            peft,
+            "file" if "adapter" in s.raw else "launcher default",
+            f"adapter: {s.adapter}" if s.adapter else "no adapter (full fine-tune)",
+        ),
+        quant=Fact(quant, "file", "load_in_4bit / load_in_8bit / gptq"),
+        frozen=Fact(
+            peft or s.unfrozen is not None or quant is not None, "file", "adapter / unfrozen_parameters / quantization"
+        ),
+        blocks="a config trains the decoder blocks (full, partially or through adapters)",
+        grads=Fact(grads, origin, detail),
+    )
 
 
 def _trainer_facts(rl: str | None, reading: Reading) -> None:

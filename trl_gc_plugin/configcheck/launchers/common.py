@@ -162,6 +162,23 @@ class Reading:
         else:
             self.set(key, bool(value), "file", f"key {key!r}")
 
+    def set_model(
+        self,
+        peft: Fact,
+        quant: Fact,
+        frozen: Fact,
+        blocks: str,
+        grads: Fact,
+        no_adapter: str = "no adapter",
+    ) -> None:
+        """The model facts of every format; `model_is_pretrained` follows from PEFT, `trainable_in_blocks` is assumed
+        (`blocks` says why)."""
+        pretrained = "a PEFT model is not a PreTrainedModel" if peft.value else no_adapter
+        self.facts.update(is_peft=peft, quantization=quant, frozen_params=frozen)
+        self.set("model_is_pretrained", not peft.value, "file", pretrained)
+        self.set("trainable_in_blocks", True, "assumed", blocks)
+        self.facts["inputs_require_grad"] = grads
+
     def value(self, name: str, default: Any = None) -> Any:
         fact = self.facts.get(name)
         return default if fact is None else fact.value

@@ -17,6 +17,7 @@ from .accelerate import read_accelerate, set_accelerate_facts
 from .common import (
     ConfigError,
     Context,
+    Fact,
     LauncherRule,
     Origin,
     Reading,
@@ -527,37 +528,24 @@ def _read_model(parsed: View, reading: Reading) -> None:
     """The model (finetuning_type, quantization, the checkpoint wrapper's grads) and the trainer `stage` runs."""
     raw, finetuning, bits, stage = parsed.raw, parsed.finetuning_type, parsed.quantization_bit, parsed.stage
     peft = finetuning in ("lora", "oft")
-    reading.set(
-        "is_peft",
-        peft,
-        "file" if "finetuning_type" in raw else "launcher default",
-        f"finetuning_type: {finetuning}" + ("" if "finetuning_type" in raw else " (the default)"),
-    )
     quant = None if bits is None else f"bitsandbytes_{bits}bit" if parsed.method == "bnb" else str(parsed.method)
-    reading.set(
-        "quantization",
-        quant,
-        "file",
-        "quantization_bit / quantization_method" if bits is not None else "no quantization_bit",
-    )
-    reading.set("frozen_params", finetuning != "full" or quant is not None, "file", f"finetuning_type: {finetuning}")
-    reading.set(
-        "model_is_pretrained",
-        not peft,
-        "file",
-        "a PEFT model is not a PreTrainedModel" if peft else f"finetuning_type: {finetuning}",
-    )
-    reading.set(
-        "trainable_in_blocks",
-        True,
-        "assumed",
-        "a config trains decoder layers (LLaMA-Factory checkpoints only the layers that train)",
-    )
-    reading.set(
-        "inputs_require_grad",
-        True,
-        "launcher rewrite",
-        f"LLaMA-Factory's checkpoint wrapper makes the hidden states require grad for trainable layers ({SOURCES['wrapper']})",
+    reading.set_model(
+        peft=Fact(
+            peft,
+            "file" if "finetuning_type" in raw else "launcher default",
+            f"finetuning_type: {finetuning}" + ("" if "finetuning_type" in raw else " (the default)"),
+        ),
+        quant=Fact(
+            quant, "file", "quantization_bit / quantization_method" if bits is not None else "no quantization_bit"
+        ),
+        frozen=Fact(finetuning != "full" or quant is not None, "file", f"finetuning_type: {finetuning}"),
+        blocks="a config trains decoder layers (LLaMA-Factory checkpoints only the layers that train)",
+        grads=Fact(
+            True,
+            "launcher rewrite",
+            f"LLaMA-Factory's checkpoint wrapper makes the hidden states require grad for trainable layers ({SOURCES['wrapper']})",
+        ),
+        no_adapter=f"finetuning_type: {finetuning}",
     )
     read_model_facts(raw.get("model_name_or_path"), "model_name_or_path", reading)
     kind = STAGES[stage]

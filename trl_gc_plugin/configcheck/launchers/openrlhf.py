@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from . import shell
-from .common import Config, ConfigError, Context, NotTrainingConfig, Origin, Reading
+from .common import Config, ConfigError, Context, Fact, NotTrainingConfig, Origin, Reading
 from .model_config import read_model_facts
 
 VERSION_MODELLED = "OpenRLHF 0.11.2 (and the flat flags of <= 0.9)"
@@ -245,25 +245,23 @@ def _model(config: Config, reading: Reading, prefix: str, flags: Flags) -> None:
     rank, rank_name = _int(config, flags["lora_rank"], 0)
     four, four_name = _flag(config, flags["4bit"])
     peft = rank > 0
-    reading.set(
-        "is_peft",
-        peft,
-        "file" if rank_name else "launcher default",
-        f"--{rank_name} {rank}" if rank_name else "no LoRA rank: a full fine-tune",
-    )
-    reading.set(
-        "quantization", "bitsandbytes_4bit" if four else None, "file", f"--{four_name}" if four_name else "no 4-bit"
-    )
-    reading.set("frozen_params", peft or four, "file", "LoRA / 4-bit")
-    reading.set("model_is_pretrained", not peft, "file", "a PEFT model is not a PreTrainedModel" if peft else "no LoRA")
-    reading.set("trainable_in_blocks", True, "assumed", "a command trains the decoder blocks (fully or through LoRA)")
-    reading.set(
-        "inputs_require_grad",
-        True,
-        "launcher rewrite" if peft else "file",
-        f"OpenRLHF calls enable_input_require_grads() before LoRA ({SOURCES['lora']})"
-        if peft
-        else "full fine-tune: the embeddings train",
+    reading.set_model(
+        peft=Fact(
+            peft,
+            "file" if rank_name else "launcher default",
+            f"--{rank_name} {rank}" if rank_name else "no LoRA rank: a full fine-tune",
+        ),
+        quant=Fact("bitsandbytes_4bit" if four else None, "file", f"--{four_name}" if four_name else "no 4-bit"),
+        frozen=Fact(peft or four, "file", "LoRA / 4-bit"),
+        blocks="a command trains the decoder blocks (fully or through LoRA)",
+        grads=Fact(
+            True,
+            "launcher rewrite" if peft else "file",
+            f"OpenRLHF calls enable_input_require_grads() before LoRA ({SOURCES['lora']})"
+            if peft
+            else "full fine-tune: the embeddings train",
+        ),
+        no_adapter="no LoRA",
     )
     name = config.values.get(
         "model.model_name_or_path", config.values.get(f"{prefix}model_name_or_path", config.values.get("pretrain"))

@@ -26,6 +26,7 @@ from .common import (
     KWARGS_CHANGES,
     ConfigError,
     Context,
+    Fact,
     LauncherRule,
     Reading,
     expect_mapping,
@@ -240,29 +241,21 @@ def _read_model(config: Config, reading: Reading) -> None:
     four = bool(trl_bool(config, "load_in_4bit", reading))
     eight = bool(trl_bool(config, "load_in_8bit", reading))
     reading.extra.update(load_in_4bit=four, load_in_8bit=eight)
-    reading.set(
-        "is_peft",
-        bool(peft),
-        "file" if peft is not None else "launcher default",
-        "key 'use_peft'" if peft is not None else "use_peft defaults to False (no adapter)",
-    )
     quant = "bitsandbytes_4bit" if four else "bitsandbytes_8bit" if eight else None
-    reading.set("quantization", quant, "file" if quant else "launcher default", "load_in_4bit / load_in_8bit")
-    reading.set(
-        "frozen_params",
-        bool(peft) or quant is not None,
-        "file",
-        "an adapter or a quantized model freezes the base weights",
-    )
-    reading.set(
-        "model_is_pretrained", not peft, "file", "a PEFT model is not a PreTrainedModel" if peft else "no adapter"
-    )
-    reading.set("trainable_in_blocks", True, "assumed", "a config trains the decoder blocks (full or through adapters)")
-    reading.set(
-        "inputs_require_grad",
-        True,
-        "launcher rewrite",
-        "TRL calls enable_input_require_grads() for PEFT; without an adapter the embeddings train",
+    reading.set_model(
+        peft=Fact(bool(peft), "file", "key 'use_peft'")
+        if peft is not None
+        else Fact(False, "launcher default", "use_peft defaults to False (no adapter)"),
+        quant=Fact(quant, "file" if quant else "launcher default", "load_in_4bit / load_in_8bit"),
+        frozen=Fact(
+            bool(peft) or quant is not None, "file", "an adapter or a quantized model freezes the base weights"
+        ),
+        blocks="a config trains the decoder blocks (full or through adapters)",
+        grads=Fact(
+            True,
+            "launcher rewrite",
+            "TRL calls enable_input_require_grads() for PEFT; without an adapter the embeddings train",
+        ),
     )
 
 
