@@ -13,7 +13,6 @@ from typing import Any
 from ..._base.flags import pydantic_bool
 from ...core.context_parallel import KEY as CP_KEY
 from ...core.context_parallel import cp_size_of
-from ...core.facts import GENERATING_TRAINERS, RL_TRAINERS
 from .common import (
     KWARGS_CHANGES,
     ConfigError,
@@ -791,16 +790,6 @@ def _model_facts(s: View, ctx: Context, reading: Reading) -> None:
     )
 
 
-def _trainer_facts(rl: str | None, reading: Reading) -> None:
-    """The trainer kind: `rl:` names a TRL trainer, else Axolotl's SFT trainer."""
-    kind = RL_TYPES[rl] if rl else "sft"
-    origin: Origin = "file" if rl else "launcher default"
-    detail = f"rl: {rl}" if rl else "no rl"
-    reading.set("trainer_kind", kind, origin, detail if rl else "no rl: Axolotl's SFT trainer")
-    reading.set("rl_trainer", kind in RL_TRAINERS, origin, detail)
-    reading.set("generates", kind in GENERATING_TRAINERS, origin, detail)
-
-
 def _parallel_facts(config: Config, s: View, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
     path, lines, raw = config.path, config.lines, config.values
     ds_value = raw.get("deepspeed")
@@ -895,7 +884,10 @@ def read(config: Config, ctx: Context) -> Reading:
     _builders(v, kw, ctx, reading)
     _gc_facts(v, kw, reading)
     _model_facts(v, ctx, reading)
-    _trainer_facts(v.rl, reading)
+    if v.rl:  # `rl:` names a TRL trainer, else Axolotl's SFT trainer
+        reading.set_trainer(RL_TYPES[v.rl], "file", f"rl: {v.rl}")
+    else:
+        reading.set_trainer("sft", "launcher default", "no rl", kind_detail="no rl: Axolotl's SFT trainer")
     _parallel_facts(config, v, ddp, find_unused, reading)
     _launcher_rules(v, reading)
     return reading

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from ...core.decisions import Action, Decision, Level
 from ...core.errors import short, type_name
+from ...core.facts import GENERATING_TRAINERS, RL_TRAINERS
 
 Origin = Literal[
     "file",
@@ -178,6 +179,21 @@ class Reading:
         self.set("model_is_pretrained", not peft.value, "file", pretrained)
         self.set("trainable_in_blocks", True, "assumed", blocks)
         self.facts["inputs_require_grad"] = grads
+
+    def set_trainer(
+        self,
+        kind: str,
+        origin: Origin,
+        detail: str,
+        kind_origin: Origin | None = None,
+        kind_detail: str = "",
+        rl: bool | None = None,
+        generates: bool | None = None,
+    ) -> None:
+        """`trainer_kind` and what follows from it (by TRL's trainer kinds unless `rl` / `generates` say)."""
+        self.set("trainer_kind", kind, kind_origin or origin, kind_detail or detail)
+        self.set("rl_trainer", kind in RL_TRAINERS if rl is None else rl, origin, detail)
+        self.set("generates", kind in GENERATING_TRAINERS if generates is None else generates, origin, detail)
 
     def value(self, name: str, default: Any = None) -> Any:
         fact = self.facts.get(name)

@@ -548,10 +548,8 @@ def _read_model(parsed: View, reading: Reading) -> None:
         no_adapter=f"finetuning_type: {finetuning}",
     )
     read_model_facts(raw.get("model_name_or_path"), "model_name_or_path", reading)
-    kind = STAGES[stage]
-    reading.set("trainer_kind", kind, "file" if "stage" in raw else "launcher default", f"stage: {stage}")
-    reading.set("rl_trainer", stage in ("rm", "ppo", "dpo", "kto"), "file", f"stage: {stage}")
-    reading.set("generates", stage == "ppo", "file", f"stage: {stage}")
+    kind_origin: Origin = "file" if "stage" in raw else "launcher default"
+    reading.set_trainer(STAGES[stage], "file", f"stage: {stage}", kind_origin)
 
 
 def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, accel: Any) -> int:

@@ -192,9 +192,7 @@ def read(config: Config, ctx: Context) -> Reading:
     _launch(config, ctx, reading, ppo, flags)
     _unread(config, reading, ctx, {name for names in flags.values() for name in names})
     kind = KINDS.get(entry, "sft")
-    reading.set("trainer_kind", kind, "file", f"openrlhf.cli.{entry}")
-    reading.set("rl_trainer", kind in RL, "file", f"openrlhf.cli.{entry}")
-    reading.set("generates", kind in GENERATING, "file", f"openrlhf.cli.{entry}")
+    reading.set_trainer(kind, "file", f"openrlhf.cli.{entry}", rl=kind in RL, generates=kind in GENERATING)
     reading.notes.append(
         "OpenRLHF trains without a Trainer: the plugin acts through the model route (TRL_GC_PLUGIN=1 patches "
         'gradient_checkpointing_enable; see the README\'s "Without a Trainer")'

@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ...core.capabilities import installed_versions
-from ...core.facts import GENERATING_TRAINERS, RL_TRAINERS
 from ...core.settings import unknown_checkpoint_keys
 from .accelerate import (
     AccelerateConfig,
@@ -271,10 +270,8 @@ def _read_trainer(ctx: Context, reading: Reading) -> None:
 
 def set_trainer_kind(reading: Reading, kind: str, ctx: Context, assumed: str, label: str) -> None:
     """The trainer facts: `--trainer` when given, else the format's `assumed` trainer."""
-    origin = "option" if ctx.trainer else "assumed"
-    reading.set("trainer_kind", kind, origin, "--trainer" if ctx.trainer else assumed)
-    reading.set("rl_trainer", kind in RL_TRAINERS, origin, label)
-    reading.set("generates", kind in GENERATING_TRAINERS, origin, label)
+    given = ctx.trainer is not None
+    reading.set_trainer(kind, "option" if given else "assumed", label, kind_detail="--trainer" if given else assumed)
 
 
 def read_kwargs_key(get: Any, path: str, lines: Any, example: str, reading: Reading) -> str | None:
