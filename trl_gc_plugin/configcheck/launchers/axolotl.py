@@ -21,6 +21,7 @@ from .common import (
     LauncherRule,
     Origin,
     Reading,
+    Reentrant,
     expect_mapping,
     release,
     short,
@@ -488,19 +489,6 @@ FORCED_REENTRANT_CHANGE = (
 )
 
 
-@dataclass
-class _Reentrant:
-    """The kwargs and `use_reentrant` as each phase leaves them, with the fact's detail and origin."""
-
-    kwargs: dict[str, Any] | None
-    value: Any = None  # what the Trainer gets (set by the builders)
-    detail: str = "key 'gradient_checkpointing_kwargs.use_reentrant'"
-    origin: Origin = "file"
-
-    def rewrite(self, detail: str, origin: Origin = "launcher rewrite") -> None:
-        self.detail, self.origin = detail, origin
-
-
 def _base_model(config: Config) -> str:
     base_model = config.values.get("base_model")
     if not isinstance(base_model, str) or not base_model:
@@ -650,7 +638,7 @@ def _world_size(ctx: Context, reading: Reading) -> int:
     return ctx.nproc if ctx.nproc is not None else 1
 
 
-def _validators(s: View, kw: _Reentrant, reading: Reading) -> View:
+def _validators(s: View, kw: Reentrant, reading: Reading) -> View:
     """Phase 2: the validators' rewrites (mode="after") of checkpointing, offloading and use_reentrant."""
     gc, offloading = s.gc, s.activation_offloading
     gc_detail = "key 'gradient_checkpointing'" if "gradient_checkpointing" in s.raw else "Axolotl's default: false"
@@ -664,12 +652,13 @@ def _validators(s: View, kw: _Reentrant, reading: Reading) -> View:
         if "use_reentrant" not in kw.kwargs:
             kw.kwargs["use_reentrant"] = False
             kw.rewrite(
-                f"activation_offloading: hidden_states defaults use_reentrant to false ({SOURCES['hidden_states']})"
+                False,
+                f"activation_offloading: hidden_states defaults use_reentrant to false ({SOURCES['hidden_states']})",
             )
     if ebft_strided_flex and gc:
         if not (kw.kwargs or {}).get("use_reentrant"):
             kw.kwargs = {**(kw.kwargs or {}), "use_reentrant": True}
-            kw.rewrite(f"EBFT strided + flex_attention forces use_reentrant: true ({SOURCES['ebft_reentrant']})")
+            kw.rewrite(True, f"EBFT strided + flex_attention forces use_reentrant: true ({SOURCES['ebft_reentrant']})")
         reading.extra["forced"] = {"use_reentrant": FORCED_REENTRANT_CHANGE}
     return replace(
         s,
@@ -681,60 +670,58 @@ def _validators(s: View, kw: _Reentrant, reading: Reading) -> View:
     )
 
 
-def _normalize(v: View, kw: _Reentrant, model_type: str | None, reading: Reading) -> tuple[bool, bool | None]:
+def _normalize(v: View, kw: Reentrant, model_type: str | None, reading: Reading) -> tuple[bool, bool | None]:
     """Phase 3: normalize_config's rewrites; returns `cfg.ddp` (every multi-process run) and
     `ddp_find_unused_parameters`."""
     ddp = v.ddp_flag if v.ddp_flag is not None else v.n_gpu != 1
     find_unused, gemma4 = v.find_unused, model_type in ("gemma4", "gemma4_unified")
     if v.gc and v.unfrozen is None and kw.kwargs is None and v.rl is None:
         kw.kwargs = {"use_reentrant": True}
-        kw.rewrite(f"Axolotl normalize_config writes {{use_reentrant: true}} ({SOURCES['normalize']})")
+        kw.rewrite(True, f"Axolotl normalize_config writes {{use_reentrant: true}} ({SOURCES['normalize']})")
     if gemma4 and v.gc:
         kw.kwargs = dict(kw.kwargs or {})
         if kw.kwargs.get("use_reentrant") is not False:
             kw.kwargs["use_reentrant"] = False
-            kw.rewrite(f"Gemma 4: Axolotl forces use_reentrant false ({SOURCES['gemma4']})")
+            kw.rewrite(False, f"Gemma 4: Axolotl forces use_reentrant false ({SOURCES['gemma4']})")
     if gemma4 and ddp and find_unused is None and v.activation_offloading is not True:
         find_unused = True
         reading.notes.append(f"Gemma 4 under DDP: Axolotl sets ddp_find_unused_parameters: true ({SOURCES['gemma4']})")
     return ddp, find_unused
 
 
-def _builders(v: View, kw: _Reentrant, ctx: Context, reading: Reading) -> None:
+def _builders(v: View, kw: Reentrant, ctx: Context, reading: Reading) -> None:
     """Phase 4: the use_reentrant the trainer builders pass."""
     offloading = v.activation_offloading
     kw.value = (kw.kwargs or {}).get("use_reentrant")
     if offloading and offloading != "hidden_states":
         if not v.adapter:
-            kw.value = False
             kw.rewrite(
-                f"activation_offloading {offloading!r} on a full fine-tune: torch checkpoint_wrapper, non-reentrant ({SOURCES['ac_wrap']})"
+                False,
+                f"activation_offloading {offloading!r} on a full fine-tune: torch checkpoint_wrapper, non-reentrant ({SOURCES['ac_wrap']})",
             )
             reading.set("checkpoint_wrapped", True, "launcher rewrite", f"ac_wrap_hf_model ({SOURCES['ac_wrap']})")
         elif offloading == "legacy":
-            kw.value = True
             kw.rewrite(
-                f"activation_offloading: legacy runs Axolotl's CPU-offloading checkpoint, reentrant-style ({SOURCES['offload_cpu']})"
+                True,
+                f"activation_offloading: legacy runs Axolotl's CPU-offloading checkpoint, reentrant-style ({SOURCES['offload_cpu']})",
             )
         elif kw.value is None:
             tf = ctx.versions.get("transformers") or "5"
-            kw.value = tf.split(".")[0].isdigit() and int(tf.split(".")[0]) < 5
             kw.rewrite(
+                tf.split(".")[0].isdigit() and int(tf.split(".")[0]) < 5,
                 "adapter + activation_offloading: the load-time checkpointing without use_reentrant takes transformers' default",
                 "launcher default",
             )
     elif not offloading and v.gc and kw.kwargs is None:
-        kw.value = False
         kw.rewrite(
-            f"Axolotl's builder passes {{use_reentrant: false}} when no kwargs are set ({SOURCES['builder_gc']})"
+            False, f"Axolotl's builder passes {{use_reentrant: false}} when no kwargs are set ({SOURCES['builder_gc']})"
         )
     if v.selective is not None and v.gc:
-        kw.value = False
-        kw.rewrite(f"selective_checkpointing patches the model to non-reentrant ({SOURCES['sac']})")
+        kw.rewrite(False, f"selective_checkpointing patches the model to non-reentrant ({SOURCES['sac']})")
         reading.set("selective", True, "file", "key 'selective_checkpointing'")
 
 
-def _gc_facts(v: View, kw: _Reentrant, reading: Reading) -> None:
+def _gc_facts(v: View, kw: Reentrant, reading: Reading) -> None:
     reentrant, given = kw.value, "gradient_checkpointing" in v.raw
     reading.set("gc_enabled", bool(v.gc), "file" if given else "launcher default", v.gc_detail)
     reading.set("gc_flag_source", "user" if given else "unset", "file", v.gc_detail)
@@ -744,10 +731,7 @@ def _gc_facts(v: View, kw: _Reentrant, reading: Reading) -> None:
     else:
         reading.set("use_reentrant", reentrant, kw.origin, kw.detail)
         written = "written by Axolotl into the trainer's arguments: the plugin treats it as a value set explicitly"
-        from_file = kw.origin == "file"
-        reading.set(
-            "use_reentrant_source", "user" if from_file else "unknown", kw.origin, kw.detail if from_file else written
-        )
+        reading.set("use_reentrant_source", kw.source, kw.origin, kw.detail if kw.origin == "file" else written)
     reading.set("kwargs_given", kw.kwargs is not None or reentrant is not None, kw.origin, kw.detail)
     if v.activation_offloading:
         reading.set(
@@ -877,7 +861,7 @@ def read(config: Config, ctx: Context) -> Reading:
     )
     world = _world_size(ctx, reading)  # sets facts only: the schema's errors come first all the same
     s = _schema(config, world)
-    kw = _Reentrant(s.kwargs)
+    kw = Reentrant(None, "file", "key 'gradient_checkpointing_kwargs.use_reentrant'", s.kwargs)
     v = _validators(s, kw, reading)
     model_type = _model_type(v.base_model, reading)
     ddp, find_unused = _normalize(v, kw, model_type, reading)

@@ -121,6 +121,25 @@ class LauncherRule:
         )
 
 
+@dataclass
+class Reentrant:
+    """use_reentrant as each phase of a launcher leaves it (with the kwargs, where they are kept), and its facts'
+    origin and detail."""
+
+    value: Any
+    origin: Origin
+    detail: str
+    kwargs: dict[str, Any] | None = None
+
+    @property
+    def source(self) -> str:
+        """Who set it, in a decision's words: the file's value is the user's, the launcher's own is unknown."""
+        return "user" if self.origin == "file" else "unknown"
+
+    def rewrite(self, value: Any, detail: str, origin: Origin = "launcher rewrite") -> None:
+        self.value, self.detail, self.origin = value, detail, origin
+
+
 @dataclass(frozen=True)
 class Context:
     """The check's options (None: not given) and the versions the rules are evaluated for, with where each comes

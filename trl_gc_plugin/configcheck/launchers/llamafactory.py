@@ -21,6 +21,7 @@ from .common import (
     LauncherRule,
     Origin,
     Reading,
+    Reentrant,
     find_beside,
     json_object_or_mapping,
     release,
@@ -275,23 +276,6 @@ def is_training_config(config: Config) -> bool:
     return any(k in config for k in ("stage", "do_train", "output_dir", "dataset"))
 
 
-@dataclass
-class Reentrant:
-    """The current use_reentrant value, with the origin and detail of its facts."""
-
-    value: Any
-    origin: Origin
-    detail: str
-
-    @property
-    def source(self) -> str:
-        """Who set it, in a decision's words: the file's value is the user's, LLaMA-Factory's own is unknown."""
-        return "user" if self.origin == "file" else "unknown"
-
-    def rewrite(self, value: Any, origin: Origin, detail: str) -> None:
-        self.value, self.origin, self.detail = value, origin, detail
-
-
 def read(config: Config, ctx: Context) -> Reading:
     """The plugin's model of how LLaMA-Factory reads `config` (see the module docstring)."""
     reading = Reading(
@@ -449,9 +433,7 @@ def _reentrant_from_file(parsed: View, fsdp2: bool) -> Reentrant:
     else:
         reentrant = Reentrant(True, "launcher default", f"use_reentrant_gc defaults to true ({SOURCES['keys']})")
     if fsdp2:
-        reentrant.rewrite(
-            False, "launcher rewrite", f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})"
-        )
+        reentrant.rewrite(False, f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})")
     return reentrant
 
 
@@ -469,14 +451,13 @@ def _read_trainer_reenable(config: Config, parsed: View, reading: Reading, reent
         if kwargs.get("use_reentrant") is not None:
             reentrant.rewrite(
                 kwargs["use_reentrant"],
-                "file",
                 "key 'gradient_checkpointing_kwargs.use_reentrant' (the Trainer re-enables with it)",
+                "file",
             )
     else:
         hf_override = reentrant.value is not True
         reentrant.rewrite(
             True,
-            "launcher rewrite",
             f"gradient_checkpointing: true without kwargs: the Trainer re-enables through LLaMA-Factory's method with {{use_reentrant: true}} ({SOURCES['wrapper']})",
         )
     reading.changes["use_reentrant"] = "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}"
@@ -494,7 +475,6 @@ def _read_offloading(parsed: View, reading: Reading, reentrant: Reentrant) -> No
         )
         reentrant.rewrite(
             True,
-            "launcher rewrite",
             "use_unsloth_gc: an autograd Function that recomputes reentrant-style whatever use_reentrant says",
         )
     if bool(parsed.raw.get("use_kt")):
