@@ -840,13 +840,7 @@ def _ddp_facts(raw: dict[str, Any], rl: str | None, ddp: bool, find_unused: bool
 
 def _launcher_rules(v: View, reading: Reading) -> None:
     """The launcher rules (`RULES`) that apply, and the FSDP-checkpointing pair `RULES` cannot see."""
-    reading.apply(
-        RULES,
-        v,
-        VERSION_MODELLED,
-        lambda rule: reading.value("use_reentrant") if rule.setting == "use_reentrant" else v.raw.get(rule.setting),
-        lambda rule: reading.reentrant_source() if rule.setting == "use_reentrant" else "user",
-    )
+    reading.apply(RULES, v, VERSION_MODELLED, v.raw)
     if v.uses_fsdp and v.fsdp_ac and v.gc:
         rule = next(r for r in RULES if r.id == "axolotl:fsdp-checkpointing-and-gc")
         reading.decisions.append(rule.decision(VERSION_MODELLED, before=True))

@@ -223,18 +223,22 @@ class Reading:
         rules: tuple[LauncherRule, ...],
         view: Any,
         version: str,
-        before: Callable[[LauncherRule], Any],
-        source: Callable[[LauncherRule], str] = lambda rule: "user",
+        raw: Mapping[str, Any],
+        befores: Mapping[str, Any] | None = None,
+        sources: Mapping[str, str] | None = None,
     ) -> None:
+        """The decisions of the `rules` that hold on `view`, each about `befores[setting]` (by default the current
+        use_reentrant, else the file's value in `raw`) set by `sources[setting]` (by default the user)."""
+        source = self.value("use_reentrant_source", "unset")
+        source = f"launcher ({self.format})" if source == "unknown" else str(source)
+        befores = {"use_reentrant": self.value("use_reentrant"), **(befores or {})}
+        sources = {"use_reentrant": source, **(sources or {})}
         for rule in rules:
             if rule.when(view):
-                self.decisions.append(rule.decision(version, before=before(rule), source=source(rule)))
+                before = befores.get(rule.setting, raw.get(rule.setting))
+                self.decisions.append(rule.decision(version, before, sources.get(rule.setting, "user")))
                 if rule.change:
                     self.changes_for[rule.id] = rule.change
-
-    def reentrant_source(self) -> str:
-        value = self.value("use_reentrant_source", "unset")
-        return f"launcher ({self.format})" if value == "unknown" else str(value)
 
 
 # --- typed access ----------------------------------------------------------------------------------------------

@@ -315,7 +315,13 @@ def read(config: Config, ctx: Context) -> Reading:
         deepspeed_one_process=reading.value("zero_stage") is not None and world == 1,
         hyper_parallel=hyper,
     )
-    _apply_rules(ctx, view, reading)
+    befores = {
+        "transformers": tf,
+        "quoted booleans": {k: parsed.raw[k] for k in view.string_bools},
+        "use_hyper_parallel": hyper,
+    }
+    sources = {"transformers": ctx.version_origins.get("transformers", "installed")}
+    reading.apply(RULES, view, VERSION_MODELLED, parsed.raw, befores, sources)
     return reading
 
 
@@ -577,27 +583,6 @@ def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, a
         reading.set_key("ddp_find_unused_parameters", find_unused)
     reading.set_key("ddp_static_graph", parsed.raw.get("ddp_static_graph"), unset="key 'ddp_static_graph'")
     return world
-
-
-def _apply_rules(ctx: Context, view: View, reading: Reading) -> None:
-    raw, tf = view.raw, ctx.versions.get("transformers")
-    befores = {
-        "use_reentrant": reading.value("use_reentrant"),
-        "transformers": tf,
-        "quoted booleans": {k: raw[k] for k in view.string_bools},
-        "use_hyper_parallel": view.hyper_parallel,
-    }
-    sources = {
-        "use_reentrant": reading.reentrant_source(),
-        "transformers": ctx.version_origins.get("transformers", "installed"),
-    }
-    reading.apply(
-        RULES,
-        view,
-        VERSION_MODELLED,
-        lambda rule: befores.get(rule.setting, raw.get(rule.setting)),
-        lambda rule: sources.get(rule.setting, "user"),
-    )
 
 
 DEFAULTS = {

@@ -476,15 +476,9 @@ def finish(config: Config, ctx: Context, reading: Reading) -> None:
         peft_zero3_gc=gc and peft and zero3,
         user_reentrant=user_value,
     )
-    reading.apply(RULES, view, f"TRL {VERSION_MODELLED}", lambda rule: _before(rule, config, user_value))
-
-
-def _before(rule: LauncherRule, config: Config, user_value: Any) -> Any:
-    if rule.setting == "use_reentrant":
-        return user_value
-    if rule.id == "trl:valueless-launch-flag":
-        return [k for k in VALUELESS_LAUNCH_FLAGS if k in config.values]
-    return config.get(rule.setting)
+    flags = [k for k in VALUELESS_LAUNCH_FLAGS if k in config.values]
+    befores = {"use_reentrant": user_value, "accelerate launch": flags}
+    reading.apply(RULES, view, f"TRL {VERSION_MODELLED}", config.values, befores, {"use_reentrant": "user"})
 
 
 NATIVE_FIELDS = ("gc_enabled", "use_reentrant", "kwargs_given", "ddp_find_unused_parameters", "ddp_static_graph")
