@@ -512,16 +512,6 @@ def _schema_bool(config: Config, key: str, choices: tuple[str, ...] = (), suffix
     return parsed
 
 
-def _kwargs(config: Config) -> dict[str, Any] | None:
-    """`gradient_checkpointing_kwargs`: a mapping, kept as written."""
-    value = config.values.get("gradient_checkpointing_kwargs")
-    if value is None:
-        return None
-    return dict(
-        expect_mapping(value, config.path, "gradient_checkpointing_kwargs", config.lines, "{use_reentrant: false}")
-    )
-
-
 def _selective(config: Config) -> dict[str, Any] | None:
     """`selective_checkpointing`: a mapping (its `save` a list of op names) or a boolean."""
     path, lines = config.path, config.lines
@@ -596,12 +586,16 @@ def _schema(config: Config, world: int) -> View:
     """Phase 1: the schema's typed parsing (ConfigError where Axolotl's pydantic model fails), in its order (keyword
     arguments are evaluated left to right)."""
     raw = dict(config.values)
-    ebft = raw.get("ebft")
+    ebft, kwargs = raw.get("ebft"), raw.get("gradient_checkpointing_kwargs")
     return View(
         raw=raw,
         base_model=_base_model(config),
         gc=_schema_bool(config, "gradient_checkpointing", ("offload", "offload_disk"), "; Axolotl refuses to start"),
-        kwargs=_kwargs(config),
+        kwargs=None
+        if kwargs is None
+        else dict(
+            expect_mapping(kwargs, config.path, "gradient_checkpointing_kwargs", config.lines, "{use_reentrant: false}")
+        ),
         activation_offloading=_schema_bool(config, "activation_offloading", ("legacy", "disk", "hidden_states")),
         selective=_selective(config),
         **_training(config),

@@ -207,9 +207,17 @@ def read(config: Config, ctx: Context) -> Reading:
     _read_checkpointing(config, reading)
     _read_model(config, reading)
     read_launch(config, ctx, reading)
-    _read_ddp(config, reading)
+    for key in ("ddp_find_unused_parameters", "ddp_static_graph"):  # unset: transformers decides
+        given = key in config.values
+        detail = f"key {key!r}" if given else "unset: transformers decides"
+        reading.set(key, trl_bool(config, key, reading), "file" if given else "launcher default", detail)
     read_model_facts(config.get("model_name_or_path"), "model_name_or_path", reading)
-    _read_trainer(ctx, reading)
+    kind = ctx.trainer or "sft"
+    if kind not in CLI_TRAINERS:
+        raise ConfigError(
+            f"--trainer {kind}: TRL's CLI has no `trl {kind}` command ({', '.join(CLI_TRAINERS)}); a TRL config is for one of these"
+        )
+    set_trainer_kind(reading, kind, ctx, "`trl sft` (pass --trainer dpo|grpo|... for another command)", f"trl {kind}")
     return reading
 
 
@@ -256,16 +264,6 @@ def _read_model(config: Config, reading: Reading) -> None:
             "TRL calls enable_input_require_grads() for PEFT; without an adapter the embeddings train",
         ),
     )
-
-
-def _read_trainer(ctx: Context, reading: Reading) -> None:
-    """The trainer: `--trainer`, else `trl sft`; one of the CLI's commands."""
-    kind = ctx.trainer or "sft"
-    if kind not in CLI_TRAINERS:
-        raise ConfigError(
-            f"--trainer {kind}: TRL's CLI has no `trl {kind}` command ({', '.join(CLI_TRAINERS)}); a TRL config is for one of these"
-        )
-    set_trainer_kind(reading, kind, ctx, "`trl sft` (pass --trainer dpo|grpo|... for another command)", f"trl {kind}")
 
 
 def set_trainer_kind(reading: Reading, kind: str, ctx: Context, assumed: str, label: str) -> None:
@@ -385,14 +383,6 @@ def _read_deepspeed(config: Config, reading: Reading, accel: AccelerateConfig | 
         )
     else:
         reading.set("zero_stage", None, "file", "no deepspeed key and no DeepSpeed accelerate config")
-
-
-def _read_ddp(config: Config, reading: Reading) -> None:
-    """`ddp_find_unused_parameters` and `ddp_static_graph`, as TRL's booleans (unset: transformers decides)."""
-    for key in ("ddp_find_unused_parameters", "ddp_static_graph"):
-        value, given = trl_bool(config, key, reading), key in config.values
-        detail = f"key {key!r}" if given else "unset: transformers decides"
-        reading.set(key, value, "file" if given else "launcher default", detail)
 
 
 def set_fsdp_facts(
