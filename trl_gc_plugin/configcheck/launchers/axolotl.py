@@ -615,23 +615,6 @@ def _schema(config: Config, world: int) -> View:
     )
 
 
-def _world_size(ctx: Context, reading: Reading) -> int:
-    if ctx.nproc is not None:
-        reading.set("world_size", ctx.nproc, "option", "--nproc (Axolotl reads WORLD_SIZE)")
-    else:
-        reading.set(
-            "world_size",
-            1,
-            "assumed",
-            "no --nproc: 1 process (`axolotl train` starts one per visible GPU; pass --nproc N)",
-        )
-    if ctx.trainer is not None:
-        reading.notes.append(
-            f"--trainer {ctx.trainer} is ignored: an Axolotl config says its trainer itself (`rl:`, else SFT)"
-        )
-    return ctx.nproc if ctx.nproc is not None else 1
-
-
 def _validators(s: View, kw: Reentrant, reading: Reading) -> View:
     """Phase 2: the validators' rewrites (mode="after") of checkpointing, offloading and use_reentrant."""
     gc, offloading = s.gc, s.activation_offloading
@@ -847,7 +830,15 @@ def read(config: Config, ctx: Context) -> Reading:
         parser=f"the plugin's model of {VERSION_MODELLED} (Axolotl is not imported)",
         changes=dict(KWARGS_CHANGES),
     )
-    world = _world_size(ctx, reading)  # sets facts only: the schema's errors come first all the same
+    world = reading.set_world_size(  # sets facts only: the schema's errors come first all the same
+        ctx,
+        "no --nproc: 1 process (`axolotl train` starts one per visible GPU; pass --nproc N)",
+        option="--nproc (Axolotl reads WORLD_SIZE)",
+    )
+    if ctx.trainer is not None:
+        reading.notes.append(
+            f"--trainer {ctx.trainer} is ignored: an Axolotl config says its trainer itself (`rl:`, else SFT)"
+        )
     s = _schema(config, world)
     kw = Reentrant(None, "file", "key 'gradient_checkpointing_kwargs.use_reentrant'", s.kwargs)
     v = _validators(s, kw, reading)

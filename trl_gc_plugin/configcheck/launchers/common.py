@@ -214,6 +214,15 @@ class Reading:
         self.set("rl_trainer", kind in RL_TRAINERS if rl is None else rl, origin, detail)
         self.set("generates", kind in GENERATING_TRAINERS if generates is None else generates, origin, detail)
 
+    def set_world_size(
+        self, ctx: Context, assumed: str, *known: tuple[Any, Origin, str], option: str = "--nproc"
+    ) -> int:
+        """`--nproc`, else the first of the `known` counts that is not None, else 1 process (`assumed` says why)."""
+        given = ((ctx.nproc, "option", option), *known)
+        count, origin, detail = next((k for k in given if k[0] is not None), (1, "assumed", assumed))
+        self.set("world_size", count, origin, detail)
+        return int(count)
+
     def value(self, name: str, default: Any = None) -> Any:
         fact = self.facts.get(name)
         return default if fact is None else fact.value

@@ -541,18 +541,11 @@ def _read_model(parsed: View, reading: Reading) -> None:
 def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, accel: Any) -> int:
     """The process count, DeepSpeed, FSDP and DDP's keys (`ddp_find_unused_parameters` False under DDP + LoRA when
     unset); returns the process count."""
-    if ctx.nproc is not None:
-        reading.set("world_size", ctx.nproc, "option", "--nproc")
-    elif accel is not None and accel.num_processes is not None:
-        reading.set("world_size", accel.num_processes, "accelerate config", f"{accel.path}: num_processes")
-    else:
-        reading.set(
-            "world_size",
-            1,
-            "assumed",
-            "no --nproc: 1 process (llamafactory-cli starts torchrun with one process per visible GPU; pass --nproc N)",
-        )
-    world = int(reading.value("world_size", 1))
+    world = reading.set_world_size(
+        ctx,
+        "no --nproc: 1 process (llamafactory-cli starts torchrun with one process per visible GPU; pass --nproc N)",
+        *[(accel.num_processes, "accelerate config", f"{accel.path}: num_processes")] if accel is not None else [],
+    )
     ds_value = parsed.raw.get("deepspeed")
     if ds_value not in (None, "", False):
         if not isinstance(ds_value, (str, dict)):

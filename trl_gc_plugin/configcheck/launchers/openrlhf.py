@@ -278,14 +278,16 @@ def _launch(config: Config, ctx: Context, reading: Reading, ppo: bool, flags: Fl
     nodes, _ = _int(config, flags["nodes"], 1)
     gpus, gpus_name = _int(config, flags["gpus"], 1)
     launched = config.values.get("openrlhf_nproc")
-    if ctx.nproc is not None:
-        reading.set("world_size", ctx.nproc, "option", "--nproc")
-    elif isinstance(launched, int):
-        reading.set("world_size", launched, "file", "the launcher's process count (deepspeed / torchrun)")
-    elif ppo and gpus_name:
-        reading.set("world_size", nodes * gpus, "file", "--actor.num_nodes x --actor.num_gpus_per_node")
-    else:
-        reading.set("world_size", 1, "assumed", "no process count in the command: 1 (pass --nproc N)")
+    reading.set_world_size(
+        ctx,
+        "no process count in the command: 1 (pass --nproc N)",
+        (
+            launched if isinstance(launched, int) else None,
+            "file",
+            "the launcher's process count (deepspeed / torchrun)",
+        ),
+        (nodes * gpus if ppo and gpus_name else None, "file", "--actor.num_nodes x --actor.num_gpus_per_node"),
+    )
     reading.set("ddp_find_unused_parameters", None, "launcher default", "DeepSpeed, not torch DDP")
     reading.set("ddp_static_graph", None, "launcher default", "DeepSpeed, not torch DDP")
     reading.set("fsdp", False, "launcher default", "OpenRLHF runs DeepSpeed")
