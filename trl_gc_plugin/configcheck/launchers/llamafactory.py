@@ -1,11 +1,7 @@
-"""LLaMA-Factory YAML configs (`llamafactory-cli train cfg.yaml`), the v0 stack: the plugin's model of LLaMA-Factory
-main@ff6d4d12 (PyPI 0.9.5 has the same checkpointing and parsing code), read in its sources (`SOURCES`);
-`read_native` takes LLaMA-Factory's own `get_train_args` instead when the package is importable.
-
-LLaMA-Factory checkpoints on its own, on the model, before the adapter is added: on by default, only for a trainable
-model (`do_train: true`), with `{use_reentrant: use_reentrant_gc}` (default true; false under FSDP2). Its wrapper makes
-the hidden states require grad for every layer with trainable parameters and skips frozen layers, so reentrant trains
-with frozen embeddings. Its arguments are built with `parse_dict`, which converts nothing: a quoted `"false"` is true.
+"""LLaMA-Factory v0 YAML configs (`llamafactory-cli train cfg.yaml`): the plugin's model of main@ff6d4d12 (= PyPI
+0.9.5 here), or its own `get_train_args` when importable (`read_native`). It checkpoints the model itself, before the
+adapter; its wrapper makes trainable layers' hidden states require grad, so reentrant trains with frozen embeddings.
+`parse_dict` converts nothing: a quoted `"false"` is true.
 """
 
 from __future__ import annotations

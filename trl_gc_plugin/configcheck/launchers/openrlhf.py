@@ -1,8 +1,6 @@
-"""OpenRLHF command lines (`deepspeed --module openrlhf.cli.train_sft ...`) in a shell script or a text file, read as
-bash would expand them (`shell.commands`), never run: the plugin's model of what OpenRLHF 0.11.2 (and the flat flags of
-<= 0.9) does with its flags (`SOURCES`). OpenRLHF trains without a Trainer (the plugin acts through the model route)
-and refuses nothing about checkpointing itself: no launcher rules. A flag the rules read whose value comes from the
-environment, or an expansion that may hold flags, makes the check `incomplete` (`Reading.unread`).
+"""OpenRLHF command lines (`deepspeed --module openrlhf.cli.train_sft ...`) in a shell script or text file, expanded
+statically (`shell.commands`): the plugin's model of OpenRLHF 0.11.2 (and <= 0.9's flat flags). It refuses nothing
+about checkpointing itself (no launcher rules); a flag the rules read that the expansion cannot, makes it `incomplete`.
 """
 
 from __future__ import annotations
