@@ -317,24 +317,20 @@ def read_launch(config: Config, ctx: Context, reading: Reading) -> None:
     reading.extra["launch_flags"] = tuple(k for k in VALUELESS_LAUNCH_FLAGS if k in config.values)
     overrides = {k: config.values[k] for k in LAUNCH_KEYS if config.values.get(k) is not None}
     accel, where_accel = _read_accelerate_config(config, ctx, reading, overrides)
-    # the process count: --nproc, else the accelerate config's (or the file's `num_processes`), else 1
-    file_detail = "key 'num_processes' (passed to accelerate launch)"
-    if accel is None and "num_processes" in overrides:
-        procs = whole_number(overrides["num_processes"], config.path, "num_processes", 1)
-        reading.set("world_size", procs, "file", file_detail)
-    if ctx.nproc is not None:
-        reading.set("world_size", ctx.nproc, "option", "--nproc")
-    elif accel is not None and accel.num_processes is not None and "num_processes" in overrides:
-        reading.set("world_size", accel.num_processes, "file", file_detail)
-    elif accel is not None and accel.num_processes is not None:
-        reading.set("world_size", accel.num_processes, "accelerate config", f"{where_accel}: num_processes")
-    elif "world_size" not in reading.facts:
-        reading.set(
-            "world_size",
-            1,
-            "assumed",
-            "no --nproc, no num_processes: 1 process (accelerate launch's default without a config)",
-        )
+    # the process count: --nproc, else the file's `num_processes` (over the accelerate config's), else 1
+    file_detail, given = "key 'num_processes' (passed to accelerate launch)", "num_processes" in overrides
+    procs = (
+        whole_number(overrides["num_processes"], config.path, "num_processes", 1) if given and accel is None else None
+    )
+    accel_procs = accel.num_processes if accel is not None else None
+    reading.set_world_size(
+        ctx,
+        "no --nproc, no num_processes: 1 process (accelerate launch's default without a config)",
+        (procs, "file", file_detail),
+        (accel_procs, "file", file_detail)
+        if given
+        else (accel_procs, "accelerate config", f"{where_accel}: num_processes"),
+    )
     set_accelerate_facts(reading, accel, where_accel)
     _read_deepspeed(config, reading, accel, where_accel)
     fsdp, fsdp_config = bool(config.get("fsdp")), read_fsdp_config(config)  # else the accelerate config's FSDP
