@@ -1,8 +1,6 @@
-"""Axolotl YAML configs (`axolotl train cfg.yml`): the plugin's model of what Axolotl main@067b021c does with a config
-before the Trainer runs, read in its sources (`SOURCES`). Axolotl cannot be imported here (its wheels need Python >=
-3.12 and pin other transformers/TRL releases). The phases, in Axolotl's order: the lax pydantic schema (`_schema`),
-the validators' refusals (`RULES`) and rewrites (`_validators`), `normalize_config` (`_normalize`) and the trainer
-builders (`_builders`).
+"""Axolotl YAML configs (`axolotl train cfg.yml`): the plugin's model of Axolotl main@067b021c before the Trainer runs
+(`SOURCES`); Axolotl cannot be imported here (its wheels need Python >= 3.12 and pin other transformers/TRL). Its
+phases in order: the schema (`_schema`), the validators (`RULES`, `_validators`), `_normalize`, `_builders`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""TRL's CLI configs (`trl sft|dpo|grpo|... --config cfg.yaml`): the plugin's model of TRL 1.16's `TrlParser` for the
-keys the check reads (`--parser model`, or when TRL's own parser cannot run; else `apply_native` puts what that parser
-read in its place), then what TRL's trainers write themselves (`finish`). A string boolean goes through
-`string_to_bool`; `gradient_checkpointing` defaults to True in every TRL config; keys that are no field of its
-dataclasses go to `accelerate launch` (`LAUNCH_KEYS` override the accelerate config's).
+"""TRL's CLI configs (`trl sft|dpo|grpo|... --config cfg.yaml`): the plugin's model of TRL 1.16's `TrlParser` (what
+TRL's own parser read replaces it where that runs: `apply_native`), then what TRL's trainers write (`finish`). Keys
+that are no field of its dataclasses go to `accelerate launch` (`LAUNCH_KEYS` override the accelerate config's).
 """
 
 from __future__ import annotations
