@@ -285,15 +285,23 @@ def read(config: Config, ctx: Context) -> Reading:
     if ctx.trainer is not None:
         reading.notes.append(f"--trainer {ctx.trainer} is ignored: a LLaMA-Factory config says its stage itself")
     parsed = _parse(config)
-    if not is_training_config(config):
-        _read_non_training(config, reading)
+    if not is_training_config(config):  # a chat / API / export config
+        reading.training = False
+        what = "an export (merge) config" if "export_dir" in config else "a chat / API / inference config"
+        reading.set("gc_enabled", False, "file", f"{what}: no stage, do_train, output_dir or dataset; nothing trains")
+        reading.notes.append(f"{config.path} is {what}: nothing trains, so checkpointing does not apply")
         return reading
     _read_gc_enabled(parsed, reading)
     hyper = _read_hyper_parallel(config, parsed, reading)
     accel = read_accelerate(ctx.accelerate_config) if ctx.accelerate_config else None
     fsdp2 = bool(accel and accel.fsdp and accel.fsdp_version == 2)
     set_accelerate_facts(reading, accel, f"accelerate config {ctx.accelerate_config}")
-    reentrant = _reentrant_from_file(parsed, fsdp2)
+    if "use_reentrant_gc" in parsed.raw:
+        reentrant = Reentrant(parsed.raw["use_reentrant_gc"], "file", "key 'use_reentrant_gc'")
+    else:
+        reentrant = Reentrant(True, "launcher default", f"use_reentrant_gc defaults to true ({SOURCES['keys']})")
+    if fsdp2:
+        reentrant.rewrite(False, f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})")
     hf_override = _read_trainer_reenable(config, parsed, reading, reentrant)
     _read_offloading(parsed, reading, reentrant)
     _set_reentrant_facts(parsed, reading, reentrant)
@@ -358,14 +366,6 @@ def _parse(config: Config) -> View:
     )
 
 
-def _read_non_training(config: Config, reading: Reading) -> None:
-    """A chat / API / export config: nothing trains, so checkpointing does not apply."""
-    reading.training = False
-    what = "an export (merge) config" if "export_dir" in config else "a chat / API / inference config"
-    reading.set("gc_enabled", False, "file", f"{what}: no stage, do_train, output_dir or dataset; nothing trains")
-    reading.notes.append(f"{config.path} is {what}: nothing trains, so checkpointing does not apply")
-
-
 def _read_gc_enabled(parsed: View, reading: Reading) -> None:
     """Checkpointing on/off: LLaMA-Factory's own, on the model, only for a trainable model."""
     given = "disable_gradient_checkpointing" in parsed.raw
@@ -426,17 +426,6 @@ def _read_hyper_parallel(config: Config, parsed: View, reading: Reading) -> str 
             f"use_hyper_parallel: HyperParallel's FSDP2 backend ({detail}); LLaMA-Factory's own checkpointing stays"
         )
     return str(mode)
-
-
-def _reentrant_from_file(parsed: View, fsdp2: bool) -> Reentrant:
-    """use_reentrant from `use_reentrant_gc` (default true), which FSDP2 rewrites to false."""
-    if "use_reentrant_gc" in parsed.raw:
-        reentrant = Reentrant(parsed.raw["use_reentrant_gc"], "file", "key 'use_reentrant_gc'")
-    else:
-        reentrant = Reentrant(True, "launcher default", f"use_reentrant_gc defaults to true ({SOURCES['keys']})")
-    if fsdp2:
-        reentrant.rewrite(False, f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})")
-    return reentrant
 
 
 def _read_trainer_reenable(config: Config, parsed: View, reading: Reading, reentrant: Reentrant) -> bool:
