@@ -813,14 +813,6 @@ def _ddp_facts(raw: dict[str, Any], rl: str | None, ddp: bool, find_unused: bool
     reading.set("ddp_static_graph", None, "launcher default", "Axolotl does not pass ddp_static_graph")
 
 
-def _launcher_rules(v: View, reading: Reading) -> None:
-    """The launcher rules (`RULES`) that apply, and the FSDP-checkpointing pair `RULES` cannot see."""
-    reading.apply(RULES, v, VERSION_MODELLED, v.raw)
-    if v.uses_fsdp and v.fsdp_ac and v.gc:
-        rule = next(r for r in RULES if r.id == "axolotl:fsdp-checkpointing-and-gc")
-        reading.decisions.append(rule.decision(VERSION_MODELLED, before=True))
-
-
 def read(config: Config, ctx: Context) -> Reading:
     """The plugin's model of what Axolotl does with `config` (see the module docstring)."""
     reading = Reading(
@@ -850,7 +842,10 @@ def read(config: Config, ctx: Context) -> Reading:
     else:
         reading.set_trainer("sft", "launcher default", "no rl", kind_detail="no rl: Axolotl's SFT trainer")
     _parallel_facts(config, v, ddp, find_unused, reading)
-    _launcher_rules(v, reading)
+    reading.apply(RULES, v, VERSION_MODELLED, v.raw)
+    if v.uses_fsdp and v.fsdp_ac and v.gc:  # the FSDP-checkpointing pair `RULES` cannot see
+        rule = next(r for r in RULES if r.id == "axolotl:fsdp-checkpointing-and-gc")
+        reading.decisions.append(rule.decision(VERSION_MODELLED, before=True))
     return reading
 
 

@@ -138,19 +138,6 @@ def _launcher_processes(tokens: list[str], expanded: shell.Expanded) -> tuple[in
 Flags = dict[str, tuple[str, str]]
 
 
-def _flags(prefix: str) -> Flags:
-    """The flags the rules read (their values decide the verdict), each as spelled now and before OpenRLHF 0.10."""
-    return {
-        "enable": (f"{prefix}gradient_checkpointing_enable", "gradient_checkpointing"),
-        "reentrant": (f"{prefix}gradient_checkpointing_reentrant", "gradient_checkpointing_use_reentrant"),
-        "lora_rank": ("ds.lora.rank", "lora_rank"),
-        "4bit": ("ds.load_in_4bit", "load_in_4bit"),
-        "zero_stage": ("ds.zero_stage", "zero_stage"),
-        "nodes": ("actor.num_nodes", "actor_num_nodes"),
-        "gpus": ("actor.num_gpus_per_node", "actor_num_gpus_per_node"),
-    }
-
-
 def _given(config: Config, names: tuple[str, ...]) -> tuple[Any, str | None]:
     """(value, spelling) of the first of `names` the command has; a value the expansion could not read counts as
     absent (`Reading.unread` says so)."""
@@ -176,7 +163,15 @@ def read(config: Config, ctx: Context) -> Reading:
     entry = str(config.values[ENTRY])
     ppo = entry == "train_ppo_ray"
     prefix = "actor." if ppo else "model."
-    flags = _flags(prefix)
+    flags: Flags = {  # the flags the rules read, each as spelled now and before OpenRLHF 0.10
+        "enable": (f"{prefix}gradient_checkpointing_enable", "gradient_checkpointing"),
+        "reentrant": (f"{prefix}gradient_checkpointing_reentrant", "gradient_checkpointing_use_reentrant"),
+        "lora_rank": ("ds.lora.rank", "lora_rank"),
+        "4bit": ("ds.load_in_4bit", "load_in_4bit"),
+        "zero_stage": ("ds.zero_stage", "zero_stage"),
+        "nodes": ("actor.num_nodes", "actor_num_nodes"),
+        "gpus": ("actor.num_gpus_per_node", "actor_num_gpus_per_node"),
+    }
     reading = Reading(
         format="openrlhf",
         parser=f"the plugin's model of {VERSION_MODELLED} (OpenRLHF is not imported)",

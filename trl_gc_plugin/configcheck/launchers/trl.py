@@ -330,7 +330,19 @@ def read_launch(config: Config, ctx: Context, reading: Reading) -> None:
         else (accel_procs, "accelerate config", f"{where_accel}: num_processes"),
     )
     set_accelerate_facts(reading, accel, where_accel)
-    _read_deepspeed(config, reading, accel, where_accel)
+    ds_value = config.get("deepspeed")  # else the accelerate config's DeepSpeed
+    if ds_value not in (None, "", False):  # read_deepspeed refuses any other type, naming the key
+        read_deepspeed(ds_value, config.path, "deepspeed", config.base_dir, {}, "", config.lines).set_facts(reading)
+    elif accel is not None and accel.zero_stage is not None:
+        reading.set("zero_stage", accel.zero_stage, "accelerate config", f"{where_accel}: deepspeed_config")
+        reading.set(
+            "deepspeed_activation_checkpointing",
+            accel.deepspeed_activation_checkpointing,
+            "accelerate config",
+            where_accel,
+        )
+    else:
+        reading.set("zero_stage", None, "file", "no deepspeed key and no DeepSpeed accelerate config")
     fsdp, fsdp_config = bool(config.get("fsdp")), read_fsdp_config(config)  # else the accelerate config's FSDP
     set_fsdp_facts(reading, fsdp, fsdp_config, accel, where_accel, ctx.versions.get("transformers"))
 
@@ -360,23 +372,6 @@ def _read_accelerate_config(
         )
     accel = read_accelerate(file, overrides)
     return accel, f"accelerate config {name} ({accel.path})"
-
-
-def _read_deepspeed(config: Config, reading: Reading, accel: AccelerateConfig | None, where_accel: str) -> None:
-    """DeepSpeed: the `deepspeed` field (a path or a mapping), else the accelerate config."""
-    ds_value = config.get("deepspeed")
-    if ds_value not in (None, "", False):  # read_deepspeed refuses any other type, naming the key
-        read_deepspeed(ds_value, config.path, "deepspeed", config.base_dir, {}, "", config.lines).set_facts(reading)
-    elif accel is not None and accel.zero_stage is not None:
-        reading.set("zero_stage", accel.zero_stage, "accelerate config", f"{where_accel}: deepspeed_config")
-        reading.set(
-            "deepspeed_activation_checkpointing",
-            accel.deepspeed_activation_checkpointing,
-            "accelerate config",
-            where_accel,
-        )
-    else:
-        reading.set("zero_stage", None, "file", "no deepspeed key and no DeepSpeed accelerate config")
 
 
 def set_fsdp_facts(
