@@ -778,21 +778,12 @@ def _parallel_facts(config: Config, s: View, ddp: bool, find_unused: bool | None
         f"fsdp_config.activation_checkpointing ({SOURCES['fsdp_prefix']})",
     )
     _ddp_facts(raw, s.rl, ddp, find_unused, reading)
-    _cp_facts(config, reading)
-
-
-def _cp_facts(config: Config, reading: Reading) -> None:
-    """`context_parallel_size` (or the deprecated `sequence_parallel_degree`, which `check_context_parallel_size`
-    copies into it): `setup_parallelism_envs` exports it as accelerate's `PARALLELISM_CONFIG_CP_SIZE`."""
-    raw = config.values
+    # `context_parallel_size` (or the deprecated `sequence_parallel_degree`, which `check_context_parallel_size` copies
+    # into it): `setup_parallelism_envs` exports it as accelerate's `PARALLELISM_CONFIG_CP_SIZE`
     key = "context_parallel_size" if raw.get("context_parallel_size") else "sequence_parallel_degree"
-    if not raw.get(key):
-        return
-    size = cp_size_of({CP_KEY: raw[key]})
+    size = cp_size_of({CP_KEY: raw[key]}) if raw.get(key) else 1
     if size is None:
-        raise ConfigError(
-            f"{where(config.path, key, config.lines)}: Axolotl's schema takes a whole number, got {short(raw[key])}"
-        )
+        raise ConfigError(f"{where(path, key, lines)}: Axolotl's schema takes a whole number, got {short(raw[key])}")
     if size > 1:
         reading.set("cp_size", size, "file", f"key {key!r} ({SOURCES['cp_env']})")
 

@@ -303,7 +303,6 @@ def read(config: Config, ctx: Context) -> Reading:
     if fsdp2:
         reentrant.rewrite(False, f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})")
     hf_override = _read_trainer_reenable(config, parsed, reading, reentrant)
-    _read_offloading(parsed, reading, reentrant)
     _set_reentrant_facts(parsed, reading, reentrant)
     _read_model(parsed, reading)
     world = _read_launch(config, ctx, parsed, reading, accel)
@@ -455,8 +454,9 @@ def _read_trainer_reenable(config: Config, parsed: View, reading: Reading, reent
     return hf_override
 
 
-def _read_offloading(parsed: View, reading: Reading, reentrant: Reentrant) -> None:
-    """`use_unsloth_gc`'s offloading checkpoint (reentrant whatever use_reentrant says); `use_kt` is not modelled."""
+def _set_reentrant_facts(parsed: View, reading: Reading, reentrant: Reentrant) -> None:
+    """`use_unsloth_gc`'s offloading checkpoint (reentrant whatever use_reentrant says; `use_kt` is not modelled), then
+    the final use_reentrant (when checkpointing is on), LLaMA-Factory's wrapper, Unsloth and use_cache."""
     if bool(parsed.raw.get("use_unsloth_gc")):
         reading.set(
             "activation_offloading",
@@ -470,10 +470,6 @@ def _read_offloading(parsed: View, reading: Reading, reentrant: Reentrant) -> No
         )
     if bool(parsed.raw.get("use_kt")):
         reading.notes.append("use_kt: KTransformers checkpointing is not modelled (it chooses its own kwargs)")
-
-
-def _set_reentrant_facts(parsed: View, reading: Reading, reentrant: Reentrant) -> None:
-    """Record the final use_reentrant (when checkpointing is on), LLaMA-Factory's wrapper, Unsloth and use_cache."""
     raw = parsed.raw
     gc_on = bool(reading.value("gc_enabled"))
     origin, detail = reentrant.origin, reentrant.detail
