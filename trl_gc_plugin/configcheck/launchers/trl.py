@@ -203,7 +203,26 @@ def read(config: Config, ctx: Context) -> Reading:
             f"{where(config.path, 'env', config.lines)}: TRL requires a mapping of environment variables, got {type_name(env)} {short(env)}"
         )
     _read_checkpointing(config, reading)
-    _read_model(config, reading)
+    peft = trl_bool(config, "use_peft", reading)
+    four = bool(trl_bool(config, "load_in_4bit", reading))
+    eight = bool(trl_bool(config, "load_in_8bit", reading))
+    reading.extra.update(load_in_4bit=four, load_in_8bit=eight)
+    quant = "bitsandbytes_4bit" if four else "bitsandbytes_8bit" if eight else None
+    reading.set_model(
+        peft=Fact(bool(peft), "file", "key 'use_peft'")
+        if peft is not None
+        else Fact(False, "launcher default", "use_peft defaults to False (no adapter)"),
+        quant=Fact(quant, "file" if quant else "launcher default", "load_in_4bit / load_in_8bit"),
+        frozen=Fact(
+            bool(peft) or quant is not None, "file", "an adapter or a quantized model freezes the base weights"
+        ),
+        blocks="a config trains the decoder blocks (full or through adapters)",
+        grads=Fact(
+            True,
+            "launcher rewrite",
+            "TRL calls enable_input_require_grads() for PEFT; without an adapter the embeddings train",
+        ),
+    )
     read_launch(config, ctx, reading)
     for key in ("ddp_find_unused_parameters", "ddp_static_graph"):  # unset: transformers decides
         given = key in config.values
@@ -239,29 +258,6 @@ def _read_checkpointing(config: Config, reading: Reading) -> None:
     offloading = trl_bool(config, "activation_offloading", reading)
     if offloading is not None:
         reading.set("trl_activation_offloading", offloading, "file", "key 'activation_offloading'")
-
-
-def _read_model(config: Config, reading: Reading) -> None:
-    peft = trl_bool(config, "use_peft", reading)
-    four = bool(trl_bool(config, "load_in_4bit", reading))
-    eight = bool(trl_bool(config, "load_in_8bit", reading))
-    reading.extra.update(load_in_4bit=four, load_in_8bit=eight)
-    quant = "bitsandbytes_4bit" if four else "bitsandbytes_8bit" if eight else None
-    reading.set_model(
-        peft=Fact(bool(peft), "file", "key 'use_peft'")
-        if peft is not None
-        else Fact(False, "launcher default", "use_peft defaults to False (no adapter)"),
-        quant=Fact(quant, "file" if quant else "launcher default", "load_in_4bit / load_in_8bit"),
-        frozen=Fact(
-            bool(peft) or quant is not None, "file", "an adapter or a quantized model freezes the base weights"
-        ),
-        blocks="a config trains the decoder blocks (full or through adapters)",
-        grads=Fact(
-            True,
-            "launcher rewrite",
-            "TRL calls enable_input_require_grads() for PEFT; without an adapter the embeddings train",
-        ),
-    )
 
 
 def set_trainer_kind(reading: Reading, kind: str, ctx: Context, assumed: str, label: str) -> None:
