@@ -182,7 +182,30 @@ def read(config: Config, ctx: Context) -> Reading:
     )
     _checkpointing(config, reading, prefix, ppo, flags)
     _model(config, reading, prefix, flags)
-    _launch(config, ctx, reading, ppo, flags)
+    stage, stage_name = _int(config, flags["zero_stage"], 2)
+    reading.set(
+        "zero_stage",
+        stage,
+        "file" if stage_name else "launcher default",
+        f"--{stage_name}" if stage_name else f"OpenRLHF's default ZeRO stage ({SOURCES['zero']})",
+    )
+    nodes, _ = _int(config, flags["nodes"], 1)
+    gpus, gpus_name = _int(config, flags["gpus"], 1)
+    launched = config.values.get("openrlhf_nproc")
+    reading.set_world_size(
+        ctx,
+        "no process count in the command: 1 (pass --nproc N)",
+        (
+            launched if isinstance(launched, int) else None,
+            "file",
+            "the launcher's process count (deepspeed / torchrun)",
+        ),
+        (nodes * gpus if ppo and gpus_name else None, "file", "--actor.num_nodes x --actor.num_gpus_per_node"),
+    )
+    reading.set("ddp_find_unused_parameters", None, "launcher default", "DeepSpeed, not torch DDP")
+    reading.set("ddp_static_graph", None, "launcher default", "DeepSpeed, not torch DDP")
+    reading.set("fsdp", False, "launcher default", "OpenRLHF runs DeepSpeed")
+    reading.set("fsdp_activation_checkpointing", False, "launcher default", "OpenRLHF runs DeepSpeed")
     _unread(config, reading, ctx, {name for names in flags.values() for name in names})
     kind = KINDS.get(entry, "sft")
     reading.set_trainer(kind, "file", f"openrlhf.cli.{entry}", rl=kind in RL, generates=kind in GENERATING)
@@ -258,30 +281,3 @@ def _model(config: Config, reading: Reading, prefix: str, flags: Flags) -> None:
         "model.model_name_or_path", config.values.get(f"{prefix}model_name_or_path", config.values.get("pretrain"))
     )
     read_model_facts(name, "--model.model_name_or_path", reading)  # nothing unless a local model directory
-
-
-def _launch(config: Config, ctx: Context, reading: Reading, ppo: bool, flags: Flags) -> None:
-    stage, stage_name = _int(config, flags["zero_stage"], 2)
-    reading.set(
-        "zero_stage",
-        stage,
-        "file" if stage_name else "launcher default",
-        f"--{stage_name}" if stage_name else f"OpenRLHF's default ZeRO stage ({SOURCES['zero']})",
-    )
-    nodes, _ = _int(config, flags["nodes"], 1)
-    gpus, gpus_name = _int(config, flags["gpus"], 1)
-    launched = config.values.get("openrlhf_nproc")
-    reading.set_world_size(
-        ctx,
-        "no process count in the command: 1 (pass --nproc N)",
-        (
-            launched if isinstance(launched, int) else None,
-            "file",
-            "the launcher's process count (deepspeed / torchrun)",
-        ),
-        (nodes * gpus if ppo and gpus_name else None, "file", "--actor.num_nodes x --actor.num_gpus_per_node"),
-    )
-    reading.set("ddp_find_unused_parameters", None, "launcher default", "DeepSpeed, not torch DDP")
-    reading.set("ddp_static_graph", None, "launcher default", "DeepSpeed, not torch DDP")
-    reading.set("fsdp", False, "launcher default", "OpenRLHF runs DeepSpeed")
-    reading.set("fsdp_activation_checkpointing", False, "launcher default", "OpenRLHF runs DeepSpeed")
