@@ -777,22 +777,10 @@ def _parallel_facts(config: Config, s: View, ddp: bool, find_unused: bool | None
         "file",
         f"fsdp_config.activation_checkpointing ({SOURCES['fsdp_prefix']})",
     )
-    _ddp_facts(raw, s.rl, ddp, find_unused, reading)
-    # `context_parallel_size` (or the deprecated `sequence_parallel_degree`, which `check_context_parallel_size` copies
-    # into it): `setup_parallelism_envs` exports it as accelerate's `PARALLELISM_CONFIG_CP_SIZE`
-    key = "context_parallel_size" if raw.get("context_parallel_size") else "sequence_parallel_degree"
-    size = cp_size_of({CP_KEY: raw[key]}) if raw.get(key) else 1
-    if size is None:
-        raise ConfigError(f"{where(path, key, lines)}: Axolotl's schema takes a whole number, got {short(raw[key])}")
-    if size > 1:
-        reading.set("cp_size", size, "file", f"key {key!r} ({SOURCES['cp_env']})")
-
-
-def _ddp_facts(raw: dict[str, Any], rl: str | None, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
-    """`ddp_find_unused_parameters` as the SFT builder passes it (the RL builder passes nothing), `ddp_static_graph`."""
-    value = bool(find_unused) if rl is None and ddp else None
+    # ddp_find_unused_parameters as the SFT builder passes it (the RL builder passes nothing)
+    value = bool(find_unused) if s.rl is None and ddp else None
     origin: Origin = "launcher rewrite"
-    if rl is not None:
+    if s.rl is not None:
         detail = f"Axolotl's RL builder does not pass it: transformers decides ({SOURCES['rl_builder']})"
     elif not ddp:
         detail = f"one process: Axolotl passes None ({SOURCES['causal_ddp']})"
@@ -802,6 +790,14 @@ def _ddp_facts(raw: dict[str, Any], rl: str | None, ddp: bool, find_unused: bool
         detail = f"Axolotl's SFT builder passes False under DDP when unset ({SOURCES['causal_ddp']})"
     reading.set("ddp_find_unused_parameters", value, origin, detail)
     reading.set("ddp_static_graph", None, "launcher default", "Axolotl does not pass ddp_static_graph")
+    # `context_parallel_size` (or the deprecated `sequence_parallel_degree`, which `check_context_parallel_size` copies
+    # into it): `setup_parallelism_envs` exports it as accelerate's `PARALLELISM_CONFIG_CP_SIZE`
+    key = "context_parallel_size" if raw.get("context_parallel_size") else "sequence_parallel_degree"
+    size = cp_size_of({CP_KEY: raw[key]}) if raw.get(key) else 1
+    if size is None:
+        raise ConfigError(f"{where(path, key, lines)}: Axolotl's schema takes a whole number, got {short(raw[key])}")
+    if size > 1:
+        reading.set("cp_size", size, "file", f"key {key!r} ({SOURCES['cp_env']})")
 
 
 def read(config: Config, ctx: Context) -> Reading:

@@ -291,7 +291,18 @@ def read(config: Config, ctx: Context) -> Reading:
         reading.set("gc_enabled", False, "file", f"{what}: no stage, do_train, output_dir or dataset; nothing trains")
         reading.notes.append(f"{config.path} is {what}: nothing trains, so checkpointing does not apply")
         return reading
-    _read_gc_enabled(parsed, reading)
+    # checkpointing on/off: LLaMA-Factory's own, on the model, only for a trainable model
+    given = "disable_gradient_checkpointing" in parsed.raw
+    if not parsed.do_train:
+        detail = f"do_train is not true: nothing trains and LLaMA-Factory does not enable checkpointing ({SOURCES['trainable']})"
+        reading.set("gc_enabled", False, "file", detail)
+    elif parsed.disabled:
+        detail = f"key 'disable_gradient_checkpointing': {parsed.raw['disable_gradient_checkpointing']!r}"
+        reading.set("gc_enabled", parsed.hf_gc, "file", detail)
+    else:
+        detail = f"disable_gradient_checkpointing defaults to false: LLaMA-Factory checkpoints ({SOURCES['enable']})"
+        reading.set("gc_enabled", True, "file" if given else "launcher default", detail)
+    reading.set("gc_flag_source", "user" if given else "trainer", "file", "disable_gradient_checkpointing")
     hyper = _read_hyper_parallel(config, parsed, reading)
     accel = read_accelerate(ctx.accelerate_config) if ctx.accelerate_config else None
     fsdp2 = bool(accel and accel.fsdp and accel.fsdp_version == 2)
@@ -363,21 +374,6 @@ def _parse(config: Config) -> View:
         disabled=bool(raw.get("disable_gradient_checkpointing", False)),
         hf_gc=bool(raw.get("gradient_checkpointing", False)),
     )
-
-
-def _read_gc_enabled(parsed: View, reading: Reading) -> None:
-    """Checkpointing on/off: LLaMA-Factory's own, on the model, only for a trainable model."""
-    given = "disable_gradient_checkpointing" in parsed.raw
-    if not parsed.do_train:
-        detail = f"do_train is not true: nothing trains and LLaMA-Factory does not enable checkpointing ({SOURCES['trainable']})"
-        reading.set("gc_enabled", False, "file", detail)
-    elif parsed.disabled:
-        detail = f"key 'disable_gradient_checkpointing': {parsed.raw['disable_gradient_checkpointing']!r}"
-        reading.set("gc_enabled", parsed.hf_gc, "file", detail)
-    else:
-        detail = f"disable_gradient_checkpointing defaults to false: LLaMA-Factory checkpoints ({SOURCES['enable']})"
-        reading.set("gc_enabled", True, "file" if given else "launcher default", detail)
-    reading.set("gc_flag_source", "user" if given else "trainer", "file", "disable_gradient_checkpointing")
 
 
 def _read_hyper_parallel(config: Config, parsed: View, reading: Reading) -> str | None:
