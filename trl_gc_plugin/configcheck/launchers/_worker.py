@@ -25,8 +25,6 @@ FACT_FIELDS = (
     "fsdp_activation_checkpointing",
     "ddp_find_unused_parameters",
     "ddp_static_graph",
-    "gc_flag_source",
-    "trainer_kind",
     "fsdp_version",
     "zero_overlap_comm",
 )
@@ -50,20 +48,19 @@ TRL0_COMMANDS = ("dpo", "grpo", "kto", "reward", "rloo", "sft")
 """The training commands of TRL 0.x's CLI (`trl/cli.py`, one module; TRL 1.x lists them in `trl.cli.commands`)."""
 
 
-def _accelerate_config_file(value: str) -> str:
-    """What `trl <command>` hands to `accelerate launch --config_file` for `--accelerate_config value`."""
+def _check_accelerate_config(value: str) -> None:
+    """Refuse, as `trl <command>` does, an `--accelerate_config` that is neither a file nor a config TRL ships."""
     try:
         from trl.cli.accelerate_config import resolve_accelerate_config_argument
-    except ImportError:  # TRL 0.x resolves it inside trl/cli.py's main(): a file path, else a config TRL ships
-        pass
-    else:
-        return str(resolve_accelerate_config_argument(["--accelerate_config", value])[1])
-    from trl_gc_plugin.configcheck.launchers.accelerate import trl_bundled
+    except ImportError:  # TRL 0.x resolves it inside trl/cli.py's main()
+        from trl_gc_plugin.configcheck.launchers.accelerate import trl_bundled
 
-    file = value if os.path.isfile(value) else trl_bundled(value)
-    if file is None:
-        raise ValueError(f"Accelerate config {value} is neither a file nor a valid config in the `trl` package.")
-    return file
+        if not os.path.isfile(value) and trl_bundled(value) is None:
+            raise ValueError(
+                f"Accelerate config {value} is neither a file nor a valid config in the `trl` package."
+            ) from None
+    else:
+        resolve_accelerate_config_argument(["--accelerate_config", value])
 
 
 def _trl(job: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +82,6 @@ def _trl(job: dict[str, Any]) -> dict[str, Any]:
     args, model_args = out[1], out[2]
     facts = facts_from_args(args, stage="post_init")  # the arguments alone: no Trainer, no model yet
     keys = [remaining[i][2:] for i in range(0, len(remaining), 2)]
-    accelerate_config = None
     unknown: list[str] = []
     valueless: list[str] = []
     if keys:
@@ -95,24 +91,20 @@ def _trl(job: dict[str, Any]) -> dict[str, Any]:
         options = {o.lstrip("-").replace("-", "_"): a for a in launch._actions for o in a.option_strings}
         for key in keys:
             if key == "accelerate_config":
-                accelerate_config = _accelerate_config_file(remaining[remaining.index("--accelerate_config") + 1])
+                _check_accelerate_config(remaining[remaining.index("--accelerate_config") + 1])
             elif key not in options:
                 unknown.append(key)
             elif options[key].nargs == 0:
                 valueless.append(key)
-    known_by = {key: _commands_with_field(key) for key in unknown}
-    kwargs = getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None))
     return {
         "version": trl.__version__,
         "facts": {name: getattr(facts, name) for name in FACT_FIELDS if hasattr(facts, name)},
-        "kwargs": kwargs if isinstance(kwargs, dict) else None,
         "use_peft": bool(model_args.use_peft),
         "load_in_4bit": bool(model_args.load_in_4bit),
         "load_in_8bit": bool(model_args.load_in_8bit),
         "unknown_keys": unknown,
-        "known_by": known_by,
+        "known_by": {key: _commands_with_field(key) for key in unknown},
         "valueless_keys": valueless,
-        "accelerate_config": accelerate_config,
     }
 
 

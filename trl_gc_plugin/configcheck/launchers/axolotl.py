@@ -1,8 +1,6 @@
-"""Axolotl YAML configs (`axolotl train cfg.yml`): the plugin's model of what Axolotl main@067b021c does with a config
-before the Trainer runs, read in its sources (`SOURCES`). Axolotl cannot be imported here (its wheels need Python >=
-3.12 and pin other transformers/TRL releases). The phases, in Axolotl's order: the lax pydantic schema (`_schema`),
-the validators' refusals (`RULES`) and rewrites (`_validators`), `normalize_config` (`_normalize`) and the trainer
-builders (`_builders`).
+"""Axolotl YAML configs (`axolotl train cfg.yml`): the plugin's model of Axolotl main@067b021c before the Trainer runs
+(`SOURCES`); Axolotl cannot be imported here (its wheels need Python >= 3.12 and pin other transformers/TRL). Its
+phases in order: the schema (`_schema`), the validators (`RULES`, `_validators`), `_normalize`, `_builders`.
 """
 
 from __future__ import annotations
@@ -13,14 +11,15 @@ from typing import Any
 from ..._base.flags import pydantic_bool
 from ...core.context_parallel import KEY as CP_KEY
 from ...core.context_parallel import cp_size_of
-from ...core.facts import GENERATING_TRAINERS, RL_TRAINERS
 from .common import (
     KWARGS_CHANGES,
     ConfigError,
     Context,
+    Fact,
     LauncherRule,
     Origin,
     Reading,
+    Reentrant,
     expect_mapping,
     release,
     short,
@@ -488,19 +487,6 @@ FORCED_REENTRANT_CHANGE = (
 )
 
 
-@dataclass
-class _Reentrant:
-    """The kwargs and `use_reentrant` as each phase leaves them, with the fact's detail and origin."""
-
-    kwargs: dict[str, Any] | None
-    value: Any = None  # what the Trainer gets (set by the builders)
-    detail: str = "key 'gradient_checkpointing_kwargs.use_reentrant'"
-    origin: Origin = "file"
-
-    def rewrite(self, detail: str, origin: Origin = "launcher rewrite") -> None:
-        self.detail, self.origin = detail, origin
-
-
 def _base_model(config: Config) -> str:
     base_model = config.values.get("base_model")
     if not isinstance(base_model, str) or not base_model:
@@ -522,16 +508,6 @@ def _schema_bool(config: Config, key: str, choices: tuple[str, ...] = (), suffix
             f"{where(config.path, key, config.lines)}: Axolotl's schema takes {takes}, not {short(value)}{suffix}"
         )
     return parsed
-
-
-def _kwargs(config: Config) -> dict[str, Any] | None:
-    """`gradient_checkpointing_kwargs`: a mapping, kept as written."""
-    value = config.values.get("gradient_checkpointing_kwargs")
-    if value is None:
-        return None
-    return dict(
-        expect_mapping(value, config.path, "gradient_checkpointing_kwargs", config.lines, "{use_reentrant: false}")
-    )
 
 
 def _selective(config: Config) -> dict[str, Any] | None:
@@ -608,12 +584,16 @@ def _schema(config: Config, world: int) -> View:
     """Phase 1: the schema's typed parsing (ConfigError where Axolotl's pydantic model fails), in its order (keyword
     arguments are evaluated left to right)."""
     raw = dict(config.values)
-    ebft = raw.get("ebft")
+    ebft, kwargs = raw.get("ebft"), raw.get("gradient_checkpointing_kwargs")
     return View(
         raw=raw,
         base_model=_base_model(config),
         gc=_schema_bool(config, "gradient_checkpointing", ("offload", "offload_disk"), "; Axolotl refuses to start"),
-        kwargs=_kwargs(config),
+        kwargs=None
+        if kwargs is None
+        else dict(
+            expect_mapping(kwargs, config.path, "gradient_checkpointing_kwargs", config.lines, "{use_reentrant: false}")
+        ),
         activation_offloading=_schema_bool(config, "activation_offloading", ("legacy", "disk", "hidden_states")),
         selective=_selective(config),
         **_training(config),
@@ -633,24 +613,7 @@ def _schema(config: Config, world: int) -> View:
     )
 
 
-def _world_size(ctx: Context, reading: Reading) -> int:
-    if ctx.nproc is not None:
-        reading.set("world_size", ctx.nproc, "option", "--nproc (Axolotl reads WORLD_SIZE)")
-    else:
-        reading.set(
-            "world_size",
-            1,
-            "assumed",
-            "no --nproc: 1 process (`axolotl train` starts one per visible GPU; pass --nproc N)",
-        )
-    if ctx.trainer is not None:
-        reading.notes.append(
-            f"--trainer {ctx.trainer} is ignored: an Axolotl config says its trainer itself (`rl:`, else SFT)"
-        )
-    return ctx.nproc if ctx.nproc is not None else 1
-
-
-def _validators(s: View, kw: _Reentrant, reading: Reading) -> View:
+def _validators(s: View, kw: Reentrant, reading: Reading) -> View:
     """Phase 2: the validators' rewrites (mode="after") of checkpointing, offloading and use_reentrant."""
     gc, offloading = s.gc, s.activation_offloading
     gc_detail = "key 'gradient_checkpointing'" if "gradient_checkpointing" in s.raw else "Axolotl's default: false"
@@ -664,12 +627,13 @@ def _validators(s: View, kw: _Reentrant, reading: Reading) -> View:
         if "use_reentrant" not in kw.kwargs:
             kw.kwargs["use_reentrant"] = False
             kw.rewrite(
-                f"activation_offloading: hidden_states defaults use_reentrant to false ({SOURCES['hidden_states']})"
+                False,
+                f"activation_offloading: hidden_states defaults use_reentrant to false ({SOURCES['hidden_states']})",
             )
     if ebft_strided_flex and gc:
         if not (kw.kwargs or {}).get("use_reentrant"):
             kw.kwargs = {**(kw.kwargs or {}), "use_reentrant": True}
-            kw.rewrite(f"EBFT strided + flex_attention forces use_reentrant: true ({SOURCES['ebft_reentrant']})")
+            kw.rewrite(True, f"EBFT strided + flex_attention forces use_reentrant: true ({SOURCES['ebft_reentrant']})")
         reading.extra["forced"] = {"use_reentrant": FORCED_REENTRANT_CHANGE}
     return replace(
         s,
@@ -681,60 +645,58 @@ def _validators(s: View, kw: _Reentrant, reading: Reading) -> View:
     )
 
 
-def _normalize(v: View, kw: _Reentrant, model_type: str | None, reading: Reading) -> tuple[bool, bool | None]:
+def _normalize(v: View, kw: Reentrant, model_type: str | None, reading: Reading) -> tuple[bool, bool | None]:
     """Phase 3: normalize_config's rewrites; returns `cfg.ddp` (every multi-process run) and
     `ddp_find_unused_parameters`."""
     ddp = v.ddp_flag if v.ddp_flag is not None else v.n_gpu != 1
     find_unused, gemma4 = v.find_unused, model_type in ("gemma4", "gemma4_unified")
     if v.gc and v.unfrozen is None and kw.kwargs is None and v.rl is None:
         kw.kwargs = {"use_reentrant": True}
-        kw.rewrite(f"Axolotl normalize_config writes {{use_reentrant: true}} ({SOURCES['normalize']})")
+        kw.rewrite(True, f"Axolotl normalize_config writes {{use_reentrant: true}} ({SOURCES['normalize']})")
     if gemma4 and v.gc:
         kw.kwargs = dict(kw.kwargs or {})
         if kw.kwargs.get("use_reentrant") is not False:
             kw.kwargs["use_reentrant"] = False
-            kw.rewrite(f"Gemma 4: Axolotl forces use_reentrant false ({SOURCES['gemma4']})")
+            kw.rewrite(False, f"Gemma 4: Axolotl forces use_reentrant false ({SOURCES['gemma4']})")
     if gemma4 and ddp and find_unused is None and v.activation_offloading is not True:
         find_unused = True
         reading.notes.append(f"Gemma 4 under DDP: Axolotl sets ddp_find_unused_parameters: true ({SOURCES['gemma4']})")
     return ddp, find_unused
 
 
-def _builders(v: View, kw: _Reentrant, ctx: Context, reading: Reading) -> None:
+def _builders(v: View, kw: Reentrant, ctx: Context, reading: Reading) -> None:
     """Phase 4: the use_reentrant the trainer builders pass."""
     offloading = v.activation_offloading
     kw.value = (kw.kwargs or {}).get("use_reentrant")
     if offloading and offloading != "hidden_states":
         if not v.adapter:
-            kw.value = False
             kw.rewrite(
-                f"activation_offloading {offloading!r} on a full fine-tune: torch checkpoint_wrapper, non-reentrant ({SOURCES['ac_wrap']})"
+                False,
+                f"activation_offloading {offloading!r} on a full fine-tune: torch checkpoint_wrapper, non-reentrant ({SOURCES['ac_wrap']})",
             )
             reading.set("checkpoint_wrapped", True, "launcher rewrite", f"ac_wrap_hf_model ({SOURCES['ac_wrap']})")
         elif offloading == "legacy":
-            kw.value = True
             kw.rewrite(
-                f"activation_offloading: legacy runs Axolotl's CPU-offloading checkpoint, reentrant-style ({SOURCES['offload_cpu']})"
+                True,
+                f"activation_offloading: legacy runs Axolotl's CPU-offloading checkpoint, reentrant-style ({SOURCES['offload_cpu']})",
             )
         elif kw.value is None:
             tf = ctx.versions.get("transformers") or "5"
-            kw.value = tf.split(".")[0].isdigit() and int(tf.split(".")[0]) < 5
             kw.rewrite(
+                tf.split(".")[0].isdigit() and int(tf.split(".")[0]) < 5,
                 "adapter + activation_offloading: the load-time checkpointing without use_reentrant takes transformers' default",
                 "launcher default",
             )
     elif not offloading and v.gc and kw.kwargs is None:
-        kw.value = False
         kw.rewrite(
-            f"Axolotl's builder passes {{use_reentrant: false}} when no kwargs are set ({SOURCES['builder_gc']})"
+            False, f"Axolotl's builder passes {{use_reentrant: false}} when no kwargs are set ({SOURCES['builder_gc']})"
         )
     if v.selective is not None and v.gc:
-        kw.value = False
-        kw.rewrite(f"selective_checkpointing patches the model to non-reentrant ({SOURCES['sac']})")
+        kw.rewrite(False, f"selective_checkpointing patches the model to non-reentrant ({SOURCES['sac']})")
         reading.set("selective", True, "file", "key 'selective_checkpointing'")
 
 
-def _gc_facts(v: View, kw: _Reentrant, reading: Reading) -> None:
+def _gc_facts(v: View, kw: Reentrant, reading: Reading) -> None:
     reentrant, given = kw.value, "gradient_checkpointing" in v.raw
     reading.set("gc_enabled", bool(v.gc), "file" if given else "launcher default", v.gc_detail)
     reading.set("gc_flag_source", "user" if given else "unset", "file", v.gc_detail)
@@ -744,10 +706,7 @@ def _gc_facts(v: View, kw: _Reentrant, reading: Reading) -> None:
     else:
         reading.set("use_reentrant", reentrant, kw.origin, kw.detail)
         written = "written by Axolotl into the trainer's arguments: the plugin treats it as a value set explicitly"
-        from_file = kw.origin == "file"
-        reading.set(
-            "use_reentrant_source", "user" if from_file else "unknown", kw.origin, kw.detail if from_file else written
-        )
+        reading.set("use_reentrant_source", kw.source, kw.origin, kw.detail if kw.origin == "file" else written)
     reading.set("kwargs_given", kw.kwargs is not None or reentrant is not None, kw.origin, kw.detail)
     if v.activation_offloading:
         reading.set(
@@ -764,28 +723,6 @@ def _model_facts(s: View, ctx: Context, reading: Reading) -> None:
     peft = bool(s.adapter)
     quant = "bitsandbytes_4bit" if s.load_in_4bit else "bitsandbytes_8bit" if s.load_in_8bit else None
     quant = quant or ("gptq" if s.gptq else None)
-    reading.set(
-        "is_peft",
-        peft,
-        "file" if "adapter" in s.raw else "launcher default",
-        f"adapter: {s.adapter}" if s.adapter else "no adapter (full fine-tune)",
-    )
-    reading.set("quantization", quant, "file", "load_in_4bit / load_in_8bit / gptq")
-    reading.set(
-        "frozen_params",
-        peft or s.unfrozen is not None or quant is not None,
-        "file",
-        "adapter / unfrozen_parameters / quantization",
-    )
-    reading.set(
-        "model_is_pretrained", not peft, "file", "a PEFT model is not a PreTrainedModel" if peft else "no adapter"
-    )
-    reading.set(
-        "trainable_in_blocks",
-        True,
-        "assumed",
-        "a config trains the decoder blocks (full, partially or through adapters)",
-    )
     grads: bool | None = True
     origin: Origin = "launcher rewrite"
     if peft:
@@ -797,17 +734,19 @@ def _model_facts(s: View, ctx: Context, reading: Reading) -> None:
     else:
         grads, origin = None, "assumed"
         detail = "unfrozen_parameters decides whether the embeddings train; settled at the first forward"
-    reading.set("inputs_require_grad", grads, origin, detail)
-
-
-def _trainer_facts(rl: str | None, reading: Reading) -> None:
-    """The trainer kind: `rl:` names a TRL trainer, else Axolotl's SFT trainer."""
-    kind = RL_TYPES[rl] if rl else "sft"
-    origin: Origin = "file" if rl else "launcher default"
-    detail = f"rl: {rl}" if rl else "no rl"
-    reading.set("trainer_kind", kind, origin, detail if rl else "no rl: Axolotl's SFT trainer")
-    reading.set("rl_trainer", kind in RL_TRAINERS, origin, detail)
-    reading.set("generates", kind in GENERATING_TRAINERS, origin, detail)
+    reading.set_model(
+        peft=Fact(
+            peft,
+            "file" if "adapter" in s.raw else "launcher default",
+            f"adapter: {s.adapter}" if s.adapter else "no adapter (full fine-tune)",
+        ),
+        quant=Fact(quant, "file", "load_in_4bit / load_in_8bit / gptq"),
+        frozen=Fact(
+            peft or s.unfrozen is not None or quant is not None, "file", "adapter / unfrozen_parameters / quantization"
+        ),
+        blocks="a config trains the decoder blocks (full, partially or through adapters)",
+        grads=Fact(grads, origin, detail),
+    )
 
 
 def _parallel_facts(config: Config, s: View, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
@@ -838,31 +777,10 @@ def _parallel_facts(config: Config, s: View, ddp: bool, find_unused: bool | None
         "file",
         f"fsdp_config.activation_checkpointing ({SOURCES['fsdp_prefix']})",
     )
-    _ddp_facts(raw, s.rl, ddp, find_unused, reading)
-    _cp_facts(config, reading)
-
-
-def _cp_facts(config: Config, reading: Reading) -> None:
-    """`context_parallel_size` (or the deprecated `sequence_parallel_degree`, which `check_context_parallel_size`
-    copies into it): `setup_parallelism_envs` exports it as accelerate's `PARALLELISM_CONFIG_CP_SIZE`."""
-    raw = config.values
-    key = "context_parallel_size" if raw.get("context_parallel_size") else "sequence_parallel_degree"
-    if not raw.get(key):
-        return
-    size = cp_size_of({CP_KEY: raw[key]})
-    if size is None:
-        raise ConfigError(
-            f"{where(config.path, key, config.lines)}: Axolotl's schema takes a whole number, got {short(raw[key])}"
-        )
-    if size > 1:
-        reading.set("cp_size", size, "file", f"key {key!r} ({SOURCES['cp_env']})")
-
-
-def _ddp_facts(raw: dict[str, Any], rl: str | None, ddp: bool, find_unused: bool | None, reading: Reading) -> None:
-    """`ddp_find_unused_parameters` as the SFT builder passes it (the RL builder passes nothing), `ddp_static_graph`."""
-    value = bool(find_unused) if rl is None and ddp else None
+    # ddp_find_unused_parameters as the SFT builder passes it (the RL builder passes nothing)
+    value = bool(find_unused) if s.rl is None and ddp else None
     origin: Origin = "launcher rewrite"
-    if rl is not None:
+    if s.rl is not None:
         detail = f"Axolotl's RL builder does not pass it: transformers decides ({SOURCES['rl_builder']})"
     elif not ddp:
         detail = f"one process: Axolotl passes None ({SOURCES['causal_ddp']})"
@@ -872,20 +790,14 @@ def _ddp_facts(raw: dict[str, Any], rl: str | None, ddp: bool, find_unused: bool
         detail = f"Axolotl's SFT builder passes False under DDP when unset ({SOURCES['causal_ddp']})"
     reading.set("ddp_find_unused_parameters", value, origin, detail)
     reading.set("ddp_static_graph", None, "launcher default", "Axolotl does not pass ddp_static_graph")
-
-
-def _launcher_rules(v: View, reading: Reading) -> None:
-    """The launcher rules (`RULES`) that apply, and the FSDP-checkpointing pair `RULES` cannot see."""
-    reading.apply(
-        RULES,
-        v,
-        VERSION_MODELLED,
-        lambda rule: reading.value("use_reentrant") if rule.setting == "use_reentrant" else v.raw.get(rule.setting),
-        lambda rule: reading.reentrant_source() if rule.setting == "use_reentrant" else "user",
-    )
-    if v.uses_fsdp and v.fsdp_ac and v.gc:
-        rule = next(r for r in RULES if r.id == "axolotl:fsdp-checkpointing-and-gc")
-        reading.decisions.append(rule.decision(VERSION_MODELLED, before=True))
+    # `context_parallel_size` (or the deprecated `sequence_parallel_degree`, which `check_context_parallel_size` copies
+    # into it): `setup_parallelism_envs` exports it as accelerate's `PARALLELISM_CONFIG_CP_SIZE`
+    key = "context_parallel_size" if raw.get("context_parallel_size") else "sequence_parallel_degree"
+    size = cp_size_of({CP_KEY: raw[key]}) if raw.get(key) else 1
+    if size is None:
+        raise ConfigError(f"{where(path, key, lines)}: Axolotl's schema takes a whole number, got {short(raw[key])}")
+    if size > 1:
+        reading.set("cp_size", size, "file", f"key {key!r} ({SOURCES['cp_env']})")
 
 
 def read(config: Config, ctx: Context) -> Reading:
@@ -895,18 +807,32 @@ def read(config: Config, ctx: Context) -> Reading:
         parser=f"the plugin's model of {VERSION_MODELLED} (Axolotl is not imported)",
         changes=dict(KWARGS_CHANGES),
     )
-    world = _world_size(ctx, reading)  # sets facts only: the schema's errors come first all the same
+    world = reading.set_world_size(  # sets facts only: the schema's errors come first all the same
+        ctx,
+        "no --nproc: 1 process (`axolotl train` starts one per visible GPU; pass --nproc N)",
+        option="--nproc (Axolotl reads WORLD_SIZE)",
+    )
+    if ctx.trainer is not None:
+        reading.notes.append(
+            f"--trainer {ctx.trainer} is ignored: an Axolotl config says its trainer itself (`rl:`, else SFT)"
+        )
     s = _schema(config, world)
-    kw = _Reentrant(s.kwargs)
+    kw = Reentrant(None, "file", "key 'gradient_checkpointing_kwargs.use_reentrant'", s.kwargs)
     v = _validators(s, kw, reading)
     model_type = _model_type(v.base_model, reading)
     ddp, find_unused = _normalize(v, kw, model_type, reading)
     _builders(v, kw, ctx, reading)
     _gc_facts(v, kw, reading)
     _model_facts(v, ctx, reading)
-    _trainer_facts(v.rl, reading)
+    if v.rl:  # `rl:` names a TRL trainer, else Axolotl's SFT trainer
+        reading.set_trainer(RL_TYPES[v.rl], "file", f"rl: {v.rl}")
+    else:
+        reading.set_trainer("sft", "launcher default", "no rl", kind_detail="no rl: Axolotl's SFT trainer")
     _parallel_facts(config, v, ddp, find_unused, reading)
-    _launcher_rules(v, reading)
+    reading.apply(RULES, v, VERSION_MODELLED, v.raw)
+    if v.uses_fsdp and v.fsdp_ac and v.gc:  # the FSDP-checkpointing pair `RULES` cannot see
+        rule = next(r for r in RULES if r.id == "axolotl:fsdp-checkpointing-and-gc")
+        reading.decisions.append(rule.decision(VERSION_MODELLED, before=True))
     return reading
 
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from ...core.decisions import Action, Decision, Level
 from ...core.errors import short, type_name
+from ...core.facts import GENERATING_TRAINERS, RL_TRAINERS
 
 Origin = Literal[
     "file",
@@ -120,6 +121,25 @@ class LauncherRule:
         )
 
 
+@dataclass
+class Reentrant:
+    """use_reentrant as each phase of a launcher leaves it (with the kwargs, where they are kept), and its facts'
+    origin and detail."""
+
+    value: Any
+    origin: Origin
+    detail: str
+    kwargs: dict[str, Any] | None = None
+
+    @property
+    def source(self) -> str:
+        """Who set it, in a decision's words: the file's value is the user's, the launcher's own is unknown."""
+        return "user" if self.origin == "file" else "unknown"
+
+    def rewrite(self, value: Any, detail: str, origin: Origin = "launcher rewrite") -> None:
+        self.value, self.detail, self.origin = value, detail, origin
+
+
 @dataclass(frozen=True)
 class Context:
     """The check's options (None: not given) and the versions the rules are evaluated for, with where each comes
@@ -162,6 +182,47 @@ class Reading:
         else:
             self.set(key, bool(value), "file", f"key {key!r}")
 
+    def set_model(
+        self,
+        peft: Fact,
+        quant: Fact,
+        frozen: Fact,
+        blocks: str,
+        grads: Fact,
+        no_adapter: str = "no adapter",
+    ) -> None:
+        """The model facts of every format; `model_is_pretrained` follows from PEFT, `trainable_in_blocks` is assumed
+        (`blocks` says why)."""
+        pretrained = "a PEFT model is not a PreTrainedModel" if peft.value else no_adapter
+        self.facts.update(is_peft=peft, quantization=quant, frozen_params=frozen)
+        self.set("model_is_pretrained", not peft.value, "file", pretrained)
+        self.set("trainable_in_blocks", True, "assumed", blocks)
+        self.facts["inputs_require_grad"] = grads
+
+    def set_trainer(
+        self,
+        kind: str,
+        origin: Origin,
+        detail: str,
+        kind_origin: Origin | None = None,
+        kind_detail: str = "",
+        rl: bool | None = None,
+        generates: bool | None = None,
+    ) -> None:
+        """`trainer_kind` and what follows from it (by TRL's trainer kinds unless `rl` / `generates` say)."""
+        self.set("trainer_kind", kind, kind_origin or origin, kind_detail or detail)
+        self.set("rl_trainer", kind in RL_TRAINERS if rl is None else rl, origin, detail)
+        self.set("generates", kind in GENERATING_TRAINERS if generates is None else generates, origin, detail)
+
+    def set_world_size(
+        self, ctx: Context, assumed: str, *known: tuple[Any, Origin, str], option: str = "--nproc"
+    ) -> int:
+        """`--nproc`, else the first of the `known` counts that is not None, else 1 process (`assumed` says why)."""
+        given = ((ctx.nproc, "option", option), *known)
+        count, origin, detail = next((k for k in given if k[0] is not None), (1, "assumed", assumed))
+        self.set("world_size", count, origin, detail)
+        return int(count)
+
     def value(self, name: str, default: Any = None) -> Any:
         fact = self.facts.get(name)
         return default if fact is None else fact.value
@@ -171,18 +232,22 @@ class Reading:
         rules: tuple[LauncherRule, ...],
         view: Any,
         version: str,
-        before: Callable[[LauncherRule], Any],
-        source: Callable[[LauncherRule], str] = lambda rule: "user",
+        raw: Mapping[str, Any],
+        befores: Mapping[str, Any] | None = None,
+        sources: Mapping[str, str] | None = None,
     ) -> None:
+        """The decisions of the `rules` that hold on `view`, each about `befores[setting]` (by default the current
+        use_reentrant, else the file's value in `raw`) set by `sources[setting]` (by default the user)."""
+        source = self.value("use_reentrant_source", "unset")
+        source = f"launcher ({self.format})" if source == "unknown" else str(source)
+        befores = {"use_reentrant": self.value("use_reentrant"), **(befores or {})}
+        sources = {"use_reentrant": source, **(sources or {})}
         for rule in rules:
             if rule.when(view):
-                self.decisions.append(rule.decision(version, before=before(rule), source=source(rule)))
+                before = befores.get(rule.setting, raw.get(rule.setting))
+                self.decisions.append(rule.decision(version, before, sources.get(rule.setting, "user")))
                 if rule.change:
                     self.changes_for[rule.id] = rule.change
-
-    def reentrant_source(self) -> str:
-        value = self.value("use_reentrant_source", "unset")
-        return f"launcher ({self.format})" if value == "unknown" else str(value)
 
 
 # --- typed access ----------------------------------------------------------------------------------------------

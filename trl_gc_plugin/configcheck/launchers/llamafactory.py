@@ -1,11 +1,7 @@
-"""LLaMA-Factory YAML configs (`llamafactory-cli train cfg.yaml`), the v0 stack: the plugin's model of LLaMA-Factory
-main@ff6d4d12 (PyPI 0.9.5 has the same checkpointing and parsing code), read in its sources (`SOURCES`);
-`read_native` takes LLaMA-Factory's own `get_train_args` instead when the package is importable.
-
-LLaMA-Factory checkpoints on its own, on the model, before the adapter is added: on by default, only for a trainable
-model (`do_train: true`), with `{use_reentrant: use_reentrant_gc}` (default true; false under FSDP2). Its wrapper makes
-the hidden states require grad for every layer with trainable parameters and skips frozen layers, so reentrant trains
-with frozen embeddings. Its arguments are built with `parse_dict`, which converts nothing: a quoted `"false"` is true.
+"""LLaMA-Factory v0 YAML configs (`llamafactory-cli train cfg.yaml`): the plugin's model of main@ff6d4d12 (= PyPI
+0.9.5 here), or its own `get_train_args` when importable (`read_native`). It checkpoints the model itself, before the
+adapter; its wrapper makes trainable layers' hidden states require grad, so reentrant trains with frozen embeddings.
+`parse_dict` converts nothing: a quoted `"false"` is true.
 """
 
 from __future__ import annotations
@@ -17,9 +13,11 @@ from .accelerate import read_accelerate, set_accelerate_facts
 from .common import (
     ConfigError,
     Context,
+    Fact,
     LauncherRule,
     Origin,
     Reading,
+    Reentrant,
     find_beside,
     json_object_or_mapping,
     release,
@@ -274,23 +272,6 @@ def is_training_config(config: Config) -> bool:
     return any(k in config for k in ("stage", "do_train", "output_dir", "dataset"))
 
 
-@dataclass
-class Reentrant:
-    """The current use_reentrant value, with the origin and detail of its facts."""
-
-    value: Any
-    origin: Origin
-    detail: str
-
-    @property
-    def source(self) -> str:
-        """Who set it, in a decision's words: the file's value is the user's, LLaMA-Factory's own is unknown."""
-        return "user" if self.origin == "file" else "unknown"
-
-    def rewrite(self, value: Any, origin: Origin, detail: str) -> None:
-        self.value, self.origin, self.detail = value, origin, detail
-
-
 def read(config: Config, ctx: Context) -> Reading:
     """The plugin's model of how LLaMA-Factory reads `config` (see the module docstring)."""
     reading = Reading(
@@ -304,17 +285,35 @@ def read(config: Config, ctx: Context) -> Reading:
     if ctx.trainer is not None:
         reading.notes.append(f"--trainer {ctx.trainer} is ignored: a LLaMA-Factory config says its stage itself")
     parsed = _parse(config)
-    if not is_training_config(config):
-        _read_non_training(config, reading)
+    if not is_training_config(config):  # a chat / API / export config
+        reading.training = False
+        what = "an export (merge) config" if "export_dir" in config else "a chat / API / inference config"
+        reading.set("gc_enabled", False, "file", f"{what}: no stage, do_train, output_dir or dataset; nothing trains")
+        reading.notes.append(f"{config.path} is {what}: nothing trains, so checkpointing does not apply")
         return reading
-    _read_gc_enabled(parsed, reading)
+    # checkpointing on/off: LLaMA-Factory's own, on the model, only for a trainable model
+    given = "disable_gradient_checkpointing" in parsed.raw
+    if not parsed.do_train:
+        detail = f"do_train is not true: nothing trains and LLaMA-Factory does not enable checkpointing ({SOURCES['trainable']})"
+        reading.set("gc_enabled", False, "file", detail)
+    elif parsed.disabled:
+        detail = f"key 'disable_gradient_checkpointing': {parsed.raw['disable_gradient_checkpointing']!r}"
+        reading.set("gc_enabled", parsed.hf_gc, "file", detail)
+    else:
+        detail = f"disable_gradient_checkpointing defaults to false: LLaMA-Factory checkpoints ({SOURCES['enable']})"
+        reading.set("gc_enabled", True, "file" if given else "launcher default", detail)
+    reading.set("gc_flag_source", "user" if given else "trainer", "file", "disable_gradient_checkpointing")
     hyper = _read_hyper_parallel(config, parsed, reading)
     accel = read_accelerate(ctx.accelerate_config) if ctx.accelerate_config else None
     fsdp2 = bool(accel and accel.fsdp and accel.fsdp_version == 2)
     set_accelerate_facts(reading, accel, f"accelerate config {ctx.accelerate_config}")
-    reentrant = _reentrant_from_file(parsed, fsdp2)
+    if "use_reentrant_gc" in parsed.raw:
+        reentrant = Reentrant(parsed.raw["use_reentrant_gc"], "file", "key 'use_reentrant_gc'")
+    else:
+        reentrant = Reentrant(True, "launcher default", f"use_reentrant_gc defaults to true ({SOURCES['keys']})")
+    if fsdp2:
+        reentrant.rewrite(False, f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})")
     hf_override = _read_trainer_reenable(config, parsed, reading, reentrant)
-    _read_offloading(parsed, reading, reentrant)
     _set_reentrant_facts(parsed, reading, reentrant)
     _read_model(parsed, reading)
     world = _read_launch(config, ctx, parsed, reading, accel)
@@ -330,7 +329,13 @@ def read(config: Config, ctx: Context) -> Reading:
         deepspeed_one_process=reading.value("zero_stage") is not None and world == 1,
         hyper_parallel=hyper,
     )
-    _apply_rules(ctx, view, reading)
+    befores = {
+        "transformers": tf,
+        "quoted booleans": {k: parsed.raw[k] for k in view.string_bools},
+        "use_hyper_parallel": hyper,
+    }
+    sources = {"transformers": ctx.version_origins.get("transformers", "installed")}
+    reading.apply(RULES, view, VERSION_MODELLED, parsed.raw, befores, sources)
     return reading
 
 
@@ -369,29 +374,6 @@ def _parse(config: Config) -> View:
         disabled=bool(raw.get("disable_gradient_checkpointing", False)),
         hf_gc=bool(raw.get("gradient_checkpointing", False)),
     )
-
-
-def _read_non_training(config: Config, reading: Reading) -> None:
-    """A chat / API / export config: nothing trains, so checkpointing does not apply."""
-    reading.training = False
-    what = "an export (merge) config" if "export_dir" in config else "a chat / API / inference config"
-    reading.set("gc_enabled", False, "file", f"{what}: no stage, do_train, output_dir or dataset; nothing trains")
-    reading.notes.append(f"{config.path} is {what}: nothing trains, so checkpointing does not apply")
-
-
-def _read_gc_enabled(parsed: View, reading: Reading) -> None:
-    """Checkpointing on/off: LLaMA-Factory's own, on the model, only for a trainable model."""
-    given = "disable_gradient_checkpointing" in parsed.raw
-    if not parsed.do_train:
-        detail = f"do_train is not true: nothing trains and LLaMA-Factory does not enable checkpointing ({SOURCES['trainable']})"
-        reading.set("gc_enabled", False, "file", detail)
-    elif parsed.disabled:
-        detail = f"key 'disable_gradient_checkpointing': {parsed.raw['disable_gradient_checkpointing']!r}"
-        reading.set("gc_enabled", parsed.hf_gc, "file", detail)
-    else:
-        detail = f"disable_gradient_checkpointing defaults to false: LLaMA-Factory checkpoints ({SOURCES['enable']})"
-        reading.set("gc_enabled", True, "file" if given else "launcher default", detail)
-    reading.set("gc_flag_source", "user" if given else "trainer", "file", "disable_gradient_checkpointing")
 
 
 def _read_hyper_parallel(config: Config, parsed: View, reading: Reading) -> str | None:
@@ -441,19 +423,6 @@ def _read_hyper_parallel(config: Config, parsed: View, reading: Reading) -> str 
     return str(mode)
 
 
-def _reentrant_from_file(parsed: View, fsdp2: bool) -> Reentrant:
-    """use_reentrant from `use_reentrant_gc` (default true), which FSDP2 rewrites to false."""
-    if "use_reentrant_gc" in parsed.raw:
-        reentrant = Reentrant(parsed.raw["use_reentrant_gc"], "file", "key 'use_reentrant_gc'")
-    else:
-        reentrant = Reentrant(True, "launcher default", f"use_reentrant_gc defaults to true ({SOURCES['keys']})")
-    if fsdp2:
-        reentrant.rewrite(
-            False, "launcher rewrite", f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})"
-        )
-    return reentrant
-
-
 def _read_trainer_reenable(config: Config, parsed: View, reading: Reading, reentrant: Reentrant) -> bool:
     """The Trainer's `gradient_checkpointing: true` re-enables through LLaMA-Factory's patched method, with the file's
     kwargs or `{use_reentrant: true}`; True when that overrides a use_reentrant that was not true."""
@@ -468,22 +437,22 @@ def _read_trainer_reenable(config: Config, parsed: View, reading: Reading, reent
         if kwargs.get("use_reentrant") is not None:
             reentrant.rewrite(
                 kwargs["use_reentrant"],
-                "file",
                 "key 'gradient_checkpointing_kwargs.use_reentrant' (the Trainer re-enables with it)",
+                "file",
             )
     else:
         hf_override = reentrant.value is not True
         reentrant.rewrite(
             True,
-            "launcher rewrite",
             f"gradient_checkpointing: true without kwargs: the Trainer re-enables through LLaMA-Factory's method with {{use_reentrant: true}} ({SOURCES['wrapper']})",
         )
     reading.changes["use_reentrant"] = "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}"
     return hf_override
 
 
-def _read_offloading(parsed: View, reading: Reading, reentrant: Reentrant) -> None:
-    """`use_unsloth_gc`'s offloading checkpoint (reentrant whatever use_reentrant says); `use_kt` is not modelled."""
+def _set_reentrant_facts(parsed: View, reading: Reading, reentrant: Reentrant) -> None:
+    """`use_unsloth_gc`'s offloading checkpoint (reentrant whatever use_reentrant says; `use_kt` is not modelled), then
+    the final use_reentrant (when checkpointing is on), LLaMA-Factory's wrapper, Unsloth and use_cache."""
     if bool(parsed.raw.get("use_unsloth_gc")):
         reading.set(
             "activation_offloading",
@@ -493,15 +462,10 @@ def _read_offloading(parsed: View, reading: Reading, reentrant: Reentrant) -> No
         )
         reentrant.rewrite(
             True,
-            "launcher rewrite",
             "use_unsloth_gc: an autograd Function that recomputes reentrant-style whatever use_reentrant says",
         )
     if bool(parsed.raw.get("use_kt")):
         reading.notes.append("use_kt: KTransformers checkpointing is not modelled (it chooses its own kwargs)")
-
-
-def _set_reentrant_facts(parsed: View, reading: Reading, reentrant: Reentrant) -> None:
-    """Record the final use_reentrant (when checkpointing is on), LLaMA-Factory's wrapper, Unsloth and use_cache."""
     raw = parsed.raw
     gc_on = bool(reading.value("gc_enabled"))
     origin, detail = reentrant.origin, reentrant.detail
@@ -527,60 +491,38 @@ def _read_model(parsed: View, reading: Reading) -> None:
     """The model (finetuning_type, quantization, the checkpoint wrapper's grads) and the trainer `stage` runs."""
     raw, finetuning, bits, stage = parsed.raw, parsed.finetuning_type, parsed.quantization_bit, parsed.stage
     peft = finetuning in ("lora", "oft")
-    reading.set(
-        "is_peft",
-        peft,
-        "file" if "finetuning_type" in raw else "launcher default",
-        f"finetuning_type: {finetuning}" + ("" if "finetuning_type" in raw else " (the default)"),
-    )
     quant = None if bits is None else f"bitsandbytes_{bits}bit" if parsed.method == "bnb" else str(parsed.method)
-    reading.set(
-        "quantization",
-        quant,
-        "file",
-        "quantization_bit / quantization_method" if bits is not None else "no quantization_bit",
-    )
-    reading.set("frozen_params", finetuning != "full" or quant is not None, "file", f"finetuning_type: {finetuning}")
-    reading.set(
-        "model_is_pretrained",
-        not peft,
-        "file",
-        "a PEFT model is not a PreTrainedModel" if peft else f"finetuning_type: {finetuning}",
-    )
-    reading.set(
-        "trainable_in_blocks",
-        True,
-        "assumed",
-        "a config trains decoder layers (LLaMA-Factory checkpoints only the layers that train)",
-    )
-    reading.set(
-        "inputs_require_grad",
-        True,
-        "launcher rewrite",
-        f"LLaMA-Factory's checkpoint wrapper makes the hidden states require grad for trainable layers ({SOURCES['wrapper']})",
+    reading.set_model(
+        peft=Fact(
+            peft,
+            "file" if "finetuning_type" in raw else "launcher default",
+            f"finetuning_type: {finetuning}" + ("" if "finetuning_type" in raw else " (the default)"),
+        ),
+        quant=Fact(
+            quant, "file", "quantization_bit / quantization_method" if bits is not None else "no quantization_bit"
+        ),
+        frozen=Fact(finetuning != "full" or quant is not None, "file", f"finetuning_type: {finetuning}"),
+        blocks="a config trains decoder layers (LLaMA-Factory checkpoints only the layers that train)",
+        grads=Fact(
+            True,
+            "launcher rewrite",
+            f"LLaMA-Factory's checkpoint wrapper makes the hidden states require grad for trainable layers ({SOURCES['wrapper']})",
+        ),
+        no_adapter=f"finetuning_type: {finetuning}",
     )
     read_model_facts(raw.get("model_name_or_path"), "model_name_or_path", reading)
-    kind = STAGES[stage]
-    reading.set("trainer_kind", kind, "file" if "stage" in raw else "launcher default", f"stage: {stage}")
-    reading.set("rl_trainer", stage in ("rm", "ppo", "dpo", "kto"), "file", f"stage: {stage}")
-    reading.set("generates", stage == "ppo", "file", f"stage: {stage}")
+    kind_origin: Origin = "file" if "stage" in raw else "launcher default"
+    reading.set_trainer(STAGES[stage], "file", f"stage: {stage}", kind_origin)
 
 
 def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, accel: Any) -> int:
     """The process count, DeepSpeed, FSDP and DDP's keys (`ddp_find_unused_parameters` False under DDP + LoRA when
     unset); returns the process count."""
-    if ctx.nproc is not None:
-        reading.set("world_size", ctx.nproc, "option", "--nproc")
-    elif accel is not None and accel.num_processes is not None:
-        reading.set("world_size", accel.num_processes, "accelerate config", f"{accel.path}: num_processes")
-    else:
-        reading.set(
-            "world_size",
-            1,
-            "assumed",
-            "no --nproc: 1 process (llamafactory-cli starts torchrun with one process per visible GPU; pass --nproc N)",
-        )
-    world = int(reading.value("world_size", 1))
+    world = reading.set_world_size(
+        ctx,
+        "no --nproc: 1 process (llamafactory-cli starts torchrun with one process per visible GPU; pass --nproc N)",
+        *[(accel.num_processes, "accelerate config", f"{accel.path}: num_processes")] if accel is not None else [],
+    )
     ds_value = parsed.raw.get("deepspeed")
     if ds_value not in (None, "", False):
         if not isinstance(ds_value, (str, dict)):
@@ -611,27 +553,6 @@ def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, a
         reading.set_key("ddp_find_unused_parameters", find_unused)
     reading.set_key("ddp_static_graph", parsed.raw.get("ddp_static_graph"), unset="key 'ddp_static_graph'")
     return world
-
-
-def _apply_rules(ctx: Context, view: View, reading: Reading) -> None:
-    raw, tf = view.raw, ctx.versions.get("transformers")
-    befores = {
-        "use_reentrant": reading.value("use_reentrant"),
-        "transformers": tf,
-        "quoted booleans": {k: raw[k] for k in view.string_bools},
-        "use_hyper_parallel": view.hyper_parallel,
-    }
-    sources = {
-        "use_reentrant": reading.reentrant_source(),
-        "transformers": ctx.version_origins.get("transformers", "installed"),
-    }
-    reading.apply(
-        RULES,
-        view,
-        VERSION_MODELLED,
-        lambda rule: befores.get(rule.setting, raw.get(rule.setting)),
-        lambda rule: sources.get(rule.setting, "user"),
-    )
 
 
 DEFAULTS = {

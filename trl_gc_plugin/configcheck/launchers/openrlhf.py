@@ -1,8 +1,6 @@
-"""OpenRLHF command lines (`deepspeed --module openrlhf.cli.train_sft ...`) in a shell script or a text file, read as
-bash would expand them (`shell.commands`), never run: the plugin's model of what OpenRLHF 0.11.2 (and the flat flags of
-<= 0.9) does with its flags (`SOURCES`). OpenRLHF trains without a Trainer (the plugin acts through the model route)
-and refuses nothing about checkpointing itself: no launcher rules. A flag the rules read whose value comes from the
-environment, or an expansion that may hold flags, makes the check `incomplete` (`Reading.unread`).
+"""OpenRLHF command lines (`deepspeed --module openrlhf.cli.train_sft ...`) in a shell script or text file, expanded
+statically (`shell.commands`): the plugin's model of OpenRLHF 0.11.2 (and <= 0.9's flat flags). It refuses nothing
+about checkpointing itself (no launcher rules); a flag the rules read that the expansion cannot, makes it `incomplete`.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ import re
 from typing import Any
 
 from . import shell
-from .common import Config, ConfigError, Context, NotTrainingConfig, Origin, Reading
+from .common import Config, ConfigError, Context, Fact, NotTrainingConfig, Origin, Reading
 from .model_config import read_model_facts
 
 VERSION_MODELLED = "OpenRLHF 0.11.2 (and the flat flags of <= 0.9)"
@@ -140,19 +138,6 @@ def _launcher_processes(tokens: list[str], expanded: shell.Expanded) -> tuple[in
 Flags = dict[str, tuple[str, str]]
 
 
-def _flags(prefix: str) -> Flags:
-    """The flags the rules read (their values decide the verdict), each as spelled now and before OpenRLHF 0.10."""
-    return {
-        "enable": (f"{prefix}gradient_checkpointing_enable", "gradient_checkpointing"),
-        "reentrant": (f"{prefix}gradient_checkpointing_reentrant", "gradient_checkpointing_use_reentrant"),
-        "lora_rank": ("ds.lora.rank", "lora_rank"),
-        "4bit": ("ds.load_in_4bit", "load_in_4bit"),
-        "zero_stage": ("ds.zero_stage", "zero_stage"),
-        "nodes": ("actor.num_nodes", "actor_num_nodes"),
-        "gpus": ("actor.num_gpus_per_node", "actor_num_gpus_per_node"),
-    }
-
-
 def _given(config: Config, names: tuple[str, ...]) -> tuple[Any, str | None]:
     """(value, spelling) of the first of `names` the command has; a value the expansion could not read counts as
     absent (`Reading.unread` says so)."""
@@ -178,7 +163,15 @@ def read(config: Config, ctx: Context) -> Reading:
     entry = str(config.values[ENTRY])
     ppo = entry == "train_ppo_ray"
     prefix = "actor." if ppo else "model."
-    flags = _flags(prefix)
+    flags: Flags = {  # the flags the rules read, each as spelled now and before OpenRLHF 0.10
+        "enable": (f"{prefix}gradient_checkpointing_enable", "gradient_checkpointing"),
+        "reentrant": (f"{prefix}gradient_checkpointing_reentrant", "gradient_checkpointing_use_reentrant"),
+        "lora_rank": ("ds.lora.rank", "lora_rank"),
+        "4bit": ("ds.load_in_4bit", "load_in_4bit"),
+        "zero_stage": ("ds.zero_stage", "zero_stage"),
+        "nodes": ("actor.num_nodes", "actor_num_nodes"),
+        "gpus": ("actor.num_gpus_per_node", "actor_num_gpus_per_node"),
+    }
     reading = Reading(
         format="openrlhf",
         parser=f"the plugin's model of {VERSION_MODELLED} (OpenRLHF is not imported)",
@@ -189,12 +182,33 @@ def read(config: Config, ctx: Context) -> Reading:
     )
     _checkpointing(config, reading, prefix, ppo, flags)
     _model(config, reading, prefix, flags)
-    _launch(config, ctx, reading, ppo, flags)
+    stage, stage_name = _int(config, flags["zero_stage"], 2)
+    reading.set(
+        "zero_stage",
+        stage,
+        "file" if stage_name else "launcher default",
+        f"--{stage_name}" if stage_name else f"OpenRLHF's default ZeRO stage ({SOURCES['zero']})",
+    )
+    nodes, _ = _int(config, flags["nodes"], 1)
+    gpus, gpus_name = _int(config, flags["gpus"], 1)
+    launched = config.values.get("openrlhf_nproc")
+    reading.set_world_size(
+        ctx,
+        "no process count in the command: 1 (pass --nproc N)",
+        (
+            launched if isinstance(launched, int) else None,
+            "file",
+            "the launcher's process count (deepspeed / torchrun)",
+        ),
+        (nodes * gpus if ppo and gpus_name else None, "file", "--actor.num_nodes x --actor.num_gpus_per_node"),
+    )
+    reading.set("ddp_find_unused_parameters", None, "launcher default", "DeepSpeed, not torch DDP")
+    reading.set("ddp_static_graph", None, "launcher default", "DeepSpeed, not torch DDP")
+    reading.set("fsdp", False, "launcher default", "OpenRLHF runs DeepSpeed")
+    reading.set("fsdp_activation_checkpointing", False, "launcher default", "OpenRLHF runs DeepSpeed")
     _unread(config, reading, ctx, {name for names in flags.values() for name in names})
     kind = KINDS.get(entry, "sft")
-    reading.set("trainer_kind", kind, "file", f"openrlhf.cli.{entry}")
-    reading.set("rl_trainer", kind in RL, "file", f"openrlhf.cli.{entry}")
-    reading.set("generates", kind in GENERATING, "file", f"openrlhf.cli.{entry}")
+    reading.set_trainer(kind, "file", f"openrlhf.cli.{entry}", rl=kind in RL, generates=kind in GENERATING)
     reading.notes.append(
         "OpenRLHF trains without a Trainer: the plugin acts through the model route (TRL_GC_PLUGIN=1 patches "
         'gradient_checkpointing_enable; see the README\'s "Without a Trainer")'
@@ -245,52 +259,25 @@ def _model(config: Config, reading: Reading, prefix: str, flags: Flags) -> None:
     rank, rank_name = _int(config, flags["lora_rank"], 0)
     four, four_name = _flag(config, flags["4bit"])
     peft = rank > 0
-    reading.set(
-        "is_peft",
-        peft,
-        "file" if rank_name else "launcher default",
-        f"--{rank_name} {rank}" if rank_name else "no LoRA rank: a full fine-tune",
-    )
-    reading.set(
-        "quantization", "bitsandbytes_4bit" if four else None, "file", f"--{four_name}" if four_name else "no 4-bit"
-    )
-    reading.set("frozen_params", peft or four, "file", "LoRA / 4-bit")
-    reading.set("model_is_pretrained", not peft, "file", "a PEFT model is not a PreTrainedModel" if peft else "no LoRA")
-    reading.set("trainable_in_blocks", True, "assumed", "a command trains the decoder blocks (fully or through LoRA)")
-    reading.set(
-        "inputs_require_grad",
-        True,
-        "launcher rewrite" if peft else "file",
-        f"OpenRLHF calls enable_input_require_grads() before LoRA ({SOURCES['lora']})"
-        if peft
-        else "full fine-tune: the embeddings train",
+    reading.set_model(
+        peft=Fact(
+            peft,
+            "file" if rank_name else "launcher default",
+            f"--{rank_name} {rank}" if rank_name else "no LoRA rank: a full fine-tune",
+        ),
+        quant=Fact("bitsandbytes_4bit" if four else None, "file", f"--{four_name}" if four_name else "no 4-bit"),
+        frozen=Fact(peft or four, "file", "LoRA / 4-bit"),
+        blocks="a command trains the decoder blocks (fully or through LoRA)",
+        grads=Fact(
+            True,
+            "launcher rewrite" if peft else "file",
+            f"OpenRLHF calls enable_input_require_grads() before LoRA ({SOURCES['lora']})"
+            if peft
+            else "full fine-tune: the embeddings train",
+        ),
+        no_adapter="no LoRA",
     )
     name = config.values.get(
         "model.model_name_or_path", config.values.get(f"{prefix}model_name_or_path", config.values.get("pretrain"))
     )
     read_model_facts(name, "--model.model_name_or_path", reading)  # nothing unless a local model directory
-
-
-def _launch(config: Config, ctx: Context, reading: Reading, ppo: bool, flags: Flags) -> None:
-    stage, stage_name = _int(config, flags["zero_stage"], 2)
-    reading.set(
-        "zero_stage",
-        stage,
-        "file" if stage_name else "launcher default",
-        f"--{stage_name}" if stage_name else f"OpenRLHF's default ZeRO stage ({SOURCES['zero']})",
-    )
-    nodes, _ = _int(config, flags["nodes"], 1)
-    gpus, gpus_name = _int(config, flags["gpus"], 1)
-    launched = config.values.get("openrlhf_nproc")
-    if ctx.nproc is not None:
-        reading.set("world_size", ctx.nproc, "option", "--nproc")
-    elif isinstance(launched, int):
-        reading.set("world_size", launched, "file", "the launcher's process count (deepspeed / torchrun)")
-    elif ppo and gpus_name:
-        reading.set("world_size", nodes * gpus, "file", "--actor.num_nodes x --actor.num_gpus_per_node")
-    else:
-        reading.set("world_size", 1, "assumed", "no process count in the command: 1 (pass --nproc N)")
-    reading.set("ddp_find_unused_parameters", None, "launcher default", "DeepSpeed, not torch DDP")
-    reading.set("ddp_static_graph", None, "launcher default", "DeepSpeed, not torch DDP")
-    reading.set("fsdp", False, "launcher default", "OpenRLHF runs DeepSpeed")
-    reading.set("fsdp_activation_checkpointing", False, "launcher default", "OpenRLHF runs DeepSpeed")

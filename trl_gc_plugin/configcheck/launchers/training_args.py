@@ -87,5 +87,5 @@ def read(config: Config, ctx: Context) -> Reading:
         "that need them do not apply; the callback decides them from the model at runtime"
     )
     string_bools = [k for k in BOOL_KEYS if isinstance(raw.get(k), str)]
-    reading.apply(RULES, string_bools, "transformers", lambda rule: string_bools)
+    reading.apply(RULES, string_bools, "transformers", raw, {"gradient_checkpointing": string_bools})
     return reading

@@ -1,8 +1,6 @@
-"""TRL's CLI configs (`trl sft|dpo|grpo|... --config cfg.yaml`): the plugin's model of TRL 1.16's `TrlParser` for the
-keys the check reads (`--parser model`, or when TRL's own parser cannot run; else `apply_native` puts what that parser
-read in its place), then what TRL's trainers write themselves (`finish`). A string boolean goes through
-`string_to_bool`; `gradient_checkpointing` defaults to True in every TRL config; keys that are no field of its
-dataclasses go to `accelerate launch` (`LAUNCH_KEYS` override the accelerate config's).
+"""TRL's CLI configs (`trl sft|dpo|grpo|... --config cfg.yaml`): the plugin's model of TRL 1.16's `TrlParser` (what
+TRL's own parser read replaces it where that runs: `apply_native`), then what TRL's trainers write (`finish`). Keys
+that are no field of its dataclasses go to `accelerate launch` (`LAUNCH_KEYS` override the accelerate config's).
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ...core.capabilities import installed_versions
-from ...core.facts import GENERATING_TRAINERS, RL_TRAINERS
 from ...core.settings import unknown_checkpoint_keys
 from .accelerate import (
     AccelerateConfig,
@@ -26,6 +23,7 @@ from .common import (
     KWARGS_CHANGES,
     ConfigError,
     Context,
+    Fact,
     LauncherRule,
     Reading,
     expect_mapping,
@@ -205,11 +203,38 @@ def read(config: Config, ctx: Context) -> Reading:
             f"{where(config.path, 'env', config.lines)}: TRL requires a mapping of environment variables, got {type_name(env)} {short(env)}"
         )
     _read_checkpointing(config, reading)
-    _read_model(config, reading)
+    peft = trl_bool(config, "use_peft", reading)
+    four = bool(trl_bool(config, "load_in_4bit", reading))
+    eight = bool(trl_bool(config, "load_in_8bit", reading))
+    reading.extra.update(load_in_4bit=four, load_in_8bit=eight)
+    quant = "bitsandbytes_4bit" if four else "bitsandbytes_8bit" if eight else None
+    reading.set_model(
+        peft=Fact(bool(peft), "file", "key 'use_peft'")
+        if peft is not None
+        else Fact(False, "launcher default", "use_peft defaults to False (no adapter)"),
+        quant=Fact(quant, "file" if quant else "launcher default", "load_in_4bit / load_in_8bit"),
+        frozen=Fact(
+            bool(peft) or quant is not None, "file", "an adapter or a quantized model freezes the base weights"
+        ),
+        blocks="a config trains the decoder blocks (full or through adapters)",
+        grads=Fact(
+            True,
+            "launcher rewrite",
+            "TRL calls enable_input_require_grads() for PEFT; without an adapter the embeddings train",
+        ),
+    )
     read_launch(config, ctx, reading)
-    _read_ddp(config, reading)
+    for key in ("ddp_find_unused_parameters", "ddp_static_graph"):  # unset: transformers decides
+        given = key in config.values
+        detail = f"key {key!r}" if given else "unset: transformers decides"
+        reading.set(key, trl_bool(config, key, reading), "file" if given else "launcher default", detail)
     read_model_facts(config.get("model_name_or_path"), "model_name_or_path", reading)
-    _read_trainer(ctx, reading)
+    kind = ctx.trainer or "sft"
+    if kind not in CLI_TRAINERS:
+        raise ConfigError(
+            f"--trainer {kind}: TRL's CLI has no `trl {kind}` command ({', '.join(CLI_TRAINERS)}); a TRL config is for one of these"
+        )
+    set_trainer_kind(reading, kind, ctx, "`trl sft` (pass --trainer dpo|grpo|... for another command)", f"trl {kind}")
     return reading
 
 
@@ -235,53 +260,10 @@ def _read_checkpointing(config: Config, reading: Reading) -> None:
         reading.set("trl_activation_offloading", offloading, "file", "key 'activation_offloading'")
 
 
-def _read_model(config: Config, reading: Reading) -> None:
-    peft = trl_bool(config, "use_peft", reading)
-    four = bool(trl_bool(config, "load_in_4bit", reading))
-    eight = bool(trl_bool(config, "load_in_8bit", reading))
-    reading.extra.update(load_in_4bit=four, load_in_8bit=eight)
-    reading.set(
-        "is_peft",
-        bool(peft),
-        "file" if peft is not None else "launcher default",
-        "key 'use_peft'" if peft is not None else "use_peft defaults to False (no adapter)",
-    )
-    quant = "bitsandbytes_4bit" if four else "bitsandbytes_8bit" if eight else None
-    reading.set("quantization", quant, "file" if quant else "launcher default", "load_in_4bit / load_in_8bit")
-    reading.set(
-        "frozen_params",
-        bool(peft) or quant is not None,
-        "file",
-        "an adapter or a quantized model freezes the base weights",
-    )
-    reading.set(
-        "model_is_pretrained", not peft, "file", "a PEFT model is not a PreTrainedModel" if peft else "no adapter"
-    )
-    reading.set("trainable_in_blocks", True, "assumed", "a config trains the decoder blocks (full or through adapters)")
-    reading.set(
-        "inputs_require_grad",
-        True,
-        "launcher rewrite",
-        "TRL calls enable_input_require_grads() for PEFT; without an adapter the embeddings train",
-    )
-
-
-def _read_trainer(ctx: Context, reading: Reading) -> None:
-    """The trainer: `--trainer`, else `trl sft`; one of the CLI's commands."""
-    kind = ctx.trainer or "sft"
-    if kind not in CLI_TRAINERS:
-        raise ConfigError(
-            f"--trainer {kind}: TRL's CLI has no `trl {kind}` command ({', '.join(CLI_TRAINERS)}); a TRL config is for one of these"
-        )
-    set_trainer_kind(reading, kind, ctx, "`trl sft` (pass --trainer dpo|grpo|... for another command)", f"trl {kind}")
-
-
 def set_trainer_kind(reading: Reading, kind: str, ctx: Context, assumed: str, label: str) -> None:
     """The trainer facts: `--trainer` when given, else the format's `assumed` trainer."""
-    origin = "option" if ctx.trainer else "assumed"
-    reading.set("trainer_kind", kind, origin, "--trainer" if ctx.trainer else assumed)
-    reading.set("rl_trainer", kind in RL_TRAINERS, origin, label)
-    reading.set("generates", kind in GENERATING_TRAINERS, origin, label)
+    given = ctx.trainer is not None
+    reading.set_trainer(kind, "option" if given else "assumed", label, kind_detail="--trainer" if given else assumed)
 
 
 def read_kwargs_key(get: Any, path: str, lines: Any, example: str, reading: Reading) -> str | None:
@@ -329,26 +311,34 @@ def read_launch(config: Config, ctx: Context, reading: Reading) -> None:
     reading.extra["launch_flags"] = tuple(k for k in VALUELESS_LAUNCH_FLAGS if k in config.values)
     overrides = {k: config.values[k] for k in LAUNCH_KEYS if config.values.get(k) is not None}
     accel, where_accel = _read_accelerate_config(config, ctx, reading, overrides)
-    # the process count: --nproc, else the accelerate config's (or the file's `num_processes`), else 1
-    file_detail = "key 'num_processes' (passed to accelerate launch)"
-    if accel is None and "num_processes" in overrides:
-        procs = whole_number(overrides["num_processes"], config.path, "num_processes", 1)
-        reading.set("world_size", procs, "file", file_detail)
-    if ctx.nproc is not None:
-        reading.set("world_size", ctx.nproc, "option", "--nproc")
-    elif accel is not None and accel.num_processes is not None and "num_processes" in overrides:
-        reading.set("world_size", accel.num_processes, "file", file_detail)
-    elif accel is not None and accel.num_processes is not None:
-        reading.set("world_size", accel.num_processes, "accelerate config", f"{where_accel}: num_processes")
-    elif "world_size" not in reading.facts:
-        reading.set(
-            "world_size",
-            1,
-            "assumed",
-            "no --nproc, no num_processes: 1 process (accelerate launch's default without a config)",
-        )
+    # the process count: --nproc, else the file's `num_processes` (over the accelerate config's), else 1
+    file_detail, given = "key 'num_processes' (passed to accelerate launch)", "num_processes" in overrides
+    procs = (
+        whole_number(overrides["num_processes"], config.path, "num_processes", 1) if given and accel is None else None
+    )
+    accel_procs = accel.num_processes if accel is not None else None
+    reading.set_world_size(
+        ctx,
+        "no --nproc, no num_processes: 1 process (accelerate launch's default without a config)",
+        (procs, "file", file_detail),
+        (accel_procs, "file", file_detail)
+        if given
+        else (accel_procs, "accelerate config", f"{where_accel}: num_processes"),
+    )
     set_accelerate_facts(reading, accel, where_accel)
-    _read_deepspeed(config, reading, accel, where_accel)
+    ds_value = config.get("deepspeed")  # else the accelerate config's DeepSpeed
+    if ds_value not in (None, "", False):  # read_deepspeed refuses any other type, naming the key
+        read_deepspeed(ds_value, config.path, "deepspeed", config.base_dir, {}, "", config.lines).set_facts(reading)
+    elif accel is not None and accel.zero_stage is not None:
+        reading.set("zero_stage", accel.zero_stage, "accelerate config", f"{where_accel}: deepspeed_config")
+        reading.set(
+            "deepspeed_activation_checkpointing",
+            accel.deepspeed_activation_checkpointing,
+            "accelerate config",
+            where_accel,
+        )
+    else:
+        reading.set("zero_stage", None, "file", "no deepspeed key and no DeepSpeed accelerate config")
     fsdp, fsdp_config = bool(config.get("fsdp")), read_fsdp_config(config)  # else the accelerate config's FSDP
     set_fsdp_facts(reading, fsdp, fsdp_config, accel, where_accel, ctx.versions.get("transformers"))
 
@@ -378,31 +368,6 @@ def _read_accelerate_config(
         )
     accel = read_accelerate(file, overrides)
     return accel, f"accelerate config {name} ({accel.path})"
-
-
-def _read_deepspeed(config: Config, reading: Reading, accel: AccelerateConfig | None, where_accel: str) -> None:
-    """DeepSpeed: the `deepspeed` field (a path or a mapping), else the accelerate config."""
-    ds_value = config.get("deepspeed")
-    if ds_value not in (None, "", False):  # read_deepspeed refuses any other type, naming the key
-        read_deepspeed(ds_value, config.path, "deepspeed", config.base_dir, {}, "", config.lines).set_facts(reading)
-    elif accel is not None and accel.zero_stage is not None:
-        reading.set("zero_stage", accel.zero_stage, "accelerate config", f"{where_accel}: deepspeed_config")
-        reading.set(
-            "deepspeed_activation_checkpointing",
-            accel.deepspeed_activation_checkpointing,
-            "accelerate config",
-            where_accel,
-        )
-    else:
-        reading.set("zero_stage", None, "file", "no deepspeed key and no DeepSpeed accelerate config")
-
-
-def _read_ddp(config: Config, reading: Reading) -> None:
-    """`ddp_find_unused_parameters` and `ddp_static_graph`, as TRL's booleans (unset: transformers decides)."""
-    for key in ("ddp_find_unused_parameters", "ddp_static_graph"):
-        value, given = trl_bool(config, key, reading), key in config.values
-        detail = f"key {key!r}" if given else "unset: transformers decides"
-        reading.set(key, value, "file" if given else "launcher default", detail)
 
 
 def set_fsdp_facts(
@@ -486,15 +451,9 @@ def finish(config: Config, ctx: Context, reading: Reading) -> None:
         peft_zero3_gc=gc and peft and zero3,
         user_reentrant=user_value,
     )
-    reading.apply(RULES, view, f"TRL {VERSION_MODELLED}", lambda rule: _before(rule, config, user_value))
-
-
-def _before(rule: LauncherRule, config: Config, user_value: Any) -> Any:
-    if rule.setting == "use_reentrant":
-        return user_value
-    if rule.id == "trl:valueless-launch-flag":
-        return [k for k in VALUELESS_LAUNCH_FLAGS if k in config.values]
-    return config.get(rule.setting)
+    flags = [k for k in VALUELESS_LAUNCH_FLAGS if k in config.values]
+    befores = {"use_reentrant": user_value, "accelerate launch": flags}
+    reading.apply(RULES, view, f"TRL {VERSION_MODELLED}", config.values, befores, {"use_reentrant": "user"})
 
 
 NATIVE_FIELDS = ("gc_enabled", "use_reentrant", "kwargs_given", "ddp_find_unused_parameters", "ddp_static_graph")
