@@ -1,8 +1,5 @@
-"""Read `Facts` off real `TrainingArguments` and models.
-
-This is the only module that knows where transformers, TRL, PEFT and bitsandbytes keep things. It imports none
-of them at module level (torch and transformers are imported lazily, only when a model is inspected).
-"""
+"""Read `Facts` off real `TrainingArguments` and models: the only module that knows where transformers, TRL, PEFT and
+bitsandbytes keep things (imported lazily, only when a model is inspected)."""
 
 from __future__ import annotations
 
@@ -10,6 +7,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,30 +26,20 @@ logger = logging.getLogger("trl_gc_plugin")
 NEW_KWARGS, OLD_KWARGS = "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"
 NEW_FLAG, OLD_FLAG = "activation_checkpointing", "gradient_checkpointing"
 
-# Names of the forward hooks that make the input embeddings' output require grad: transformers'
-# `enable_input_require_grads` and PEFT/TRL's fallback `make_inputs_require_grad`.
+# transformers' `enable_input_require_grads` hook and PEFT/TRL's fallback
 INPUT_GRAD_HOOK_NAMES = frozenset({"make_inputs_require_grads", "make_inputs_require_grad"})
 
 
 @dataclass
 class PostInitRecord:
-    """What the plugin saw and did about one `TrainingArguments` object. Kept in `RECORDS`, outside the object
-    (the Trainer pickles the arguments into every checkpoint; nothing of the plugin may travel with them).
+    """What the plugin saw and did about one `TrainingArguments` object, kept in `RECORDS`, outside it (the Trainer
+    pickles the arguments into every checkpoint)."""
 
-    Args:
-        user_given: the user's kwargs had a `use_reentrant` key at construction.
-        user_value: that value.
-        value / value_source: the `use_reentrant` in force after the plugin's last look, and who chose it.
-        new_id / old_id: `id()` of the two kwargs objects right after construction (to tell which one was
-            assigned later).
-        decisions: the post-init decisions.
-    """
-
-    user_given: bool = False
+    user_given: bool = False  # the user's kwargs had a `use_reentrant` key at construction
     user_value: Any = None
-    value: Any = None
+    value: Any = None  # the `use_reentrant` in force after the plugin's last look, and who chose it
     value_source: str | None = None
-    new_id: int | None = None
+    new_id: int | None = None  # `id()` of the two kwargs objects (to tell which one was assigned later)
     old_id: int | None = None
     decisions: list[Any] = field(default_factory=list)
 
@@ -66,12 +55,8 @@ def start_record(args: Any, user_given: bool, user_value: Any) -> PostInitRecord
 
 
 def remember(args: Any, value: Any, source: str) -> PostInitRecord:
-    """Record the `use_reentrant` now in force for `args` and who chose it, and which objects the kwargs fields
-    hold, so a later look (the callback, the next event) can tell who set a value and see later reassignments."""
-    record = get_record(args)
-    if record is None:
-        record = PostInitRecord()
-        RECORDS.set(args, record)
+    """Record the `use_reentrant` now in force for `args`, who chose it, and which objects the kwargs fields hold."""
+    record = get_record(args) or start_record(args, False, None)
     record.value, record.value_source = value, source
     record.new_id = id(getattr(args, NEW_KWARGS, None))
     record.old_id = id(getattr(args, OLD_KWARGS, None))
@@ -105,15 +90,9 @@ def read_kwargs(args: Any) -> dict[str, Any] | None:
 def trainer_kind(args: Any) -> str:
     """`sft`, `dpo`, `grpo`, `online_dpo`... from the args class name (`TrainingArguments` -> `trainer`)."""
     name = type(args).__name__
-    if name.endswith("Config") and name != "TrainingArguments":
-        stem = name[: -len("Config")]
-        words: list[str] = []
-        for i, ch in enumerate(stem):
-            if ch.isupper() and i and not stem[i - 1].isupper():
-                words.append("_")
-            words.append(ch.lower())
-        return "".join(words) or "trainer"
-    return "trainer"
+    if not name.endswith("Config"):
+        return "trainer"
+    return re.sub(r"(?<=[^A-Z])(?=[A-Z])", "_", name.removesuffix("Config")).lower() or "trainer"
 
 
 def world_size(args: Any = None) -> int:
@@ -190,8 +169,7 @@ def zero_stage(args: Any) -> int | None:
     if ds is not None:
         return ds.stage
     if parse_flag(os.environ.get("ACCELERATE_USE_DEEPSPEED", "")):
-        env_stage = _env_stage()
-        return 0 if env_stage is None else env_stage
+        return _env_stage() or 0
     return None
 
 
@@ -442,11 +420,9 @@ def _will_add_input_hook(base: Any, facts: Facts) -> bool:
 
 
 def _nothing_upstream(model: Any, base: Any, blocks: list[Any]) -> bool:
-    """Whether the inputs of the checkpointed blocks certainly do not require grad: no trainable parameter outside
-    the blocks except the output embeddings (an untied `lm_head` only reads the last block's output), and no forward
-    hook on any module outside the blocks (a hook may make a tensor require grad). Anything else - a learned
-    position embedding, an embedding norm, a trainable vision tower or head - may or may not feed the blocks; that
-    is settled by observing the first forward (`observe.py`), not guessed here."""
+    """Whether the blocks' inputs certainly do not require grad: no trainable parameter outside the blocks except an
+    untied `lm_head` (it reads the last block's output only), and no forward hook outside the blocks. Anything else
+    may or may not feed the blocks: the first forward settles it (`observe.py`)."""
     inside = {id(m) for b in blocks for m in b.modules()}
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     head = embeddings(base, "output")
@@ -462,6 +438,8 @@ def _nothing_upstream(model: Any, base: Any, blocks: list[Any]) -> bool:
 
 def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
     """Facts from the arguments and the (unwrapped) model, as `on_init_end` sees them."""
+    from transformers import PreTrainedModel
+
     facts = facts_from_args(args, stage=stage)
     base = ckpt.unwrap(model)
     blocks = ckpt.blocks(base)
@@ -507,8 +485,8 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
         frozen_params=frozen,
         inputs_require_grad=inputs_grad,
         use_cache=training_use_cache(args, base),
-        model_is_pretrained=_is_pretrained(model),
-        unsloth=_unsloth_patched(),
+        model_is_pretrained=isinstance(model, PreTrainedModel),
+        unsloth="unsloth" in sys.modules,
         legacy_checkpointing=uses_legacy_format(base),
         accelerator=accelerator_usable(),
         accelerator_built=accelerator_built(),
@@ -585,13 +563,8 @@ def shares_block_params(blocks: list[Any]) -> bool:
         for b, mine in zip(blocks, members, strict=True)
         if not any(id(b) in other and other is not mine for other in members)
     ]
-    seen: set[int] = set()
-    for block in top:
-        for p in {id(p): p for p in block.parameters() if p.requires_grad}:
-            if p in seen:
-                return True
-            seen.add(p)
-    return False
+    ids = [i for block in top for i in {id(p) for p in block.parameters() if p.requires_grad}]
+    return len(ids) != len(set(ids))
 
 
 def accelerator_built() -> bool:
@@ -692,15 +665,3 @@ def uses_legacy_format(model: Any) -> bool:
         return method is not None and "value" in inspect.signature(method).parameters
     except (TypeError, ValueError):
         return False
-
-
-def _is_pretrained(model: Any) -> bool:
-    from transformers import PreTrainedModel
-
-    return isinstance(model, PreTrainedModel)
-
-
-def _unsloth_patched() -> bool:
-    import sys
-
-    return "unsloth" in sys.modules
