@@ -59,8 +59,7 @@ def blocks(model: Any) -> list[Any]:
 
 
 def functions(model: Any) -> list[tuple[Any, Any]]:
-    """(module, stored checkpoint function, the observer included) for every module of `model` (not unwrapped) with
-    checkpointing switched on."""
+    """(module, stored checkpoint function) for every module of `model` (not unwrapped) with checkpointing on."""
     return [(m, getattr(m, FUNC)) for m in model.modules() if getattr(m, FLAG, False) is True and hasattr(m, FUNC)]
 
 
@@ -154,8 +153,7 @@ def same(a: Any, b: Any) -> bool:
 
 
 def _rewrapped(func: Any, new_inner: Any) -> Any:
-    """A copy of the wrapper `func` whose closure (and `__wrapped__`) holds `new_inner` instead of its partial; None
-    when the partial is not in its closure."""
+    """A copy of the wrapper `func` around `new_inner` instead of its partial; None when it cannot be rebuilt."""
     wrapper, old = real(func), inner(func)
     if not isinstance(wrapper, types.FunctionType):
         return None
@@ -234,8 +232,7 @@ def set_flag(module: Any, on: bool) -> None:
 
 
 def set_function(module: Any, func: Any, behind_observer: bool = False) -> None:
-    """Store `func` as the checkpoint function of one module; `behind_observer`: where the observer stands in, replace
-    the function it runs and leave it in front (the planner's writes)."""
+    """Store `func` on one module; `behind_observer`: where the observer stands in, as the function it runs."""
     current = module.__dict__.get(FUNC)
     if behind_observer and current is not None and hasattr(current, "original"):
         current.original = func
@@ -332,8 +329,7 @@ def apply(model: Any, spec: Spec) -> None:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A model's flags and stored checkpoint functions at one moment, to put back with `restore()`; modules held weakly
-    (the enable guard's snapshot never keeps a model alive)."""
+    """A model's flags and stored checkpoint functions, for `restore()`; weakly held (it never keeps a model alive)."""
 
     flags: tuple[tuple[weakref.ref[Any], bool], ...]
     functions: tuple[tuple[weakref.ref[Any], Any], ...]

@@ -46,8 +46,7 @@ class EnableGuard:
         return self._base()
 
     def record(self) -> None:
-        """Take the model's current state as the one to keep (after the Trainer's enable, and after each change the
-        plugin makes on purpose)."""
+        """Take the model's current state as the one to keep (after the enable, and each change made on purpose)."""
         self.layout = ckpt.layout_of(self.base)
         self.recorded = ckpt.snapshot(self.base)
         self.funcs = self.recorded.real_functions()

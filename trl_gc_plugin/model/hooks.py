@@ -224,8 +224,7 @@ class Hooks:
         return self.add(_add(_pre, module, callback))
 
     def forward_pre_with_kwargs(self, module: Any, callback: Callable[[Any, Any, Any], None]) -> Handle | None:
-        """`callback(module, args, kwargs)` before every forward of `module`; None where the installed torch cannot
-        pass the keywords to a process-wide hook (`kwargs_capable`)."""
+        """`callback(module, args, kwargs)` before each forward of `module`; None if torch cannot (`kwargs_capable`)."""
         if not kwargs_capable():
             return None
         handle, ref = _add(_pre_kw, module, callback), weakref.ref(module)
@@ -326,8 +325,7 @@ def remove_all() -> None:
 
 
 def waiting() -> int:
-    """How many module callbacks wait (for tests: each keeps the process-wide hooks registered); removals put off
-    are not counted."""
+    """How many module callbacks wait (for tests: each keeps the process-wide hooks registered)."""
     return sum(len(v) for table in (_pre, _post, _pre_kw) for v in table.values())
 
 

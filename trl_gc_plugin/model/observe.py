@@ -138,8 +138,7 @@ class Observation:
     # --- set up / tear down ------------------------------------------------------------------------------------
 
     def stacks(self) -> dict[int, tuple[Any, list[Any]]]:
-        """{id(stack): (stack, owners)}: the modules whose forward runs checkpointed blocks, and the modules under
-        each that hold a checkpoint function."""
+        """{id(stack): (stack, the modules under it holding a checkpoint function)}."""
         try:
             from transformers.modeling_layers import GradientCheckpointingLayer
         except ImportError:  # transformers < 4.52: every owner calls its own function for its layers
@@ -221,8 +220,7 @@ class Observation:
                 ckpt.set_function(owner, observer.original)
 
     def see(self, observer: _Observer, function: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], bool]:
-        """Record one checkpointed call; on a finding ask the owner (which may raise). Returns the (possibly
-        repaired) arguments and whether to run this one call non-reentrant."""
+        """Record one call, asking the owner on a finding; returns the arguments and whether to run it non-reentrant."""
         import torch
 
         self.last_repaired = False

@@ -98,8 +98,7 @@ def lean_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def selective_context() -> Any:
-    """A fresh pair of contexts per checkpointed call (one shared pair would break the second call); module-level, so
-    a checkpoint `functools.partial` holding it pickles."""
+    """A fresh pair of contexts per call (a shared pair breaks the second); module-level, so a partial pickles."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(selective_policy)

@@ -375,8 +375,7 @@ def embeddings(model: Any, side: str = "input") -> Any:
 
 
 def model_configs(model: Any) -> list[Any]:
-    """Every config object the model's modules read (the top-level one, and those of sub-models: a VLM's text and
-    vision models, an encoder-decoder's stacks), each once."""
+    """Every config object the model's modules read (those of sub-models too: a VLM's text config), each once."""
     seen: dict[int, Any] = {}
     for module in ckpt.unwrap(model).modules():
         config = getattr(module, "config", None)
@@ -554,8 +553,7 @@ def layer_list_entries(model: Any) -> list[Any]:
 
 
 def shares_block_params(blocks: list[Any]) -> bool:
-    """A trainable parameter belongs to two or more checkpointed blocks (blocks nested in another block count as
-    part of it): a block reused across depth (Zamba2's shared transformer)."""
+    """A trainable parameter belongs to two outermost checkpointed blocks (Zamba2's shared transformer)."""
     blocks = list({id(b): b for b in blocks}.values())
     members = [{id(m) for m in b.modules()} for b in blocks]
     top = [
@@ -568,8 +566,7 @@ def shares_block_params(blocks: list[Any]) -> bool:
 
 
 def accelerator_built() -> bool:
-    """torch was built with an accelerator backend (CUDA, ROCm, XPU, MPS, ...), whether or not a device is there: what
-    `pin_memory` needs."""
+    """torch was built with an accelerator backend (what `pin_memory` needs), whether or not a device is there."""
     import torch
 
     current = getattr(getattr(torch, "accelerator", None), "current_accelerator", None)
@@ -650,8 +647,7 @@ def records_router_logits_in_blocks(base: Any, blocks: list[Any]) -> bool:
 
 
 def shares_layer_state(model: Any) -> bool:
-    """Some layers read tensors another layer computed, outside their own inputs: cross-layer KV sharing
-    (`num_kv_shared_layers`, Gemma 3n / Gemma 4)."""
+    """Cross-layer KV sharing (`num_kv_shared_layers`, Gemma 3n / Gemma 4): layers read another layer's tensors."""
     return any((getattr(c, "num_kv_shared_layers", 0) or 0) > 0 for c in model_configs(ckpt.unwrap(model)))
 
 

@@ -137,8 +137,7 @@ class Watch:
         return self._embeddings()
 
     def drift(self, decided: Any) -> list[tuple[str, Any]]:
-        """(setting, value found) for every place that no longer holds what it should: the arguments what they held
-        (`args_value`), the model `decided` (the run's `use_reentrant`; `baseline` when that is not a bool)."""
+        """(setting, value found) where the args no longer hold `args_value`, or the model `decided` (or `baseline`)."""
         found: list[tuple[str, Any]] = []
         kwargs = probe.read_kwargs(self.args)
         current = kwargs.get("use_reentrant") if kwargs is not None else None
