@@ -196,12 +196,6 @@ def offload_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(function, *args, **kwargs)
 
 
-def _torch_checkpoint() -> Any:
-    from torch.utils.checkpoint import checkpoint
-
-    return checkpoint
-
-
 def with_keywords(func: Any, **changes: Any) -> Any:
     """A new partial of `func` (observer unwrapped) with `changes` set (`None` removes a key), the rest kept; a wrapper
     is rebuilt around it, or, when it cannot be, partial'ed itself (it passes the keywords on)."""
@@ -214,11 +208,7 @@ def with_keywords(func: Any, **changes: Any) -> Any:
         target, args, kw = base.func, base.args, dict(base.keywords)
     else:
         target, args, kw = base, (), {}
-    for key, value in changes.items():
-        if value is None:
-            kw.pop(key, None)
-        else:
-            kw[key] = value
+    kw = {k: v for k, v in {**kw, **changes}.items() if k not in changes or v is not None}
     return functools.partial(target, *args, **kw)
 
 
@@ -247,10 +237,8 @@ def set_keyword(model: Any, key: str, value: Any) -> int:
     for module, func in functions(unwrap(model)):
         func = real(func)
         inside = inner(func)
-        if isinstance(inside, functools.partial):
-            if inside.keywords.get(key, None) is value and (value is not None or key not in inside.keywords):
-                continue
-        elif value is None:
+        present = inside.keywords if isinstance(inside, functools.partial) else {}
+        if present.get(key) is value and (value is not None or key not in present):
             continue
         set_function(module, with_keywords(func, **{key: value}))
         changed += 1
@@ -275,6 +263,8 @@ class Spec:
 
 def _function_for(current: Any, kind: Kind | None, spec: Spec) -> Any:
     """The checkpoint function a block holding `current` runs under `spec`, as `kind` (None: as it runs now)."""
+    from torch.utils.checkpoint import checkpoint
+
     from .policies import lean_context, selective_context
 
     if wrapped(current):  # the wrapper is kept, around the partial the spec makes of the one inside it
@@ -285,11 +275,11 @@ def _function_for(current: Any, kind: Kind | None, spec: Spec) -> Any:
     if isinstance(base, functools.partial):
         func, args, kw = base.func, base.args, dict(base.keywords)
     else:
-        func, args, kw = (base if callable(base) else _torch_checkpoint()), (), {}
+        func, args, kw = (base if callable(base) else checkpoint), (), {}
     if kind == "offload":
         func = offload_checkpoint
     elif kind is not None and func is offload_checkpoint:
-        func = _torch_checkpoint()
+        func = checkpoint
     if spec.use_reentrant is not None:
         kw["use_reentrant"] = spec.use_reentrant
     result = with_keywords(functools.partial(func, *args, **kw), **spec.keywords)

@@ -162,8 +162,7 @@ class Observation:
 
     def install(self) -> int:
         """Hook every checkpointing stack; returns how many. Safe to call again (hooks the stacks not hooked yet)."""
-        stacks = self.stacks()
-        for key, (stack, owners) in stacks.items():
+        for key, (stack, owners) in self.stacks().items():
             if key in self._handles or self._names.get(key) in self.observed_stacks:
                 continue
             pre = self.hooks.forward_pre(stack, functools.partial(self._enter, key, owners))

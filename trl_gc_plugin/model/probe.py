@@ -260,7 +260,7 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
         capabilities=capabilities.installed(),
         gc_enabled=gc_on,
         use_reentrant=use_reentrant,
-        use_reentrant_source=_source(use_reentrant, kwargs, record),
+        use_reentrant_source=_source(use_reentrant, record),
         kwargs_given=isinstance(kwargs, dict),
         has_activation_fields=new_fields,
         fields_disagree=disagree,
@@ -295,7 +295,7 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
     )
 
 
-def _source(value: Any, kwargs: Any, record: PostInitRecord | None) -> Source:
+def _source(value: Any, record: PostInitRecord | None) -> Source:
     if value is None:
         return "unset"
     if record is None:
@@ -442,15 +442,11 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
     facts = facts_from_args(args, stage=stage)
     base = ckpt.unwrap(model)
     blocks = ckpt.blocks(base)
-    trainable_in_blocks = any(p.requires_grad for b in blocks for p in b.parameters())
-    params = list(model.parameters())
-    frozen = any(not p.requires_grad for p in params)
     emb = embeddings(model)
     emb_trainable = bool(emb is not None and any(p.requires_grad for p in emb.parameters()))
     hooked = input_grad_hooks(model) > 0
     funcs = ckpt.functions(base)
     gc_on_model = bool(funcs)
-    gc_enabled = facts.gc_enabled or gc_on_model
     # a launcher's own checkpoint function (a wrapper around transformers' partial: LLaMA-Factory's) was put there on
     # purpose, with its use_reentrant, and may change the inputs inside the call (LLaMA-Factory's makes them require
     # grad): see ckpt.wrapped
@@ -473,15 +469,15 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
         use_reentrant=use_reentrant,
         use_reentrant_source=source,
         launcher_checkpointing=launcher_function,
-        gc_enabled=gc_enabled,
+        gc_enabled=facts.gc_enabled or gc_on_model,
         model_gc_enabled=gc_on_model,
         model_use_reentrant=ckpt.model_use_reentrant(base) if gc_on_model else None,
         enable_refused=bool(facts.gc_enabled) and getattr(base, "supports_gradient_checkpointing", None) is False,
         is_peft=peft,
         alora=uses_alora(model) if peft else False,
         quantization=quantization_of(model),
-        trainable_in_blocks=trainable_in_blocks,
-        frozen_params=frozen,
+        trainable_in_blocks=any(p.requires_grad for b in blocks for p in b.parameters()),
+        frozen_params=any(not p.requires_grad for p in model.parameters()),
         inputs_require_grad=inputs_grad,
         use_cache=training_use_cache(args, base),
         model_is_pretrained=isinstance(model, PreTrainedModel),

@@ -129,10 +129,6 @@ class Watch:
         self.dual_fields = probe.has_activation_fields(args)
 
     @property
-    def sentinel(self) -> Any:
-        return self._sentinel()
-
-    @property
     def embeddings(self) -> Any:
         return self._embeddings()
 
@@ -146,7 +142,7 @@ class Watch:
             found.append(("use_reentrant", current))
         elif self.dual_fields and self.args.gradient_checkpointing_kwargs is not kwargs:
             found.append(("gradient_checkpointing_kwargs", self.args.gradient_checkpointing_kwargs))
-        m = self.sentinel
+        m = self._sentinel()
         if m is not None and m.gradient_checkpointing:
             running = ckpt.use_reentrant(m._gradient_checkpointing_func)
             if running is not (expected if expected is not None else self.baseline):
