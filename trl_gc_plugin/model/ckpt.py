@@ -22,8 +22,6 @@ from ..core.layout import Kind, Layout
 FLAG = "gradient_checkpointing"
 FUNC = "_gradient_checkpointing_func"
 
-# --- readers -----------------------------------------------------------------------------------------------------
-
 
 # wrappers whose `.module` is the model they wrap (FSDP1's root wrapper is what a Trainer's callbacks get)
 _WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
@@ -184,9 +182,6 @@ def closure_swapped(func: types.FunctionType, swap: Callable[[Any], Any]) -> typ
     return copy
 
 
-# --- checkpoint functions ----------------------------------------------------------------------------------------
-
-
 def offload_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
     """torch's `checkpoint` with the saved inputs in pinned host memory (`save_on_cpu`); needs an accelerator."""
     import torch
@@ -210,9 +205,6 @@ def with_keywords(func: Any, **changes: Any) -> Any:
         target, args, kw = base, (), {}
     kw = {k: v for k, v in {**kw, **changes}.items() if k not in changes or v is not None}
     return functools.partial(target, *args, **kw)
-
-
-# --- the two writing primitives ----------------------------------------------------------------------------------
 
 
 def set_flag(module: Any, on: bool) -> None:
@@ -243,9 +235,6 @@ def set_keyword(model: Any, key: str, value: Any) -> int:
         set_function(module, with_keywords(func, **{key: value}))
         changed += 1
     return changed
-
-
-# --- a whole model -----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

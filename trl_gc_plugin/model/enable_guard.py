@@ -17,7 +17,6 @@ import weakref
 from collections.abc import Callable, Collection
 from typing import Any
 
-from ..core.layout import Layout
 from . import ckpt, probe
 from .hooks import Hooks
 
@@ -35,9 +34,6 @@ class EnableGuard:
         self.layer_kwargs = frozenset(layer_kwargs)
         self.keep = keep
         self.after = after
-        self.layout = Layout(())
-        self.funcs: dict[int, Any] = {}
-        self.recorded: ckpt.Snapshot | None = None
         self.record()
 
     @property
@@ -49,7 +45,7 @@ class EnableGuard:
         """Take the model's current state as the one to keep (after the enable, and each change made on purpose)."""
         self.layout = ckpt.layout_of(self.base)
         self.recorded = ckpt.snapshot(self.base)
-        self.funcs = self.recorded.real_functions()
+        self.funcs: dict[int, Any] = self.recorded.real_functions()
 
     def install(self, hooks: Hooks) -> None:
         """Stand in for the model's `gradient_checkpointing_enable` until the run's hooks go."""
@@ -89,9 +85,8 @@ class EnableGuard:
 
     def reapply(self) -> None:
         """Put back the recorded flags and checkpoint functions with the `use_reentrant` each module runs now."""
-        if self.recorded is None or (not len(self.layout) and not self.funcs):
-            return
-        ckpt.restore(self.recorded, keep_use_reentrant=True)
+        if len(self.layout) or self.funcs:
+            ckpt.restore(self.recorded, keep_use_reentrant=True)
 
 
 def _wrapped(func: Any) -> Any:

@@ -135,8 +135,6 @@ class Observation:
         self._handles: dict[int, list[Any]] = {}
         self._active: dict[int, list[tuple[Any, _Observer]]] = {}
 
-    # --- set up / tear down ------------------------------------------------------------------------------------
-
     def stacks(self) -> dict[int, tuple[Any, list[Any]]]:
         """{id(stack): (stack, the modules under it holding a checkpoint function)}."""
         try:
@@ -183,8 +181,6 @@ class Observation:
     def pending(self) -> bool:
         """Some stack is still hooked (has not run a training forward yet)."""
         return bool(self._handles)
-
-    # --- hooks ---------------------------------------------------------------------------------------------------
 
     def _enter(self, key: int, owners: list[Any], module: Any, args: Any) -> None:
         import torch

@@ -376,12 +376,8 @@ def embeddings(model: Any, side: str = "input") -> Any:
 
 def model_configs(model: Any) -> list[Any]:
     """Every config object the model's modules read (those of sub-models too: a VLM's text config), each once."""
-    seen: dict[int, Any] = {}
-    for module in ckpt.unwrap(model).modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "use_cache") and id(config) not in seen:
-            seen[id(config)] = config
-    return list(seen.values())
+    configs = (getattr(module, "config", None) for module in ckpt.unwrap(model).modules())
+    return list({id(c): c for c in configs if c is not None and hasattr(c, "use_cache")}.values())
 
 
 def training_use_cache(args: Any, model: Any) -> bool:
@@ -619,11 +615,9 @@ def has_dropout(model: Any) -> bool:
             return True
         if any("jitter" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items()):
             return True
-    for config in model_configs(base):
-        for key, value in vars(config).items():
-            if "dropout" in key and isinstance(value, float) and value > 0:
-                return True
-    return False
+    return any(
+        "dropout" in k and isinstance(v, float) and v > 0 for c in model_configs(base) for k, v in vars(c).items()
+    )
 
 
 def records_router_logits_in_blocks(base: Any, blocks: list[Any]) -> bool:

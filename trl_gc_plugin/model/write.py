@@ -38,24 +38,6 @@ def set_args_kwarg(args: Any, key: str, value: Any) -> None:
     write_kwargs(args, kwargs)
 
 
-def switch_fsdp_checkpointing_off(args: Any) -> None:
-    """Replace FSDP's own activation checkpointing with the Trainer's, non-reentrant: in the arguments, and in
-    accelerate's FSDP plugin when the Trainer already built it (it is read when the model is prepared, in train())."""
-    config = getattr(args, "fsdp_config", None)
-    if isinstance(config, dict):
-        config["activation_checkpointing"] = False
-    try:
-        from accelerate.state import AcceleratorState
-
-        plugin = AcceleratorState._shared_state.get("fsdp_plugin")
-        if plugin is not None:
-            plugin.activation_checkpointing = False
-    except ImportError:
-        pass
-    write_flag(args, True)
-    set_args_kwarg(args, "use_reentrant", False)
-
-
 class CacheSwitch:
     """`use_cache=False` in every config of the model while training steps run, the user's values whenever the Trainer
     saves or evaluates and after training, so no checkpoint's `config.json` carries the change (nor the originals,
@@ -136,7 +118,21 @@ def _trl_offloading_off(d: Decision, args: Any, model: Any) -> bool:
 
 @writes("fsdp_activation_checkpointing")
 def _fsdp_checkpointing_off(d: Decision, args: Any, model: Any) -> bool:
-    switch_fsdp_checkpointing_off(args)
+    """Replace FSDP's own activation checkpointing with the Trainer's, non-reentrant: in the arguments, and in
+    accelerate's FSDP plugin when the Trainer already built it (it is read when the model is prepared, in train())."""
+    config = getattr(args, "fsdp_config", None)
+    if isinstance(config, dict):
+        config["activation_checkpointing"] = False
+    try:
+        from accelerate.state import AcceleratorState
+
+        plugin = AcceleratorState._shared_state.get("fsdp_plugin")
+        if plugin is not None:
+            plugin.activation_checkpointing = False
+    except ImportError:
+        pass
+    write_flag(args, True)
+    set_args_kwarg(args, "use_reentrant", False)
     return True
 
 
