@@ -1,13 +1,11 @@
 """First-forward observation: what each checkpointed block really runs with, seen once, then gone.
 
-On the first training forward of each checkpointing stack (the module whose forward runs the checkpointed blocks), an
-`_Observer` stands in for the checkpoint function of the modules under it, through process-wide hooks (`hooks.py`).
-It records the `use_reentrant` each block runs with, whether a positional tensor input requires grad (transformers
-passes keyword arguments inside a `functools.partial`, which reentrant checkpointing does not see) and whether it
-holds trainable parameters. Reentrant + trainable + no input requiring grad is the silent failure (torch's reentrant
-function returns outputs that do not require grad): the owner raises, repairs (the first floating-point input made to
-require grad, as `enable_input_require_grads` does) or reports. The checkpointed module is read off the function it
-is handed, so this works for transformers 4.x (`__call__`), 5.x (`forward`) and stacks that checkpoint their layers.
+On the first training forward of each checkpointing stack, an `_Observer` stands in for the checkpoint function of the
+modules under it (through `hooks.py`: nothing on the model). It records, per block, the `use_reentrant` it runs with,
+whether a positional tensor input requires grad (reentrant checkpointing does not see the keyword arguments
+transformers binds in a `functools.partial`) and whether it has trainable parameters. Reentrant + trainable + no such
+input is the silent failure (the outputs do not require grad): the owner raises, repairs (the first floating-point
+input made to require grad, as `enable_input_require_grads` does) or reports.
 """
 
 from __future__ import annotations

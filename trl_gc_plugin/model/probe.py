@@ -240,11 +240,8 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
             disagree = True
             legacy_gc = bool(old_flag)
         if disagree and record is not None and record.new_id is not None:
-            new_moved, old_moved = id(kwargs) != record.new_id, id(old_kwargs) != record.old_id
-            if old_moved and not new_moved:
-                changed = "legacy"
-            elif new_moved and not old_moved:
-                changed = "new"
+            moved = (id(old_kwargs) != record.old_id, id(kwargs) != record.new_id)
+            changed = {(True, False): "legacy", (False, True): "new"}.get(moved)
         gc_on = gc_on or bool(old_flag)
 
     fsdp, fsdp_ac = fsdp_facts(args)
@@ -321,9 +318,6 @@ def _source_without_record(facts: Facts, peft: bool) -> Source:
     return "user"
 
 
-# --- model facts -----------------------------------------------------------------------------------------------
-
-
 def compiled(args: Any, model: Any) -> str | None:
     """Why the model's forward runs under `torch.compile`, or None: the arguments' `torch_compile` (the Trainer
     compiles it through accelerate), accelerate's `ACCELERATE_DYNAMO_BACKEND`, a model compiled in place
@@ -357,13 +351,13 @@ def checkpointing_on(model: Any) -> bool:
 
 def input_grad_hooks(model: Any) -> int:
     """How many input-require-grad forward hooks the model's input embeddings carry."""
-    return input_grad_hooks_of(embeddings(model))
+    return len(input_grad_hook_keys(embeddings(model)))
 
 
-def input_grad_hooks_of(embeddings: Any) -> int:
+def input_grad_hook_keys(embeddings: Any) -> list[int]:
     if embeddings is None:
-        return 0
-    return sum(getattr(h, "__name__", "") in INPUT_GRAD_HOOK_NAMES for h in embeddings._forward_hooks.values())
+        return []
+    return [k for k, h in embeddings._forward_hooks.items() if getattr(h, "__name__", "") in INPUT_GRAD_HOOK_NAMES]
 
 
 def embeddings(model: Any, side: str = "input") -> Any:

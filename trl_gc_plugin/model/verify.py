@@ -150,14 +150,12 @@ class Watch:
         return found
 
     def input_hooks(self) -> int:
-        return probe.input_grad_hooks_of(self.embeddings)
+        return len(probe.input_grad_hook_keys(self.embeddings))
 
     def dedupe_input_hooks(self) -> int:
         """Keep the first input-require-grad hook on the embeddings, remove the others; returns how many went."""
         emb = self.embeddings
-        if emb is None:
-            return 0
-        keys = [k for k, h in emb._forward_hooks.items() if getattr(h, "__name__", "") in probe.INPUT_GRAD_HOOK_NAMES]
+        keys = probe.input_grad_hook_keys(emb)
         for key in keys[1:]:
             for table in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
                 getattr(emb, table, {}).pop(key, None)
