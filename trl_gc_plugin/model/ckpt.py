@@ -113,7 +113,6 @@ def is_selective(func: Any) -> bool:
 
 
 def is_lean(func: Any) -> bool:
-    """Whether a block's checkpoint function runs `policies.lean_context`."""
     from .policies import lean_context
 
     return keywords(func).get("context_fn") is lean_context

@@ -56,9 +56,6 @@ def flush() -> None:
     _sync()
 
 
-# --- forward hooks on chosen modules -----------------------------------------------------------------------------
-
-
 def _dispatch(table: Table, module: Any, *rest: Any) -> None:
     if _deferred:
         flush()
@@ -153,8 +150,6 @@ def kwargs_capable() -> bool:
     return seen == [{}]
 
 
-# --- methods of one model, seen at its class ---------------------------------------------------------------------
-
 _MISSING = object()
 _METHODS: dict[tuple[type, str], _Method] = {}
 
@@ -202,9 +197,6 @@ class _Method:
 def patched_classes() -> list[str]:
     """`Class.method` of every class method the plugin dispatches now (for tests)."""
     return sorted(f"{cls.__name__}.{name}" for cls, name in _METHODS)
-
-
-# --- one run's registry ------------------------------------------------------------------------------------------
 
 
 class Hooks:
@@ -284,8 +276,7 @@ class Hooks:
         return self.add(Handle(remove))
 
     def undo(self, action: Callable[[], Any], repair: bool = False) -> Handle:
-        """Run `action` when the run's hooks go; `repair`: it takes back a repair of the model, which a loop goes on
-        with after its first step and after `uninstall()` (`remove(keep_lasting=True)`, `remove(keep_repairs=True)`)."""
+        """Run `action` when the run's hooks go; `repair`: it takes back a repair of the model (see `remove`)."""
         return self.add(Handle(action, repair=repair))
 
     def discard(self, handle: Any) -> None:
@@ -295,10 +286,8 @@ class Hooks:
         handle.remove()
 
     def remove(self, keep_lasting: bool = False, keep_repairs: bool = False) -> None:
-        """Remove every hook of the run, the last added first. `keep_lasting`: the lasting ones stay registered (a
-        loop's first step is over and it goes on with the enable guard and what the run repaired); `keep_repairs`: the
-        repairs stay on the model, forgotten (the route ends, the loop goes on). A removal that fails is said and the
-        others still happen."""
+        """Remove every hook of the run, the last added first, each whatever the others do. `keep_lasting`: the lasting
+        ones stay (a loop's first step is over); `keep_repairs`: the repairs stay on the model, forgotten."""
         kept = [h for h in self._items if keep_lasting and getattr(h, "lasting", False)]
         gone = [h for h in self._items if h not in kept and not (keep_repairs and getattr(h, "repair", False))]
         self._items = kept

@@ -105,7 +105,6 @@ def selective_context() -> Any:
 
 
 def lean_context() -> Any:
-    """As `selective_context`, for `lean_policy`."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(lean_policy)

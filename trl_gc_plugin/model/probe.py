@@ -219,7 +219,6 @@ def _flag_source(args: Any) -> Source:
 
 
 def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
-    """Facts that the arguments alone tell."""
     new_fields = has_activation_fields(args)
     kwargs = getattr(args, kwargs_field(args), None)
     gc_on = bool(getattr(args, flag_field(args), False))
@@ -350,7 +349,6 @@ def checkpointing_on(model: Any) -> bool:
 
 
 def input_grad_hooks(model: Any) -> int:
-    """How many input-require-grad forward hooks the model's input embeddings carry."""
     return len(input_grad_hook_keys(embeddings(model)))
 
 
