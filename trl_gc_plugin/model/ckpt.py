@@ -354,8 +354,7 @@ def restore(snap: Snapshot, keep_use_reentrant: bool = False) -> None:
         if (module := ref()) is not None:
             set_flag(module, on)
     for ref, recorded in snap.functions:
-        module = ref()
-        if module is None:
+        if (module := ref()) is None:
             continue
         now = function_of(module)
         if not keep_use_reentrant:

@@ -497,11 +497,7 @@ def checkpoint_wrapped(model: Any) -> bool:
 
 def uses_alora(model: Any) -> bool:
     """Some LoRA layer of `model` runs an aLoRA adapter (PEFT's `ALoraLinearVariant`)."""
-    for module in ckpt.unwrap(model).modules():
-        variants = getattr(module, "lora_variant", None)
-        if isinstance(variants, dict) and any(type(v).__name__ == "ALoraLinearVariant" for v in variants.values()):
-            return True
-    return False
+    return "ALoraLinearVariant" in selective_unsafe_adapters(model)
 
 
 def selective_unsafe_adapters(model: Any) -> list[str]:

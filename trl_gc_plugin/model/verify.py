@@ -71,8 +71,7 @@ def audit_gradients(model: Any, observation: Any = None) -> AuditResult:
     blocks = {names.get(id(b), type(b).__name__): b for b in ckpt.blocks(base) if id(b) in active}
     blocks.update({name: modules[name] for name in calls if name in modules})
     result = AuditResult()
-    finite_check: list[tuple[str, Any]] = []
-    owners: list[str] = []
+    readable: list[tuple[str, str, Any]] = []  # (block, parameter, gradient)
     for prefix, block in blocks.items():
         trainable = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
         if not trainable:
@@ -87,17 +86,15 @@ def audit_gradients(model: Any, observation: Any = None) -> AuditResult:
                 result.unused.append(prefix)
             else:
                 result.unverified.append(prefix)
-        readable = [(f"{prefix}.{n}", _local(g)) for n, g in with_grad if g.device.type != "meta"]
-        finite_check.extend(readable)
-        owners.extend([prefix] * len(readable))
-    if finite_check:
-        norms = torch._foreach_norm([g for _, g in finite_check])
+        readable += [(prefix, f"{prefix}.{n}", _local(g)) for n, g in with_grad if g.device.type != "meta"]
+    if readable:
+        norms = torch._foreach_norm([g for _, _, g in readable])
         values = torch.stack([n.float() for n in norms]).tolist()
         result.nonfinite_params = [
-            name for (name, _), v in zip(finite_check, values, strict=True) if not math.isfinite(v)
+            name for (_, name, _), v in zip(readable, values, strict=True) if not math.isfinite(v)
         ]
-        nonzero = {owner for owner, v in zip(owners, values, strict=True) if v != 0}
-        result.zero = [prefix for prefix in dict.fromkeys(owners) if prefix not in nonzero]
+        nonzero = {owner for (owner, _, _), v in zip(readable, values, strict=True) if v != 0}
+        result.zero = [prefix for prefix in dict.fromkeys(o for o, _, _ in readable) if prefix not in nonzero]
     return result
 
 
