@@ -1,10 +1,9 @@
 """The one owner of checkpointing on a live model: every write of `gradient_checkpointing` (the per-module flag)
 and `_gradient_checkpointing_func` (transformers' `functools.partial(torch.utils.checkpoint.checkpoint, **keywords)`).
 
-Two things may stand in front of that partial: the plugin's first-forward observer (`observe.py`, its `original` read
-by `real()`), and a launcher's `functools.wraps` wrapper (LLaMA-Factory's `custom_gradient_checkpointing_func`, read by
-`inner()` / `wrapped()`), which every writer keeps, rebuilt around the new partial. torch and transformers are
-imported inside the functions only.
+In front of that partial may stand the plugin's first-forward observer (`real()` looks behind it) and a launcher's
+`functools.wraps` wrapper (LLaMA-Factory's: `inner()`, `wrapped()`), which every writer keeps, rebuilt around the new
+partial.
 """
 
 from __future__ import annotations

@@ -146,10 +146,8 @@ def deepspeed_facts(args: Any) -> DeepSpeedFacts | None:
     config = _deepspeed_config(args)
     if config is None:
         return None
-    auto = _plugin_stage(args)
-    if auto is None:
-        auto = _env_stage()
-    facts = read_deepspeed_config(config, auto_stage=ACCELERATE_DEFAULT_STAGE if auto is None else auto)
+    auto = next((s for s in (_plugin_stage(args), _env_stage()) if s is not None), ACCELERATE_DEFAULT_STAGE)
+    facts = read_deepspeed_config(config, auto_stage=auto)
     for problem in facts.problems:
         if problem not in _LOGGED_PROBLEMS:
             _LOGGED_PROBLEMS.add(problem)
@@ -616,8 +614,6 @@ def records_router_logits_in_blocks(base: Any, blocks: list[Any]) -> bool:
     if not getattr(config, "output_router_logits", False) or not getattr(config, "router_aux_loss_coef", 1.0):
         return False
     recorder = (getattr(type(base), "_can_record_outputs", None) or {}).get("router_logits")
-    if recorder is None:
-        return False
     target = getattr(recorder, "target_class", recorder)
     if not isinstance(target, type):
         return False
