@@ -1,25 +1,9 @@
-"""The one owner of checkpointing on a live model: which modules checkpoint, with which function, and every write.
+"""The one owner of checkpointing on a live model: every write of `gradient_checkpointing` (the per-module flag)
+and `_gradient_checkpointing_func` (transformers' `functools.partial(torch.utils.checkpoint.checkpoint, **keywords)`).
 
-transformers (4.35+) keeps activation checkpointing on the modules themselves: a `gradient_checkpointing` flag on
-every module that can checkpoint (the `GradientCheckpointingLayer` blocks, and the stacks that call the function
-themselves), and next to it `_gradient_checkpointing_func`, a `functools.partial(torch.utils.checkpoint.checkpoint,
-**keywords)`. The plugin's first-forward observer (`observe.py`) stands in for that function during one forward and
-keeps the real one as its `original`; `real()` is the only place that looks behind it.
-
-A launcher may store its own function instead, a wrapper around that partial made with `functools.wraps` (so its
-`__wrapped__` is the partial): LLaMA-Factory's `custom_gradient_checkpointing_func` makes the hidden states require
-grad and skips frozen layers. `inner()` looks behind such a wrapper: the keywords, and so `use_reentrant`, are read
-from the partial inside; `wrapped()` says a wrapper stands there, a checkpoint function someone chose on purpose, which
-every writer keeps (it rebuilds the wrapper around the new partial, never replaces it with a bare one).
-
-- Readers: `blocks`, `functions`, `function_of`, `real`, `inner`, `wrapped`, `keywords`, `use_reentrant`,
-  `model_use_reentrant`.
-- Writers: `set_flag` and `set_function` (the two primitives every write goes through), `with_keywords` (a function
-  with other keywords), `set_keyword` (one keyword on every checkpointing module), `apply` (a frozen `Spec`: a
-  `Layout`, `use_reentrant`, keywords) and `snapshot` / `restore`.
-
-No other module of the plugin writes `gradient_checkpointing` or `_gradient_checkpointing_func`. torch and
-transformers are imported inside the functions only.
+In front of that partial may stand the plugin's first-forward observer (`real()` looks behind it) and a launcher's
+`functools.wraps` wrapper (LLaMA-Factory's: `inner()`, `wrapped()`), which every writer keeps, rebuilt around the new
+partial.
 """
 
 from __future__ import annotations
@@ -37,19 +21,15 @@ from ..core.layout import Kind, Layout
 FLAG = "gradient_checkpointing"
 FUNC = "_gradient_checkpointing_func"
 
-# --- readers -----------------------------------------------------------------------------------------------------
 
-
+# wrappers whose `.module` is the model they wrap (FSDP1's root wrapper is what a Trainer's callbacks get)
 _WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
-"""Wrappers whose `.module` is the model they wrap (FSDP1's root wrapper is what a Trainer's callbacks get)."""
 
 
 def unwrap(model: Any) -> Any:
     """The underlying transformers model of a PEFT / DDP / FSDP1 / accelerate wrapper."""
-    seen = 0
-    while seen < 8:
-        seen += 1
-        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+    for _ in range(8):
+        if callable(getattr(model, "get_base_model", None)):
             inner = model.get_base_model()
         elif hasattr(model, "module") and type(model).__name__ in _WRAPPERS:
             inner = model.module
@@ -62,35 +42,21 @@ def unwrap(model: Any) -> Any:
 
 
 def blocks(model: Any) -> list[Any]:
-    """The repeated checkpointed blocks (decoder layers) of `model` (not unwrapped).
-
-    Args:
-        model: a transformers model (or any `nn.Module`).
-
-    Returns:
-        The `GradientCheckpointingLayer` instances, in module order; for a transformers that predates it (< 4.52),
-        the modules carrying a `gradient_checkpointing` flag that are not whole models.
-    """
+    """The `GradientCheckpointingLayer`s of `model` (not unwrapped), in module order; before transformers 4.52, the
+    modules carrying a `gradient_checkpointing` flag that are not whole models."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # transformers < 4.52
         GradientCheckpointingLayer = None  # type: ignore[assignment,misc]
     from transformers import PreTrainedModel
 
-    out = []
-    for module in model.modules():
-        if (GradientCheckpointingLayer is not None and isinstance(module, GradientCheckpointingLayer)) or (
-            GradientCheckpointingLayer is None and hasattr(module, FLAG) and not isinstance(module, PreTrainedModel)
-        ):
-            out.append(module)
-    return out
+    if GradientCheckpointingLayer is not None:
+        return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return [m for m in model.modules() if hasattr(m, FLAG) and not isinstance(m, PreTrainedModel)]
 
 
 def functions(model: Any) -> list[tuple[Any, Any]]:
-    """(module, checkpoint function) for every module of `model` (not unwrapped) with checkpointing switched on.
-
-    The function is the one stored on the module: the first-forward observer while it stands in (see `real()`).
-    """
+    """(module, stored checkpoint function) for every module of `model` (not unwrapped) with checkpointing on."""
     return [(m, getattr(m, FUNC)) for m in model.modules() if getattr(m, FLAG, False) is True and hasattr(m, FUNC)]
 
 
@@ -105,9 +71,8 @@ def real(func: Any) -> Any:
 
 
 def inner(func: Any) -> Any:
-    """The `functools.partial` a checkpoint function runs: behind the plugin's observer, and behind wrappers that name
-    what they wrap in `__wrapped__` (`functools.wraps`, as LLaMA-Factory's `custom_gradient_checkpointing_func`);
-    `real(func)` when no partial stands behind it (torch's `checkpoint` itself, an autograd Function's `apply`)."""
+    """The `functools.partial` a checkpoint function runs, behind the observer and `__wrapped__` wrappers; `real(func)`
+    when no partial stands behind it (torch's `checkpoint` itself, an autograd Function's `apply`)."""
     base = real(func)
     found, seen = base, 0
     while not isinstance(found, functools.partial) and seen < 8:
@@ -118,14 +83,12 @@ def inner(func: Any) -> Any:
 
 
 def wrapped(func: Any) -> bool:
-    """Whether a wrapper of someone's own stands around the checkpoint partial (see `inner()`): a checkpoint function
-    chosen on purpose, with its own behaviour around torch's call, to keep."""
+    """Whether someone's own wrapper, chosen on purpose and to keep, stands around the checkpoint partial."""
     return inner(func) is not real(func)
 
 
 def keywords(func: Any) -> dict[str, Any]:
-    """The keywords a checkpoint function passes to torch's `checkpoint` (a copy; empty when it is no partial), read
-    behind the observer and behind a wrapper (`inner()`)."""
+    """A copy of the keywords a checkpoint function passes to torch's `checkpoint` (behind observer and wrapper)."""
     return dict(getattr(inner(func), "keywords", None) or {})
 
 
@@ -136,33 +99,26 @@ def use_reentrant(func: Any) -> bool:
 
 
 def model_use_reentrant(model: Any) -> bool | None:
-    """The effective `use_reentrant` of the live model (a PEFT / DDP wrapper is unwrapped).
-
-    Returns:
-        `None` when no module checkpoints; the first checkpointing module's value when modules disagree.
-    """
+    """The live model's `use_reentrant` (its first checkpointing module's), None when no module checkpoints."""
     funcs = functions(unwrap(model))
     return use_reentrant(funcs[0][1]) if funcs else None
 
 
 def is_selective(func: Any) -> bool:
-    """Whether a block's checkpoint function runs one of the planner's per-op policies (`policies.selective_context`,
-    `policies.lean_context`), behind the observer and any wrapper."""
+    """Whether a block's checkpoint function runs one of the planner's per-op policies (selective or lean)."""
     from .policies import lean_context, selective_context
 
     return keywords(func).get("context_fn") in (selective_context, lean_context)
 
 
 def is_lean(func: Any) -> bool:
-    """Whether a block's checkpoint function runs `policies.lean_context`."""
     from .policies import lean_context
 
     return keywords(func).get("context_fn") is lean_context
 
 
 def layout_of(model: Any) -> Layout:
-    """What the live model runs, block by block (a PEFT / DDP wrapper is unwrapped): each block's flag and checkpoint
-    function."""
+    """What the live model runs, block by block: each block's flag and checkpoint function."""
     return Layout(tuple(_kind_of(block) for block in blocks(unwrap(model))))
 
 
@@ -181,8 +137,7 @@ _functions = functions
 
 
 def same(a: Any, b: Any) -> bool:
-    """Two checkpoint functions are the same: equal partials (function, arguments, keywords), the same wrapper code
-    around equal partials, or the same object."""
+    """Equal partials, the same wrapper code around equal partials, or the same object."""
     if a is b:
         return True
     if wrapped(a) and wrapped(b):
@@ -194,9 +149,7 @@ def same(a: Any, b: Any) -> bool:
 
 
 def _rewrapped(func: Any, new_inner: Any) -> Any:
-    """`func` (a wrapper, see `inner()`) rebuilt around `new_inner` instead of the partial it wraps: a copy of the
-    wrapper function whose closure cell holding that partial holds `new_inner` (its `__wrapped__` too). `None` when
-    the wrapper does not keep the partial in its closure (it cannot be rebuilt)."""
+    """A copy of the wrapper `func` around `new_inner` instead of its partial; None when it cannot be rebuilt."""
     wrapper, old = real(func), inner(func)
     if not isinstance(wrapper, types.FunctionType):
         return None
@@ -207,8 +160,7 @@ def _rewrapped(func: Any, new_inner: Any) -> Any:
 
 
 def closure_swapped(func: types.FunctionType, swap: Callable[[Any], Any]) -> types.FunctionType | None:
-    """A copy of `func` whose closure cells hold `swap(content)` instead (empty cells kept); None when `swap`
-    changes no cell (or `func` closes over nothing)."""
+    """A copy of `func` whose closure cells hold `swap(content)`; None when `swap` changes no cell."""
     cells, changed = [], False
     for cell in func.__closure__ or ():
         try:
@@ -228,9 +180,6 @@ def closure_swapped(func: types.FunctionType, swap: Callable[[Any], Any]) -> typ
     return copy
 
 
-# --- checkpoint functions ----------------------------------------------------------------------------------------
-
-
 def offload_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
     """torch's `checkpoint` with the saved inputs in pinned host memory (`save_on_cpu`); needs an accelerator."""
     import torch
@@ -240,24 +189,9 @@ def offload_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(function, *args, **kwargs)
 
 
-def _torch_checkpoint() -> Any:
-    from torch.utils.checkpoint import checkpoint
-
-    return checkpoint
-
-
 def with_keywords(func: Any, **changes: Any) -> Any:
-    """`func` (a checkpoint function, observer unwrapped) rebuilt with other keywords, keeping the rest.
-
-    Args:
-        func: a `functools.partial` of a checkpoint function, a wrapper around one (`inner()`), or a plain callable.
-        **changes: the keywords to set; a value of `None` removes the key.
-
-    Returns:
-        A new `functools.partial` of the same function and positional arguments; for a wrapper, the wrapper rebuilt
-        around that new partial (`_rewrapped`), or, when it cannot be rebuilt, a partial of the wrapper itself with
-        the keywords (it passes them on to the function it wraps).
-    """
+    """A new partial of `func` (observer unwrapped) with `changes` set (`None` removes a key), the rest kept; a wrapper
+    is rebuilt around it, or, when it cannot be, partial'ed itself (it passes the keywords on)."""
     if wrapped(func):
         rebuilt = _rewrapped(func, with_keywords(inner(func), **changes))
         if rebuilt is not None:
@@ -267,15 +201,8 @@ def with_keywords(func: Any, **changes: Any) -> Any:
         target, args, kw = base.func, base.args, dict(base.keywords)
     else:
         target, args, kw = base, (), {}
-    for key, value in changes.items():
-        if value is None:
-            kw.pop(key, None)
-        else:
-            kw[key] = value
+    kw = {k: v for k, v in {**kw, **changes}.items() if k not in changes or v is not None}
     return functools.partial(target, *args, **kw)
-
-
-# --- the two writing primitives ----------------------------------------------------------------------------------
 
 
 def set_flag(module: Any, on: bool) -> None:
@@ -285,14 +212,7 @@ def set_flag(module: Any, on: bool) -> None:
 
 
 def set_function(module: Any, func: Any, behind_observer: bool = False) -> None:
-    """Store `func` as the checkpoint function of one module.
-
-    Args:
-        module: the module.
-        func: the checkpoint function (or the first-forward observer, which `observe.py` installs through here).
-        behind_observer (`bool`): when the first-forward observer stands in on `module`, replace the function it
-            runs and leave it in front (the planner's writes); otherwise the observer is replaced too.
-    """
+    """Store `func` on one module; `behind_observer`: where the observer stands in, as the function it runs."""
     current = module.__dict__.get(FUNC)
     if behind_observer and current is not None and hasattr(current, "original"):
         current.original = func
@@ -301,45 +221,24 @@ def set_function(module: Any, func: Any, behind_observer: bool = False) -> None:
 
 
 def set_keyword(model: Any, key: str, value: Any) -> int:
-    """Rewrite the checkpoint function of every checkpointing module of `model` to run with `key=value` (`None`
-    removes the keyword).
-
-    The `functools.partial` transformers stores is rebuilt with the same function and other keywords, so offloading
-    and any torch kwargs survive, and no hook is added. A module whose function already runs so is left alone (the
-    first-forward observer too); a rewritten one loses the observer.
-
-    Returns:
-        How many modules changed.
-    """
+    """Make every checkpointing module's function run with `key=value` (`None` removes it), offloading and the other
+    keywords kept; a module already so is left alone, a rewritten one loses the observer. Returns how many changed."""
     changed = 0
     for module, func in functions(unwrap(model)):
         func = real(func)
         inside = inner(func)
-        if isinstance(inside, functools.partial):
-            if inside.keywords.get(key, None) is value and (value is not None or key not in inside.keywords):
-                continue
-        elif value is None:
+        present = inside.keywords if isinstance(inside, functools.partial) else {}
+        if present.get(key) is value and (value is not None or key not in present):
             continue
         set_function(module, with_keywords(func, **{key: value}))
         changed += 1
     return changed
 
 
-# --- a whole model -----------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Spec:
-    """How the blocks of a model checkpoint; `None` (or no key) leaves that part as it is.
-
-    Args:
-        layout (`Layout`, *optional*): per block, what it runs: its flag, and the planner's policy (`selective`,
-            `lean`: `policies.selective_context` / `lean_context` as `context_fn`) or offloading (`offload`:
-            `offload_checkpoint`) in its checkpoint function; `none` / `full` blocks run torch's `checkpoint` with no
-            planner policy (a user's own `context_fn` is kept).
-        use_reentrant (`bool`, *optional*): the `use_reentrant` every block's function runs with.
-        keywords (`Mapping[str, Any]`): keywords to set in every block's function; a value of `None` removes the key.
-    """
+    """How the blocks of a model checkpoint; `None` (or no key) leaves that part as it is. `keywords` are set in every
+    block's function (`None` removes one); `none` / `full` blocks keep a user's own `context_fn`."""
 
     layout: Layout | None = None
     use_reentrant: bool | None = None
@@ -351,6 +250,8 @@ class Spec:
 
 def _function_for(current: Any, kind: Kind | None, spec: Spec) -> Any:
     """The checkpoint function a block holding `current` runs under `spec`, as `kind` (None: as it runs now)."""
+    from torch.utils.checkpoint import checkpoint
+
     from .policies import lean_context, selective_context
 
     if wrapped(current):  # the wrapper is kept, around the partial the spec makes of the one inside it
@@ -361,11 +262,11 @@ def _function_for(current: Any, kind: Kind | None, spec: Spec) -> Any:
     if isinstance(base, functools.partial):
         func, args, kw = base.func, base.args, dict(base.keywords)
     else:
-        func, args, kw = (base if callable(base) else _torch_checkpoint()), (), {}
+        func, args, kw = (base if callable(base) else checkpoint), (), {}
     if kind == "offload":
         func = offload_checkpoint
     elif kind is not None and func is offload_checkpoint:
-        func = _torch_checkpoint()
+        func = checkpoint
     if spec.use_reentrant is not None:
         kw["use_reentrant"] = spec.use_reentrant
     result = with_keywords(functools.partial(func, *args, **kw), **spec.keywords)
@@ -385,14 +286,8 @@ def _function_for(current: Any, kind: Kind | None, spec: Spec) -> Any:
 
 
 def apply(model: Any, spec: Spec) -> None:
-    """Apply `spec` to every block of the live model: its flag and its checkpoint function. Idempotent.
-
-    A checkpoint function is replaced only when it changes, behind the first-forward observer when one stands in
-    (it stays in front); a block without one gets torch's `checkpoint`.
-
-    Raises:
-        `ValueError`: selective blocks with `use_reentrant=True`, or a layout for another number of blocks.
-    """
+    """Apply `spec` to every block's flag and checkpoint function (idempotent; behind the observer; a block without
+    a function gets torch's `checkpoint`). `ValueError` for selective with reentrant, or a layout of another size."""
     layout = spec.layout
     if spec.use_reentrant and layout is not None and any(layout.selective):
         raise ValueError("selective checkpointing needs use_reentrant=False (torch accepts context_fn only there)")
@@ -411,15 +306,7 @@ def apply(model: Any, spec: Spec) -> None:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The checkpointing of a model at one moment (`snapshot()`), to put back with `restore()`. Modules are held
-    weakly: a snapshot kept for a run (the enable guard's) never keeps a model alive.
-
-    Args:
-        flags (`tuple[tuple[weakref.ref, bool], ...]`): (module, flag) for every module carrying a boolean flag.
-        functions (`tuple[tuple[weakref.ref, Any], ...]`): (module, checkpoint function as stored, the observer
-            included) for every module with checkpointing switched on, and every block holding a function while
-            switched off.
-    """
+    """A model's flags and stored checkpoint functions, for `restore()`; weakly held (it never keeps a model alive)."""
 
     flags: tuple[tuple[weakref.ref[Any], bool], ...]
     functions: tuple[tuple[weakref.ref[Any], Any], ...]
@@ -432,18 +319,7 @@ class Snapshot:
 def snapshot(
     model: Any, *, flags: bool = True, functions: bool = True, only: Collection[Any] | None = None
 ) -> Snapshot:
-    """Record the flags and checkpoint functions of `model` (a PEFT / DDP wrapper is unwrapped).
-
-    Args:
-        model: the model.
-        flags (`bool`): record the flags (`False`: `restore()` leaves every flag alone).
-        functions (`bool`): record the checkpoint functions (`False`: `restore()` leaves every function alone, e.g. a
-            use_reentrant switch made meanwhile).
-        only (`Collection`, *optional*): record these modules only.
-
-    Returns:
-        The `Snapshot`.
-    """
+    """Record the flags and/or checkpoint functions (those of blocks switched off too) of `model`, or of `only`."""
     base = unwrap(model)
     keep = None if only is None else {id(m) for m in only}
 
@@ -470,21 +346,14 @@ def snapshot(
 
 
 def restore(snap: Snapshot, keep_use_reentrant: bool = False) -> None:
-    """Put back the recorded flags and checkpoint functions.
-
-    Args:
-        snap: from `snapshot()`.
-        keep_use_reentrant (`bool`): rebuild each recorded function (its wrapper and keywords, behind any observer)
-            with the `use_reentrant` the module runs now, only where the module holds a function now and the recorded
-            one is a partial or a wrapper around one (the enable guard after a re-enable); otherwise every recorded
-            object is put back as it was.
-    """
+    """Put back the recorded flags and checkpoint functions. `keep_use_reentrant` (the enable guard after a
+    re-enable): rebuild each recorded partial or wrapper with the `use_reentrant` its module runs now, only where the
+    module holds a function now."""
     for ref, on in snap.flags:
         if (module := ref()) is not None:
             set_flag(module, on)
     for ref, recorded in snap.functions:
-        module = ref()
-        if module is None:
+        if (module := ref()) is None:
             continue
         now = function_of(module)
         if not keep_use_reentrant:

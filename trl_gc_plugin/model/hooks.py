@@ -1,23 +1,10 @@
-"""Every hook the plugin adds, and the one registry per run (`Hooks`) that takes all of it away.
+"""Every hook the plugin adds, and the one registry per run (`Hooks`) whose `remove()` takes all of it away.
 
 Nothing of the plugin is ever in a model's own hook tables or `__dict__`, so a deep copy or a pickle of the model
-(an EMA or reference model, `torch.save(model)`) carries nothing of it, whenever it is made:
-
-- forward hooks on chosen modules: one process-wide pre-hook, pre-hook with keywords and post-hook
-  (`torch.nn.modules.module.register_module_forward_*_hook`) dispatch to the callbacks registered for a module by
-  identity; they exist only while some callback waits;
-- a method of one model, seen at the model's class (`__call__`: the first training forward of a loop's model;
-  `gradient_checkpointing_enable`: its re-enables): the class's method dispatches by identity, the registered instance
-  to its replacement, every other instance (a deep copy, another model of the class) straight to the real method; the
-  class gets its own method back once no instance is registered;
-- torch's process-wide optimizer step pre-hook (the first optimizer step of a loop without a Trainer);
-- undo actions (the repair of a model that a run made and takes back).
-
-`Hooks` is one run's registry: every registration goes through it, and `remove()` takes all of it away on every exit
-path (the first step over, a refusal, a route that never reaches a step, `uninstall()`, the model collected, the
-process ending). A removal torch does not allow at that moment (torch is iterating those hooks: an optimizer step's
-pre-hooks, the post-hooks of a forward that raised) is done at the next moment it does: the next call of any of the
-plugin's hooks, the next registration, or the end of the process.
+carries nothing of it: process-wide module forward hooks and class methods dispatch by identity to what is registered
+for one instance, and exist only while something is. A removal torch does not allow at that moment (it is iterating
+those hooks: an optimizer step's pre-hooks, the post-hooks of a forward that raised) is done at the next call of any
+of the plugin's hooks, the next registration, or the end of the process.
 """
 
 from __future__ import annotations
@@ -38,10 +25,8 @@ _pre_kw: Table = {}
 _post: Table = {}
 _global: dict[str, Any] = {}
 _next = [0]
-_deferred: list[Callable[[], None]] = []
-"""Removals put off while torch iterates the hooks they would remove (see the module docstring)."""
-_stepping: list[bool] = []
-"""Non-empty while a plugin callback runs inside torch's optimizer pre-hook loop."""
+_deferred: list[Callable[[], None]] = []  # removals put off while torch iterates the hooks they would remove
+_stepping: list[bool] = []  # non-empty while a plugin callback runs inside torch's optimizer pre-hook loop
 
 
 class Handle:
@@ -62,16 +47,13 @@ class Handle:
 
 
 def flush() -> None:
-    """Carry out the removals put off (`_deferred`), now that torch is not iterating the plugin's hooks."""
+    """Carry out the removals put off, now that torch is not iterating the plugin's hooks."""
     if _stepping or sys.exc_info()[0] is not None:
         return
     pending, _deferred[:] = list(_deferred), []
     for removal in pending:
         removal()
     _sync()
-
-
-# --- forward hooks on chosen modules -----------------------------------------------------------------------------
 
 
 def _dispatch(table: Table, module: Any, *rest: Any) -> None:
@@ -104,13 +86,10 @@ def _sync() -> None:
 
     for name, (table, hook) in _HOOKS.items():
         handle = _global.get(name)
-        if table and handle is None:
-            register = torch_module.register_module_forward_hook if name == "post" else None
-            _global[name] = (
-                register(hook, always_call=True)
-                if register is not None
-                else torch_module.register_module_forward_pre_hook(hook)
-            )
+        if table and handle is None and name == "post":
+            _global[name] = torch_module.register_module_forward_hook(hook, always_call=True)
+        elif table and handle is None:
+            _global[name] = torch_module.register_module_forward_pre_hook(hook)
         elif not table and handle is not None:
             if sys.exc_info()[0] is not None:
                 if _sync not in _deferred:
@@ -154,8 +133,7 @@ def _flag(module: Any, on: bool) -> None:
 
 @functools.lru_cache(maxsize=1)
 def kwargs_capable() -> bool:
-    """Whether the installed torch passes the keywords to a flagged process-wide pre-hook (tried once, on a
-    throw-away module)."""
+    """Whether the installed torch passes the keywords to a flagged process-wide pre-hook (tried on a throw-away)."""
     import torch
     from torch.nn.modules import module as torch_module
 
@@ -171,8 +149,6 @@ def kwargs_capable() -> bool:
         handle.remove()
     return seen == [{}]
 
-
-# --- methods of one model, seen at its class ---------------------------------------------------------------------
 
 _MISSING = object()
 _METHODS: dict[tuple[type, str], _Method] = {}
@@ -218,72 +194,13 @@ class _Method:
             flush()
 
 
-def on_method(instance: Any, name: str, replacement: Callable[..., Any], lasting: bool = False) -> Handle:
-    """Make `instance.<name>(*args, **kwargs)` call `replacement(original, *args, **kwargs)` (`original`: the real
-    method bound to `instance`), through its class, until removed (or `instance` is collected)."""
-    if _deferred:
-        flush()
-    method = _METHODS.get((type(instance), name))
-    if method is None:
-        method = _METHODS[(type(instance), name)] = _Method(type(instance), name)
-    key = id(instance)
-    method.table[key] = (weakref.ref(instance, lambda dead: method.drop(key, dead)), replacement)
-    return Handle(functools.partial(method.drop, key), lasting)
-
-
 def patched_classes() -> list[str]:
     """`Class.method` of every class method the plugin dispatches now (for tests)."""
     return sorted(f"{cls.__name__}.{name}" for cls, name in _METHODS)
 
 
-# --- torch's optimizer steps -------------------------------------------------------------------------------------
-
-
-def on_optimizer_step(callback: Callable[[Any], None]) -> Handle:
-    """`callback(optimizer)` before every step of every torch optimizer (accelerate's and DeepSpeed's wrap one). Once
-    removed it does nothing; torch lets it go at once, or, from inside its own loop over the pre-hooks, at the next
-    moment it can (`flush`)."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    if _deferred:
-        flush()
-    state = {"removed": False}
-
-    def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if state["removed"]:
-            return
-        _stepping.append(True)
-        try:
-            callback(optimizer)
-        finally:
-            _stepping.pop()
-
-    torch_handle = register_optimizer_step_pre_hook(pre)
-
-    def remove() -> None:
-        state["removed"] = True
-        if _stepping:
-            _deferred.append(torch_handle.remove)
-        else:
-            torch_handle.remove()
-
-    return Handle(remove)
-
-
-# --- one run's registry ------------------------------------------------------------------------------------------
-
-
 class Hooks:
-    """One run's hooks: every registration goes through it, `remove()` takes all of it away (the last added first).
-
-    Example:
-        ```python
-        hooks = Hooks()
-        hooks.forward(model, lambda module, args, output: ...)
-        hooks.method(model, "__call__", lambda original, *a, **k: original(*a, **k))
-        hooks.remove()  # nothing of it stays
-        ```
-    """
+    """One run's hooks: every registration goes through it, `remove()` takes all of it away (the last added first)."""
 
     def __init__(self) -> None:
         self._items: list[Any] = []
@@ -299,8 +216,7 @@ class Hooks:
         return self.add(_add(_pre, module, callback))
 
     def forward_pre_with_kwargs(self, module: Any, callback: Callable[[Any, Any, Any], None]) -> Handle | None:
-        """`callback(module, args, kwargs)` before every forward of `module`; None where the installed torch cannot
-        pass the keywords to a process-wide hook (`kwargs_capable`)."""
+        """`callback(module, args, kwargs)` before each forward of `module`; None if torch cannot (`kwargs_capable`)."""
         if not kwargs_capable():
             return None
         handle, ref = _add(_pre_kw, module, callback), weakref.ref(module)
@@ -318,16 +234,49 @@ class Hooks:
         return self.add(_add(_post, module, callback))
 
     def method(self, instance: Any, name: str, replacement: Callable[..., Any], lasting: bool = False) -> Handle:
-        """`on_method` for this run."""
-        return self.add(on_method(instance, name, replacement, lasting))
+        """Make `instance.<name>(*args, **kwargs)` call `replacement(original, *args, **kwargs)` (`original`: the real
+        method bound to `instance`), through its class, until removed (or `instance` is collected)."""
+        if _deferred:
+            flush()
+        method = _METHODS.get((type(instance), name))
+        if method is None:
+            method = _METHODS[(type(instance), name)] = _Method(type(instance), name)
+        key = id(instance)
+        method.table[key] = (weakref.ref(instance, lambda dead: method.drop(key, dead)), replacement)
+        return self.add(Handle(functools.partial(method.drop, key), lasting))
 
     def optimizer_step(self, callback: Callable[[Any], None]) -> Handle:
-        """`on_optimizer_step` for this run."""
-        return self.add(on_optimizer_step(callback))
+        """`callback(optimizer)` before every step of every torch optimizer (accelerate's and DeepSpeed's wrap one).
+        Once removed it does nothing; torch lets it go at once, or, from inside its own loop over the pre-hooks, at
+        the next moment it can (`flush`)."""
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        if _deferred:
+            flush()
+        state = {"removed": False}
+
+        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if state["removed"]:
+                return
+            _stepping.append(True)
+            try:
+                callback(optimizer)
+            finally:
+                _stepping.pop()
+
+        torch_handle = register_optimizer_step_pre_hook(pre)
+
+        def remove() -> None:
+            state["removed"] = True
+            if _stepping:
+                _deferred.append(torch_handle.remove)
+            else:
+                torch_handle.remove()
+
+        return self.add(Handle(remove))
 
     def undo(self, action: Callable[[], Any], repair: bool = False) -> Handle:
-        """Run `action` when the run's hooks go; `repair`: it takes back a repair of the model, which a loop goes on
-        with after its first step and after `uninstall()` (`remove(keep_lasting=True)`, `remove(keep_repairs=True)`)."""
+        """Run `action` when the run's hooks go; `repair`: it takes back a repair of the model (see `remove`)."""
         return self.add(Handle(action, repair=repair))
 
     def discard(self, handle: Any) -> None:
@@ -337,10 +286,8 @@ class Hooks:
         handle.remove()
 
     def remove(self, keep_lasting: bool = False, keep_repairs: bool = False) -> None:
-        """Remove every hook of the run, the last added first. `keep_lasting`: the lasting ones stay registered (a
-        loop's first step is over and it goes on with the enable guard and what the run repaired); `keep_repairs`: the
-        repairs stay on the model, forgotten (the route ends, the loop goes on). A removal that fails is said and the
-        others still happen."""
+        """Remove every hook of the run, the last added first, each whatever the others do. `keep_lasting`: the lasting
+        ones stay (a loop's first step is over); `keep_repairs`: the repairs stay on the model, forgotten."""
         kept = [h for h in self._items if keep_lasting and getattr(h, "lasting", False)]
         gone = [h for h in self._items if h not in kept and not (keep_repairs and getattr(h, "repair", False))]
         self._items = kept
@@ -367,9 +314,7 @@ def remove_all() -> None:
 
 
 def waiting() -> int:
-    """How many module callbacks wait (for tests: each keeps the process-wide hooks registered, which every module's
-    forward then calls). A removal put off is not counted: it is done at the next call of any of the plugin's
-    hooks."""
+    """How many module callbacks wait (for tests: each keeps the process-wide hooks registered)."""
     return sum(len(v) for table in (_pre, _post, _pre_kw) for v in table.values())
 
 

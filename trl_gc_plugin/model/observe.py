@@ -1,26 +1,11 @@
 """First-forward observation: what each checkpointed block really runs with, seen once, then gone.
 
-Static facts can say for certain that a block's inputs will not require grad only in simple cases (nothing trainable
-before the blocks). Everything else - learned position embeddings, embedding norms, token types, a trainable vision
-tower, a user hook - is settled by looking: on the first training forward (module in train mode, grad enabled) of
-each checkpointing *stack* (the module whose forward runs the checkpointed blocks: a decoder, an encoder, a vision
-tower), a forward pre-hook for the stack wraps the checkpoint function of the modules under it for that one forward,
-and a forward post-hook puts the originals back and removes both hooks. The hooks are process-wide ones that act on
-the stack alone (`hooks.py`), so nothing is attached to the model: a copy of it made meanwhile carries nothing. Each wrapped call records which module it
-checkpoints, the `use_reentrant` it really runs with, whether any positional tensor input requires grad (only
-positional inputs count: transformers passes keyword arguments inside a `functools.partial`, which reentrant
-checkpointing does not see) and whether the module holds trainable parameters.
-
-Reentrant + trainable parameters + no positional input that requires grad is the silent failure, known before the
-backward: `torch.utils.checkpoint`'s reentrant function returns outputs that do not require grad, so the block's
-parameters get no gradient. The owner (the callback) decides what to do through `on_frozen`: raise, repair (the
-call's first floating-point input is made to require grad, as transformers' `enable_input_require_grads` hook does),
-or report. After the first step every hook that is still there (a stack that did not run) is removed, so the
-steady-state cost is zero.
-
-Works the same on transformers 4.x (where `GradientCheckpointingLayer` checkpoints in `__call__`) and 5.x (in
-`forward`), and for models whose stack calls `self._gradient_checkpointing_func(layer.__call__, ...)` itself: the
-checkpointed module is read off the function it is handed.
+On the first training forward of each checkpointing stack, an `_Observer` stands in for the checkpoint function of the
+modules under it (through `hooks.py`: nothing on the model). It records, per block, the `use_reentrant` it runs with,
+whether a positional tensor input requires grad (reentrant checkpointing does not see the keyword arguments
+transformers binds in a `functools.partial`) and whether it has trainable parameters. Reentrant + trainable + no such
+input is the silent failure (the outputs do not require grad): the owner raises, repairs (the first floating-point
+input made to require grad, as `enable_input_require_grads` does) or reports.
 """
 
 from __future__ import annotations
@@ -38,24 +23,16 @@ from .hooks import Hooks
 
 logger = logging.getLogger("trl_gc_plugin")
 
+# what the owner wants done about a finding: `raise` (it raised already), `repair` (this call made safe), `report`
+# (nothing changed), `keep` (run as asked: no evidence yet), `exact` (run this one call non-reentrant)
 Verdict = Literal["raise", "repair", "report", "keep", "exact"]
-"""What the owner wants done about a finding: `raise` (it raised already), `repair` (this call made safe; the owner
-switches the run to non-reentrant), `report` (nothing changed), `keep` (run as asked: no evidence yet), `exact` (run
-this one call non-reentrant, which is exact, until the evidence is in)."""
 
 
 @dataclass(frozen=True)
 class Call:
-    """The first checkpointed call of one module.
-
-    Args:
-        module: its qualified name in the model (e.g. `model.layers.0`).
-        reentrant: the `use_reentrant` it ran with (a missing key is torch's default: reentrant).
-        inputs_require_grad: some positional tensor input required grad.
-        trainable: the module holds trainable parameters.
-        keyword_inputs: keyword arguments holding a tensor that requires grad (reentrant checkpointing does not see
-            them as inputs: it backpropagates into their graph from inside its own backward).
-    """
+    """The first checkpointed call of one module (`module`: its qualified name). `keyword_inputs`: keyword arguments
+    holding a tensor that requires grad (reentrant checkpointing backpropagates into their graph from inside its own
+    backward)."""
 
     module: str
     reentrant: bool
@@ -74,9 +51,7 @@ def _target(function: Any, owner: Any) -> Any:
     `partial(super().__call__, ...)` (4.x), `layer.__call__` (stacks that checkpoint their layers); else `owner`."""
     import torch
 
-    seen = 0
-    while seen < 8:
-        seen += 1
+    for _ in range(8):
         if isinstance(function, functools.partial):
             if function.args and isinstance(function.args[0], torch.nn.Module):
                 return function.args[0]
@@ -120,10 +95,8 @@ class _Observer:
         return original(function, *args, **kwargs)
 
     def _call_wrapper(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A launcher's wrapper around the checkpoint call (`ckpt.wrapped`) may change the inputs before torch sees
-        them (LLaMA-Factory's makes the hidden states require grad in place): the call is judged on the inputs as
-        they are after it ran. A finding that asks for a repair runs the call once more, its input made to
-        require grad (and non-reentrant when asked), before anything backpropagates through the first result."""
+        """A launcher's wrapper may change the inputs (LLaMA-Factory's makes them require grad in place): the call is
+        judged after it ran, and run once more, repaired, when a finding asks for that."""
         result = self.original(function, *args, **kwargs)
         repaired, exact = self.observation.see(self, function, args)
         if exact or self.observation.last_repaired:
@@ -133,18 +106,10 @@ class _Observer:
 
 
 class Observation:
-    """The one-shot observation of a model's first training forward.
-
-    Args:
-        model: the model (a PEFT or DDP wrapper is unwrapped).
-        hooks (`Hooks`): the run's hooks, which the observation's go through.
-        on_frozen: called with the `Call` of a block that loses its gradients; returns `"raise"` (the callback
-            raises from inside it), `"repair"` or `"report"`.
-        on_keyword_inputs: called with the `Call` of a reentrant block that gets a tensor requiring grad as a keyword
-            argument, and the module that got the same tensor before (None the first time): two reentrant blocks
-            backpropagating into the same graph from inside their own backward is "Trying to backward through the
-            graph a second time". Returns a `Verdict`.
-    """
+    """The one-shot observation of a model's first training forward. `on_frozen` gets the `Call` of a block that loses
+    its gradients; `on_keyword_inputs` that of a reentrant block with a keyword tensor requiring grad, and the module
+    that got the same tensor before (two reentrant blocks backpropagating into one graph from inside their own
+    backward is "Trying to backward through the graph a second time")."""
 
     def __init__(
         self,
@@ -168,11 +133,8 @@ class Observation:
         self._handles: dict[int, list[Any]] = {}
         self._active: dict[int, list[tuple[Any, _Observer]]] = {}
 
-    # --- set up / tear down ------------------------------------------------------------------------------------
-
     def stacks(self) -> dict[int, tuple[Any, list[Any]]]:
-        """{id(stack): (stack, owners)}: the modules whose forward runs checkpointed blocks, and the modules under
-        each that hold a checkpoint function."""
+        """{id(stack): (stack, the modules under it holding a checkpoint function)}."""
         try:
             from transformers.modeling_layers import GradientCheckpointingLayer
         except ImportError:  # transformers < 4.52: every owner calls its own function for its layers
@@ -196,11 +158,9 @@ class Observation:
 
     def install(self) -> int:
         """Hook every checkpointing stack; returns how many. Safe to call again (hooks the stacks not hooked yet)."""
-        stacks = self.stacks()
-        for key, (stack, owners) in stacks.items():
+        for key, (stack, owners) in self.stacks().items():
             if key in self._handles or self._names.get(key) in self.observed_stacks:
                 continue
-            # outside the stack: a copy of the model made meanwhile carries nothing of the plugin (_hooks.py)
             pre = self.hooks.forward_pre(stack, functools.partial(self._enter, key, owners))
             post = self.hooks.forward(stack, functools.partial(self._leave, key))
             self._handles[key] = [pre, post]
@@ -219,8 +179,6 @@ class Observation:
     def pending(self) -> bool:
         """Some stack is still hooked (has not run a training forward yet)."""
         return bool(self._handles)
-
-    # --- hooks ---------------------------------------------------------------------------------------------------
 
     def _enter(self, key: int, owners: list[Any], module: Any, args: Any) -> None:
         import torch
@@ -255,8 +213,7 @@ class Observation:
                 ckpt.set_function(owner, observer.original)
 
     def see(self, observer: _Observer, function: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], bool]:
-        """Record one checkpointed call; on a finding ask the owner (which may raise). Returns the (possibly
-        repaired) arguments and whether to run this one call non-reentrant."""
+        """Record one call, asking the owner on a finding; returns the arguments and whether to run it non-reentrant."""
         import torch
 
         self.last_repaired = False
@@ -305,8 +262,7 @@ class Observation:
 
 
 def _keywords(function: Any) -> dict[str, Any] | None:
-    """The keyword arguments bound into the function a checkpoint runs (transformers passes a layer's keyword
-    arguments that way: `partial(forward, self, **kwargs)`)."""
+    """The keyword arguments bound into the function a checkpoint runs (`partial(forward, self, **kwargs)`)."""
     seen = 0
     while isinstance(function, functools.partial) and seen < 8:
         if function.keywords:

@@ -1,9 +1,6 @@
-"""The per-op policies of selective checkpointing: what a checkpointed block keeps for the backward and what it
-recomputes. `selective_policy` keeps the outputs of matmuls and fused attention kernels; `lean_policy` keeps those
-less the outputs of widening matmuls. Their `context_fn`s are what `ckpt.apply` writes into a block's checkpoint
-function; the planner's estimate (`planning.memory`) counts with the same `keeps` / `lean_keeps`, so what it predicts
-is what runs. torch is imported inside the functions only.
-"""
+"""The per-op policies of selective checkpointing (what a checkpointed block keeps for the backward). Their
+`context_fn`s are what `ckpt.apply` writes; the planner's estimate (`planning.memory`) counts with the same `keeps` /
+`lean_keeps`, so what it predicts is what runs."""
 
 from __future__ import annotations
 
@@ -38,14 +35,8 @@ _state: dict[str, Any] = {}
 def _ops(*names: str) -> frozenset[Any]:
     import torch
 
-    out = set()
-    for name in names:
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is None:
-            continue
-        for overload in packet.overloads():
-            out.add(getattr(packet, overload))
-    return frozenset(out)
+    packets = [p for name in names if (p := getattr(torch.ops.aten, name, None)) is not None]
+    return frozenset(getattr(packet, overload) for packet in packets for overload in packet.overloads())
 
 
 def policy_state() -> dict[str, Any]:
@@ -80,10 +71,8 @@ def keeps(op: Any, args: tuple[Any, ...], state: dict[str, Any]) -> bool:
 
 
 def _widens(op: Any, args: tuple[Any, ...], state: dict[str, Any]) -> bool:
-    """A matmul whose output is wider than its input (`mm(a, b)`, `_grouped_mm(a, b, ...)`, `addmm(bias, a, b)` with
-    `b`'s columns more than `a`'s): an MLP's up and gate projections, a fused QKV projection, LoRA's `B`. Its output
-    costs the most bytes for the FLOPs recomputing it takes (both scale with the output's width; the FLOPs also with
-    the narrower input)."""
+    """A matmul whose output is wider than its input (an MLP's up and gate projections, a fused QKV projection, LoRA's
+    `B`): its output costs the most bytes for the FLOPs recomputing it takes."""
     if op in state["mm"]:
         return bool(args[1].shape[-1] > args[0].shape[-1])
     if op in state["addmm"]:
@@ -96,41 +85,26 @@ def lean_keeps(op: Any, args: tuple[Any, ...], state: dict[str, Any]) -> bool:
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """The selective checkpointing policy: keep the outputs of matmuls and fused attention kernels (and of batched
-    matmuls whose output is not an `s x s` score matrix), recompute everything else (norms, rotary, activations,
-    elementwise ops).
-
-    Args:
-        ctx (`SelectiveCheckpointContext`): torch's context (unused).
-        op (`OpOverload`): the aten op that just ran.
-        *args: its arguments.
-
-    Returns:
-        `CheckpointPolicy.MUST_SAVE` or `CheckpointPolicy.PREFER_RECOMPUTE`.
-    """
+    """Keep the outputs of matmuls and fused attention kernels (`keeps`), recompute everything else."""
     state = _state or policy_state()
     return state["must_save"] if keeps(op, args, state) else state["recompute"]
 
 
 def lean_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """The lean selective policy (arguments and result as `selective_policy`'s): what `selective_policy` keeps, less
-    the outputs of widening matmuls (`_widens`), which are recomputed. Between selective and full checkpointing: on a
-    Llama block (hidden 512, 2 x 512 tokens) it keeps 53% of what selective keeps and recomputes the MLP's up and gate
-    projections (38% of the block's FLOPs)."""
+    """What `selective_policy` keeps less the outputs of widening matmuls: on a Llama block (hidden 512, 2 x 512 tokens)
+    it keeps 53% of what selective keeps and recomputes the MLP's up and gate projections (38% of the block's FLOPs)."""
     state = _state or policy_state()
     return state["must_save"] if lean_keeps(op, args, state) else state["recompute"]
 
 
 def selective_context() -> Any:
-    """The `context_fn` of selective checkpointing: a fresh pair of contexts per checkpointed call (one shared pair
-    would break the second call). A module-level function, so a checkpoint `functools.partial` holding it pickles."""
+    """A fresh pair of contexts per call (a shared pair breaks the second); module-level, so a partial pickles."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(selective_policy)
 
 
 def lean_context() -> Any:
-    """The `context_fn` of lean selective checkpointing (`lean_policy`), as `selective_context`."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(lean_policy)

@@ -1,8 +1,5 @@
-"""Read `Facts` off real `TrainingArguments` and models.
-
-This is the only module that knows where transformers, TRL, PEFT and bitsandbytes keep things. It imports none
-of them at module level (torch and transformers are imported lazily, only when a model is inspected).
-"""
+"""Read `Facts` off real `TrainingArguments` and models: the only module that knows where transformers, TRL, PEFT and
+bitsandbytes keep things (imported lazily, only when a model is inspected)."""
 
 from __future__ import annotations
 
@@ -10,6 +7,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,30 +26,20 @@ logger = logging.getLogger("trl_gc_plugin")
 NEW_KWARGS, OLD_KWARGS = "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"
 NEW_FLAG, OLD_FLAG = "activation_checkpointing", "gradient_checkpointing"
 
-# Names of the forward hooks that make the input embeddings' output require grad: transformers'
-# `enable_input_require_grads` and PEFT/TRL's fallback `make_inputs_require_grad`.
+# transformers' `enable_input_require_grads` hook and PEFT/TRL's fallback
 INPUT_GRAD_HOOK_NAMES = frozenset({"make_inputs_require_grads", "make_inputs_require_grad"})
 
 
 @dataclass
 class PostInitRecord:
-    """What the plugin saw and did about one `TrainingArguments` object. Kept in `RECORDS`, outside the object
-    (the Trainer pickles the arguments into every checkpoint; nothing of the plugin may travel with them).
+    """What the plugin saw and did about one `TrainingArguments` object, kept in `RECORDS`, outside it (the Trainer
+    pickles the arguments into every checkpoint)."""
 
-    Args:
-        user_given: the user's kwargs had a `use_reentrant` key at construction.
-        user_value: that value.
-        value / value_source: the `use_reentrant` in force after the plugin's last look, and who chose it.
-        new_id / old_id: `id()` of the two kwargs objects right after construction (to tell which one was
-            assigned later).
-        decisions: the post-init decisions.
-    """
-
-    user_given: bool = False
+    user_given: bool = False  # the user's kwargs had a `use_reentrant` key at construction
     user_value: Any = None
-    value: Any = None
+    value: Any = None  # the `use_reentrant` in force after the plugin's last look, and who chose it
     value_source: str | None = None
-    new_id: int | None = None
+    new_id: int | None = None  # `id()` of the two kwargs objects (to tell which one was assigned later)
     old_id: int | None = None
     decisions: list[Any] = field(default_factory=list)
 
@@ -66,12 +55,8 @@ def start_record(args: Any, user_given: bool, user_value: Any) -> PostInitRecord
 
 
 def remember(args: Any, value: Any, source: str) -> PostInitRecord:
-    """Record the `use_reentrant` now in force for `args` and who chose it, and which objects the kwargs fields
-    hold, so a later look (the callback, the next event) can tell who set a value and see later reassignments."""
-    record = get_record(args)
-    if record is None:
-        record = PostInitRecord()
-        RECORDS.set(args, record)
+    """Record the `use_reentrant` now in force for `args`, who chose it, and which objects the kwargs fields hold."""
+    record = get_record(args) or start_record(args, False, None)
     record.value, record.value_source = value, source
     record.new_id = id(getattr(args, NEW_KWARGS, None))
     record.old_id = id(getattr(args, OLD_KWARGS, None))
@@ -105,15 +90,9 @@ def read_kwargs(args: Any) -> dict[str, Any] | None:
 def trainer_kind(args: Any) -> str:
     """`sft`, `dpo`, `grpo`, `online_dpo`... from the args class name (`TrainingArguments` -> `trainer`)."""
     name = type(args).__name__
-    if name.endswith("Config") and name != "TrainingArguments":
-        stem = name[: -len("Config")]
-        words: list[str] = []
-        for i, ch in enumerate(stem):
-            if ch.isupper() and i and not stem[i - 1].isupper():
-                words.append("_")
-            words.append(ch.lower())
-        return "".join(words) or "trainer"
-    return "trainer"
+    if not name.endswith("Config"):
+        return "trainer"
+    return re.sub(r"(?<=[^A-Z])(?=[A-Z])", "_", name.removesuffix("Config")).lower() or "trainer"
 
 
 def world_size(args: Any = None) -> int:
@@ -167,10 +146,8 @@ def deepspeed_facts(args: Any) -> DeepSpeedFacts | None:
     config = _deepspeed_config(args)
     if config is None:
         return None
-    auto = _plugin_stage(args)
-    if auto is None:
-        auto = _env_stage()
-    facts = read_deepspeed_config(config, auto_stage=ACCELERATE_DEFAULT_STAGE if auto is None else auto)
+    auto = next((s for s in (_plugin_stage(args), _env_stage()) if s is not None), ACCELERATE_DEFAULT_STAGE)
+    facts = read_deepspeed_config(config, auto_stage=auto)
     for problem in facts.problems:
         if problem not in _LOGGED_PROBLEMS:
             _LOGGED_PROBLEMS.add(problem)
@@ -190,8 +167,7 @@ def zero_stage(args: Any) -> int | None:
     if ds is not None:
         return ds.stage
     if parse_flag(os.environ.get("ACCELERATE_USE_DEEPSPEED", "")):
-        env_stage = _env_stage()
-        return 0 if env_stage is None else env_stage
+        return _env_stage() or 0
     return None
 
 
@@ -241,7 +217,6 @@ def _flag_source(args: Any) -> Source:
 
 
 def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
-    """Facts that the arguments alone tell."""
     new_fields = has_activation_fields(args)
     kwargs = getattr(args, kwargs_field(args), None)
     gc_on = bool(getattr(args, flag_field(args), False))
@@ -262,11 +237,8 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
             disagree = True
             legacy_gc = bool(old_flag)
         if disagree and record is not None and record.new_id is not None:
-            new_moved, old_moved = id(kwargs) != record.new_id, id(old_kwargs) != record.old_id
-            if old_moved and not new_moved:
-                changed = "legacy"
-            elif new_moved and not old_moved:
-                changed = "new"
+            moved = (id(old_kwargs) != record.old_id, id(kwargs) != record.new_id)
+            changed = {(True, False): "legacy", (False, True): "new"}.get(moved)
         gc_on = gc_on or bool(old_flag)
 
     fsdp, fsdp_ac = fsdp_facts(args)
@@ -282,7 +254,7 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
         capabilities=capabilities.installed(),
         gc_enabled=gc_on,
         use_reentrant=use_reentrant,
-        use_reentrant_source=_source(use_reentrant, kwargs, record),
+        use_reentrant_source=_source(use_reentrant, record),
         kwargs_given=isinstance(kwargs, dict),
         has_activation_fields=new_fields,
         fields_disagree=disagree,
@@ -317,7 +289,7 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
     )
 
 
-def _source(value: Any, kwargs: Any, record: PostInitRecord | None) -> Source:
+def _source(value: Any, record: PostInitRecord | None) -> Source:
     if value is None:
         return "unset"
     if record is None:
@@ -341,9 +313,6 @@ def _source_without_record(facts: Facts, peft: bool) -> Source:
     if facts.use_reentrant is True and peft and facts.zero_stage == 3:
         return "trainer"
     return "user"
-
-
-# --- model facts -----------------------------------------------------------------------------------------------
 
 
 def compiled(args: Any, model: Any) -> str | None:
@@ -378,14 +347,13 @@ def checkpointing_on(model: Any) -> bool:
 
 
 def input_grad_hooks(model: Any) -> int:
-    """How many input-require-grad forward hooks the model's input embeddings carry."""
-    return input_grad_hooks_of(embeddings(model))
+    return len(input_grad_hook_keys(embeddings(model)))
 
 
-def input_grad_hooks_of(embeddings: Any) -> int:
+def input_grad_hook_keys(embeddings: Any) -> list[int]:
     if embeddings is None:
-        return 0
-    return sum(getattr(h, "__name__", "") in INPUT_GRAD_HOOK_NAMES for h in embeddings._forward_hooks.values())
+        return []
+    return [k for k, h in embeddings._forward_hooks.items() if getattr(h, "__name__", "") in INPUT_GRAD_HOOK_NAMES]
 
 
 def embeddings(model: Any, side: str = "input") -> Any:
@@ -397,14 +365,9 @@ def embeddings(model: Any, side: str = "input") -> Any:
 
 
 def model_configs(model: Any) -> list[Any]:
-    """Every config object the model's modules read (the top-level one, and those of sub-models: a VLM's text and
-    vision models, an encoder-decoder's stacks), each once."""
-    seen: dict[int, Any] = {}
-    for module in ckpt.unwrap(model).modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "use_cache") and id(config) not in seen:
-            seen[id(config)] = config
-    return list(seen.values())
+    """Every config object the model's modules read (those of sub-models too: a VLM's text config), each once."""
+    configs = (getattr(module, "config", None) for module in ckpt.unwrap(model).modules())
+    return list({id(c): c for c in configs if c is not None and hasattr(c, "use_cache")}.values())
 
 
 def training_use_cache(args: Any, model: Any) -> bool:
@@ -442,11 +405,9 @@ def _will_add_input_hook(base: Any, facts: Facts) -> bool:
 
 
 def _nothing_upstream(model: Any, base: Any, blocks: list[Any]) -> bool:
-    """Whether the inputs of the checkpointed blocks certainly do not require grad: no trainable parameter outside
-    the blocks except the output embeddings (an untied `lm_head` only reads the last block's output), and no forward
-    hook on any module outside the blocks (a hook may make a tensor require grad). Anything else - a learned
-    position embedding, an embedding norm, a trainable vision tower or head - may or may not feed the blocks; that
-    is settled by observing the first forward (`observe.py`), not guessed here."""
+    """Whether the blocks' inputs certainly do not require grad: no trainable parameter outside the blocks except an
+    untied `lm_head` (it reads the last block's output only), and no forward hook outside the blocks. Anything else
+    may or may not feed the blocks: the first forward settles it (`observe.py`)."""
     inside = {id(m) for b in blocks for m in b.modules()}
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     head = embeddings(base, "output")
@@ -462,18 +423,16 @@ def _nothing_upstream(model: Any, base: Any, blocks: list[Any]) -> bool:
 
 def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
     """Facts from the arguments and the (unwrapped) model, as `on_init_end` sees them."""
+    from transformers import PreTrainedModel
+
     facts = facts_from_args(args, stage=stage)
     base = ckpt.unwrap(model)
     blocks = ckpt.blocks(base)
-    trainable_in_blocks = any(p.requires_grad for b in blocks for p in b.parameters())
-    params = list(model.parameters())
-    frozen = any(not p.requires_grad for p in params)
     emb = embeddings(model)
     emb_trainable = bool(emb is not None and any(p.requires_grad for p in emb.parameters()))
     hooked = input_grad_hooks(model) > 0
     funcs = ckpt.functions(base)
     gc_on_model = bool(funcs)
-    gc_enabled = facts.gc_enabled or gc_on_model
     # a launcher's own checkpoint function (a wrapper around transformers' partial: LLaMA-Factory's) was put there on
     # purpose, with its use_reentrant, and may change the inputs inside the call (LLaMA-Factory's makes them require
     # grad): see ckpt.wrapped
@@ -496,19 +455,19 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
         use_reentrant=use_reentrant,
         use_reentrant_source=source,
         launcher_checkpointing=launcher_function,
-        gc_enabled=gc_enabled,
+        gc_enabled=facts.gc_enabled or gc_on_model,
         model_gc_enabled=gc_on_model,
         model_use_reentrant=ckpt.model_use_reentrant(base) if gc_on_model else None,
         enable_refused=bool(facts.gc_enabled) and getattr(base, "supports_gradient_checkpointing", None) is False,
         is_peft=peft,
         alora=uses_alora(model) if peft else False,
         quantization=quantization_of(model),
-        trainable_in_blocks=trainable_in_blocks,
-        frozen_params=frozen,
+        trainable_in_blocks=any(p.requires_grad for b in blocks for p in b.parameters()),
+        frozen_params=any(not p.requires_grad for p in model.parameters()),
         inputs_require_grad=inputs_grad,
         use_cache=training_use_cache(args, base),
-        model_is_pretrained=_is_pretrained(model),
-        unsloth=_unsloth_patched(),
+        model_is_pretrained=isinstance(model, PreTrainedModel),
+        unsloth="unsloth" in sys.modules,
         legacy_checkpointing=uses_legacy_format(base),
         accelerator=accelerator_usable(),
         accelerator_built=accelerator_built(),
@@ -536,11 +495,7 @@ def checkpoint_wrapped(model: Any) -> bool:
 
 def uses_alora(model: Any) -> bool:
     """Some LoRA layer of `model` runs an aLoRA adapter (PEFT's `ALoraLinearVariant`)."""
-    for module in ckpt.unwrap(model).modules():
-        variants = getattr(module, "lora_variant", None)
-        if isinstance(variants, dict) and any(type(v).__name__ == "ALoraLinearVariant" for v in variants.values()):
-            return True
-    return False
+    return "ALoraLinearVariant" in selective_unsafe_adapters(model)
 
 
 def selective_unsafe_adapters(model: Any) -> list[str]:
@@ -576,8 +531,7 @@ def layer_list_entries(model: Any) -> list[Any]:
 
 
 def shares_block_params(blocks: list[Any]) -> bool:
-    """A trainable parameter belongs to two or more checkpointed blocks (blocks nested in another block count as
-    part of it): a block reused across depth (Zamba2's shared transformer)."""
+    """A trainable parameter belongs to two outermost checkpointed blocks (Zamba2's shared transformer)."""
     blocks = list({id(b): b for b in blocks}.values())
     members = [{id(m) for m in b.modules()} for b in blocks]
     top = [
@@ -585,18 +539,12 @@ def shares_block_params(blocks: list[Any]) -> bool:
         for b, mine in zip(blocks, members, strict=True)
         if not any(id(b) in other and other is not mine for other in members)
     ]
-    seen: set[int] = set()
-    for block in top:
-        for p in {id(p): p for p in block.parameters() if p.requires_grad}:
-            if p in seen:
-                return True
-            seen.add(p)
-    return False
+    ids = [i for block in top for i in {id(p) for p in block.parameters() if p.requires_grad}]
+    return len(ids) != len(set(ids))
 
 
 def accelerator_built() -> bool:
-    """torch was built with an accelerator backend (CUDA, ROCm, XPU, MPS, ...), whether or not a device is there: what
-    `pin_memory` needs."""
+    """torch was built with an accelerator backend (what `pin_memory` needs), whether or not a device is there."""
     import torch
 
     current = getattr(getattr(torch, "accelerator", None), "current_accelerator", None)
@@ -653,11 +601,9 @@ def has_dropout(model: Any) -> bool:
             return True
         if any("jitter" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items()):
             return True
-    for config in model_configs(base):
-        for key, value in vars(config).items():
-            if "dropout" in key and isinstance(value, float) and value > 0:
-                return True
-    return False
+    return any(
+        "dropout" in k and isinstance(v, float) and v > 0 for c in model_configs(base) for k, v in vars(c).items()
+    )
 
 
 def records_router_logits_in_blocks(base: Any, blocks: list[Any]) -> bool:
@@ -668,8 +614,6 @@ def records_router_logits_in_blocks(base: Any, blocks: list[Any]) -> bool:
     if not getattr(config, "output_router_logits", False) or not getattr(config, "router_aux_loss_coef", 1.0):
         return False
     recorder = (getattr(type(base), "_can_record_outputs", None) or {}).get("router_logits")
-    if recorder is None:
-        return False
     target = getattr(recorder, "target_class", recorder)
     if not isinstance(target, type):
         return False
@@ -677,8 +621,7 @@ def records_router_logits_in_blocks(base: Any, blocks: list[Any]) -> bool:
 
 
 def shares_layer_state(model: Any) -> bool:
-    """Some layers read tensors another layer computed, outside their own inputs: cross-layer KV sharing
-    (`num_kv_shared_layers`, Gemma 3n / Gemma 4)."""
+    """Cross-layer KV sharing (`num_kv_shared_layers`, Gemma 3n / Gemma 4): layers read another layer's tensors."""
     return any((getattr(c, "num_kv_shared_layers", 0) or 0) > 0 for c in model_configs(ckpt.unwrap(model)))
 
 
@@ -692,15 +635,3 @@ def uses_legacy_format(model: Any) -> bool:
         return method is not None and "value" in inspect.signature(method).parameters
     except (TypeError, ValueError):
         return False
-
-
-def _is_pretrained(model: Any) -> bool:
-    from transformers import PreTrainedModel
-
-    return isinstance(model, PreTrainedModel)
-
-
-def _unsloth_patched() -> bool:
-    import sys
-
-    return "unsloth" in sys.modules

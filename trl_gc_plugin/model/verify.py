@@ -1,14 +1,6 @@
-"""Runtime verification: what the live model and arguments do during training, checked cheaply.
-
-- `audit_gradients`: at the first optimizer step, did every checkpointed block with trainable parameters get a
-  gradient? (the silent failure, whatever its cause)
-- `Watch`: per step, a few attribute reads to see whether the arguments or the model drifted from the decision,
-  and whether input-require-grad hooks piled up on the embeddings.
-
-The parity probe (gradients with and without checkpointing) is `parity.py`.
-
-Nothing here decides or logs: the callback turns the findings into `Decision` records.
-"""
+"""Runtime verification, checked cheaply: did every trainable checkpointed block get a gradient at the first step
+(`audit_gradients`), and did the arguments or the model drift from the decision (`Watch`, per step). Nothing here
+decides or logs."""
 
 from __future__ import annotations
 
@@ -23,24 +15,13 @@ from . import ckpt, probe
 
 @dataclass
 class AuditResult:
-    """Checkpointed blocks with trainable parameters that got no gradient at all, sorted by cause.
-
-    Args:
-        checked: blocks with trainable parameters that were checked.
-        broken: blocks without a gradient that the first forward saw run reentrant with inputs that do not require
-            grad: checkpointing is the cause.
-        unused: blocks without a gradient that ran with inputs requiring grad, or non-reentrant, or did not run:
-            the loss does not use them; not checkpointing's doing.
-        unverified: blocks without a gradient whose stack's first forward was not observed.
-        zero: blocks whose trainable parameters all got a gradient of zeros (a recompute that differs from the
-            forward, e.g. a side input a hook set and cleared, gives exactly that; so can a loss that ignores them).
-        nonfinite_params: parameters with a non-finite gradient.
-    """
+    """Checkpointed blocks with trainable parameters that got no gradient at all, sorted by cause."""
 
     checked: int = 0
-    broken: list[str] = field(default_factory=list)
-    unused: list[str] = field(default_factory=list)
-    unverified: list[str] = field(default_factory=list)
+    broken: list[str] = field(default_factory=list)  # seen run reentrant with no input requiring grad
+    unused: list[str] = field(default_factory=list)  # ran otherwise, or did not run: not checkpointing's doing
+    unverified: list[str] = field(default_factory=list)  # their stack's first forward was not observed
+    # only zero gradients: a recompute that differs from the forward (a side input a hook set and cleared) gives that
     zero: list[str] = field(default_factory=list)
     nonfinite_params: list[str] = field(default_factory=list)
 
@@ -76,23 +57,21 @@ def gradients_are_sharded(args: Any, model: Any = None) -> str | None:
 
 
 def audit_gradients(model: Any, observation: Any = None) -> AuditResult:
-    """Judge per block: a block passes if any of its trainable parameters has a gradient (an unused expert or an
-    unused branch in one batch is fine). A block that has none is blamed on checkpointing only with the evidence of
-    the first forward (`observation`, an `observe.Observation`): it ran reentrant with inputs that do not require
-    grad. The blocks are those the first forward saw checkpointed, and every `GradientCheckpointingLayer` with
-    checkpointing on."""
+    """Per block (those the first forward saw checkpointed, and every checkpointing block): it passes if any trainable
+    parameter has a gradient (an unused expert is fine); one that has none is blamed on checkpointing only with the
+    first forward's evidence (`observation`)."""
     import torch
 
     base = ckpt.unwrap(model)
     names = {id(m): n for n, m in base.named_modules()}
-    modules = {n: m for n, m in base.named_modules()}
+    modules = dict(base.named_modules())
     calls = dict(getattr(observation, "calls", {}) or {})
     observed_stacks = set(getattr(observation, "observed_stacks", []) or [])
-    blocks = {names.get(id(b), type(b).__name__): b for b in _checkpointing_blocks(base)}
+    active = {id(m) for m, _ in ckpt.functions(base)}
+    blocks = {names.get(id(b), type(b).__name__): b for b in ckpt.blocks(base) if id(b) in active}
     blocks.update({name: modules[name] for name in calls if name in modules})
     result = AuditResult()
-    finite_check: list[tuple[str, Any]] = []
-    owners: list[str] = []
+    readable: list[tuple[str, str, Any]] = []  # (block, parameter, gradient)
     for prefix, block in blocks.items():
         trainable = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
         if not trainable:
@@ -107,17 +86,15 @@ def audit_gradients(model: Any, observation: Any = None) -> AuditResult:
                 result.unused.append(prefix)
             else:
                 result.unverified.append(prefix)
-        readable = [(f"{prefix}.{n}", _local(g)) for n, g in with_grad if g.device.type != "meta"]
-        finite_check.extend(readable)
-        owners.extend([prefix] * len(readable))
-    if finite_check:
-        norms = torch._foreach_norm([g for _, g in finite_check])
+        readable += [(prefix, f"{prefix}.{n}", _local(g)) for n, g in with_grad if g.device.type != "meta"]
+    if readable:
+        norms = torch._foreach_norm([g for _, _, g in readable])
         values = torch.stack([n.float() for n in norms]).tolist()
         result.nonfinite_params = [
-            name for (name, _), v in zip(finite_check, values, strict=True) if not math.isfinite(v)
+            name for (_, name, _), v in zip(readable, values, strict=True) if not math.isfinite(v)
         ]
-        nonzero = {owner for owner, v in zip(owners, values, strict=True) if v != 0}
-        result.zero = [prefix for prefix in dict.fromkeys(owners) if prefix not in nonzero]
+        nonzero = {owner for (owner, _, _), v in zip(readable, values, strict=True) if v != 0}
+        result.zero = [prefix for prefix in dict.fromkeys(o for o, _, _ in readable) if prefix not in nonzero]
     return result
 
 
@@ -132,28 +109,16 @@ def _under_observed_stack(block: str, stacks: set[str]) -> bool:
     return any(stack == "" or block.startswith(stack + ".") for stack in stacks)
 
 
-def _checkpointing_blocks(base: Any) -> list[Any]:
-    """The checkpointed blocks whose checkpointing is switched on."""
-    active = {id(m) for m, _ in ckpt.functions(base)}
-    return [b for b in ckpt.blocks(base) if id(b) in active]
-
-
 class Watch:
-    """Per-step drift check: a few attribute reads against the decided `use_reentrant` (the run holds it).
-
-    Args:
-        args: the training arguments.
-        model: the model (checkpointing already enabled).
-        baseline: what the model runs at train begin, watched where nothing was decided (warn mode, a stand-back).
-    """
+    """Per-step drift check: a few attribute reads against the decided `use_reentrant`. `baseline`: what the model runs
+    at train begin, watched where nothing was decided (warn mode, a stand-back)."""
 
     def __init__(self, args: Any, model: Any, baseline: bool | None = None) -> None:
         self.args = args
         self.baseline = baseline
         start = probe.read_kwargs(args)
+        # what the arguments hold (the run updates it when it writes them)
         self.args_value = start.get("use_reentrant") if start is not None else None
-        """What the arguments hold (None: nothing, e.g. the value lives on a launcher's checkpoint function); the run
-        updates it when it writes them."""
         funcs = ckpt.functions(ckpt.unwrap(model))
         # one module read per step: a re-enable rewrites every module's function at once (both held weakly)
         self._sentinel = _weak(funcs[0][0] if funcs else None)
@@ -161,16 +126,11 @@ class Watch:
         self.dual_fields = probe.has_activation_fields(args)
 
     @property
-    def sentinel(self) -> Any:
-        return self._sentinel()
-
-    @property
     def embeddings(self) -> Any:
         return self._embeddings()
 
     def drift(self, decided: Any) -> list[tuple[str, Any]]:
-        """(setting, value found) for every place that no longer holds what it should: the arguments what they held
-        (`args_value`), the model `decided` (the run's `use_reentrant`; `baseline` when that is not a bool)."""
+        """(setting, value found) where the args no longer hold `args_value`, or the model `decided` (or `baseline`)."""
         found: list[tuple[str, Any]] = []
         kwargs = probe.read_kwargs(self.args)
         current = kwargs.get("use_reentrant") if kwargs is not None else None
@@ -179,7 +139,7 @@ class Watch:
             found.append(("use_reentrant", current))
         elif self.dual_fields and self.args.gradient_checkpointing_kwargs is not kwargs:
             found.append(("gradient_checkpointing_kwargs", self.args.gradient_checkpointing_kwargs))
-        m = self.sentinel
+        m = self._sentinel()
         if m is not None and m.gradient_checkpointing:
             running = ckpt.use_reentrant(m._gradient_checkpointing_func)
             if running is not (expected if expected is not None else self.baseline):
@@ -187,14 +147,12 @@ class Watch:
         return found
 
     def input_hooks(self) -> int:
-        return probe.input_grad_hooks_of(self.embeddings)
+        return len(probe.input_grad_hook_keys(self.embeddings))
 
     def dedupe_input_hooks(self) -> int:
         """Keep the first input-require-grad hook on the embeddings, remove the others; returns how many went."""
         emb = self.embeddings
-        if emb is None:
-            return 0
-        keys = [k for k, h in emb._forward_hooks.items() if getattr(h, "__name__", "") in probe.INPUT_GRAD_HOOK_NAMES]
+        keys = probe.input_grad_hook_keys(emb)
         for key in keys[1:]:
             for table in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
                 getattr(emb, table, {}).pop(key, None)

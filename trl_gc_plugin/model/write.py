@@ -1,7 +1,5 @@
-"""Carry out decisions: write them into the arguments (both field names, one dict object) and the live model.
-
-Only decisions with `applied=True` are carried out; the engine never marks `error` or `warn` decisions so.
-"""
+"""Carry out the decisions with `applied=True`: into the arguments (both field names, one dict object) and the live
+model."""
 
 from __future__ import annotations
 
@@ -15,18 +13,19 @@ from ..core.targets import TARGETS, writes
 from . import ckpt, probe
 
 
-def write_kwargs(args: Any, kwargs: dict[str, Any] | None) -> None:
-    """Store `kwargs` in every kwargs field the args have, as one object (so later in-place edits reach both)."""
-    value = dict(kwargs) if kwargs is not None else None
-    for name in (probe.NEW_KWARGS, probe.OLD_KWARGS):
+def _write_fields(args: Any, names: tuple[str, str], value: Any) -> None:
+    for name in names:
         if name in getattr(type(args), "__dataclass_fields__", {}):
             setattr(args, name, value)
+
+
+def write_kwargs(args: Any, kwargs: dict[str, Any] | None) -> None:
+    """Store `kwargs` in every kwargs field the args have, as one object (so later in-place edits reach both)."""
+    _write_fields(args, (probe.NEW_KWARGS, probe.OLD_KWARGS), dict(kwargs) if kwargs is not None else None)
 
 
 def write_flag(args: Any, value: bool) -> None:
-    for name in (probe.NEW_FLAG, probe.OLD_FLAG):
-        if name in getattr(type(args), "__dataclass_fields__", {}):
-            setattr(args, name, value)
+    _write_fields(args, (probe.NEW_FLAG, probe.OLD_FLAG), value)
 
 
 def set_args_kwarg(args: Any, key: str, value: Any) -> None:
@@ -39,30 +38,10 @@ def set_args_kwarg(args: Any, key: str, value: Any) -> None:
     write_kwargs(args, kwargs)
 
 
-def switch_fsdp_checkpointing_off(args: Any) -> None:
-    """Replace FSDP's own activation checkpointing with the Trainer's, non-reentrant: in the arguments, and in
-    accelerate's FSDP plugin when the Trainer already built it (it is read when the model is prepared, in train())."""
-    config = getattr(args, "fsdp_config", None)
-    if isinstance(config, dict):
-        config["activation_checkpointing"] = False
-    try:
-        from accelerate.state import AcceleratorState
-
-        plugin = AcceleratorState._shared_state.get("fsdp_plugin")
-        if plugin is not None:
-            plugin.activation_checkpointing = False
-    except ImportError:
-        pass
-    write_flag(args, True)
-    set_args_kwarg(args, "use_reentrant", False)
-
-
 class CacheSwitch:
-    """`use_cache=False` in every config of the model while training steps run, and the user's values whenever
-    the Trainer saves or evaluates and after training, so no checkpoint's `config.json` carries the change.
-
-    The original values are kept here, never on the configs (a config's attributes end up in `config.json`).
-    """
+    """`use_cache=False` in every config of the model while training steps run, the user's values whenever the Trainer
+    saves or evaluates and after training, so no checkpoint's `config.json` carries the change (nor the originals,
+    kept here)."""
 
     def __init__(self, model: Any) -> None:
         self.configs = [c for c in probe.model_configs(model) if c.use_cache is True]
@@ -77,8 +56,7 @@ class CacheSwitch:
 
 
 def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[Decision]:
-    """Carry out the applicable decisions on `args` (and `model` when given), each through its target's writer
-    (`targets.TARGETS`). Returns those carried out."""
+    """Carry out the applicable decisions through their targets' writers; returns those carried out."""
     done = []
     for d in decisions:
         target = TARGETS.get(d.setting) if d.applied else None
@@ -140,7 +118,21 @@ def _trl_offloading_off(d: Decision, args: Any, model: Any) -> bool:
 
 @writes("fsdp_activation_checkpointing")
 def _fsdp_checkpointing_off(d: Decision, args: Any, model: Any) -> bool:
-    switch_fsdp_checkpointing_off(args)
+    """Replace FSDP's own activation checkpointing with the Trainer's, non-reentrant: in the arguments, and in
+    accelerate's FSDP plugin when the Trainer already built it (it is read when the model is prepared, in train())."""
+    config = getattr(args, "fsdp_config", None)
+    if isinstance(config, dict):
+        config["activation_checkpointing"] = False
+    try:
+        from accelerate.state import AcceleratorState
+
+        plugin = AcceleratorState._shared_state.get("fsdp_plugin")
+        if plugin is not None:
+            plugin.activation_checkpointing = False
+    except ImportError:
+        pass
+    write_flag(args, True)
+    set_args_kwarg(args, "use_reentrant", False)
     return True
 
 
@@ -179,9 +171,8 @@ def _input_hook(d: Decision, args: Any, model: Any) -> bool:
 
 
 def remove_input_hook(model: Any) -> None:
-    """Take off the input hook a repair added (`enable_input_require_grads`), leaving the model as it was:
-    transformers 4.x's `disable_input_require_grads` removes the hook but keeps the removed handle as an attribute.
-    `model` may be a weak reference (a repair's undo never keeps a model alive)."""
+    """Take off the input hook a repair added, leaving the model as it was (transformers 4.x's
+    `disable_input_require_grads` keeps the removed handle as an attribute); `model` may be a weak reference."""
     if isinstance(model, weakref.ref):
         model = model()
         if model is None:
