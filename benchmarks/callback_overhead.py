@@ -90,7 +90,7 @@ def per_step(steps: int, repeats: int) -> dict[str, object]:
     state, control = TrainerState(), TrainerControl()
     callback.on_init_end(args, state, control, model=model)
     callback.on_train_begin(args, state, control, model=model)
-    assert callback._run.watch is not None and callback._run.watch.sentinel is not None  # the real per-step path
+    assert callback._run.watch is not None and callback._run.watch._sentinel() is not None  # the real per-step path
     callback.on_step_end(args, state, control, model=model)  # the first step end removes the observation
     assert callback._run.first_forward is not None and callback._run.first_forward.observation is None
 
