@@ -103,6 +103,9 @@ class Run(Record):
         new = decisions.where(lambda d: d.action != "none" and _key(d) not in seen)
         if new:
             self.take(new, model)
+            whole = decisions.in_force  # what the whole stage leaves in force, decisions already seen included
+            if new.in_force is not None and whole is not None:
+                self.set_use_reentrant(*whole)
         if self.cache_off and self.cache_switch:  # the configs as the Trainer leaves them
             self.cache = CacheSwitch(model)
         self._keep_what_was_enabled(facts, model)
