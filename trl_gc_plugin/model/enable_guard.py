@@ -17,10 +17,9 @@ import weakref
 from collections.abc import Callable, Collection
 from typing import Any
 
+from ..core.settings import LAYER_KWARGS
 from . import ckpt, probe
 from .hooks import Hooks
-
-LAYER_KWARGS = ("every_n_layers", "offload")
 
 
 class EnableGuard:

@@ -18,7 +18,7 @@ from .._base import report
 from .._base.weak import WeakIdMap
 from ..core.decisions import Decision
 from ..core.errors import contained
-from ..core.settings import GCSettings
+from ..core.settings import LAYER_KWARGS, GCSettings
 from ..model import ckpt, probe
 from ..model.hooks import Handle
 from ..runtime.run import Run
@@ -35,7 +35,6 @@ _ROUTES: WeakIdMap[ModelRoute] = WeakIdMap()
 _ENABLED: WeakIdMap[tuple[dict[str, Any] | None]] = WeakIdMap()  # what each model's last enable call was passed
 _inside = threading.local()
 _MISSING = object()
-_LAYER_ARGS = ("every_n_layers", "offload")
 
 
 @dataclass
@@ -207,7 +206,7 @@ def _collected(route: weakref.ref[ModelRoute]) -> None:
 def _sync_model(model: Any, before: dict[str, Any], after: dict[str, Any]) -> None:
     """What the decisions changed in the loop's kwargs, onto the model's checkpoint function (the loop enabled once,
     before the plugin decided)."""
-    for key in sorted((set(before) | set(after)) - set(_LAYER_ARGS)):  # transformers applied those at the enable call
+    for key in sorted((set(before) | set(after)) - set(LAYER_KWARGS)):  # transformers applied those at the enable call
         if before.get(key, _MISSING) != after.get(key, _MISSING):
             ckpt.set_keyword(model, key, after.get(key))
 
@@ -287,7 +286,7 @@ def _loop_kwargs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> di
     """The enable call's arguments as the Trainer's checkpointing kwargs, with `every_n_layers` / `offload`."""
     given = kwargs.get(f"{name.split('_', 1)[0]}_checkpointing_kwargs", args[0] if args else None)
     out = dict(given) if isinstance(given, dict) else None
-    layer = {k: kwargs[k] for k in _LAYER_ARGS if k in kwargs} | dict(zip(_LAYER_ARGS, args[1:3], strict=False))
+    layer = {k: kwargs[k] for k in LAYER_KWARGS if k in kwargs} | dict(zip(LAYER_KWARGS, args[1:3], strict=False))
     layer = {k: v for k, v in layer.items() if (v != 1 if k == "every_n_layers" else v)}  # not the defaults
     return {**(out or {}), **layer} if layer else out
 
