@@ -192,6 +192,13 @@ def _choose_use_reentrant(
             out.append(refusal)
             if refusal.action == "override":
                 final = target
+        elif rule.fix_overrides and mode == "fix":
+            reason = f"use_reentrant={value!r} (set by {source}) is OVERRIDDEN to {target!r} ({rule.title}). "
+            say("override", value, target, source, reason + rule.message)
+            final = target
+        elif rule.fix_overrides:
+            reason = f"use_reentrant={value!r} kept as set ({rule.title}). " + rule.message
+            say("warn", value, value, source, reason)
         else:
             reason = f"use_reentrant={value!r} kept as set; {target!r} is preferred. " + rule.message
             say("warn", value, value, source, reason, level="info")

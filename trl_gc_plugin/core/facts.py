@@ -33,6 +33,10 @@ class Facts:
       `activation_*` fields (5.23+); `changed_field`: which name was written after `__post_init__`, when known.
     - `model_use_reentrant`: the value in the model's checkpoint function (`None` if off).
     - `router_logits_recorded`: the load-balancing loss reads router logits a hook records inside the blocks.
+    - `moe_routers`: how many checkpointable blocks hold an MoE router (a weight of shape (experts, hidden)); the
+      recompute must route as the forward did (`ckpt.faithful_blocks` keeps the logits under non-reentrant).
+    - `fp8`: what trains the model's matmuls in FP8 (torchao `Float8Linear`, Transformer Engine, accelerate's
+      `mixed_precision=fp8`), None when nothing does.
     - `enable_refused`: checkpointing asked for on a class with `supports_gradient_checkpointing = False`.
     - `launcher_checkpointing`: a launcher's own function wraps transformers' partial (LLaMA-Factory), on purpose.
     - `inputs_require_grad`: whether the hidden states entering the blocks will require grad; False only when
@@ -67,6 +71,8 @@ class Facts:
     model_use_reentrant: bool | None = None
     enable_refused: bool | None = None
     router_logits_recorded: bool | None = None
+    moe_routers: int | None = None
+    fp8: str | None = None
     launcher_checkpointing: bool = False
     is_peft: bool | None = None
     alora: bool | None = None

@@ -33,7 +33,9 @@ class Rule:
     """One rule of the table. `when` is a predicate on the facts of the current stage (`condition` says it in words;
     runtime rules have none); `needs` maps `Capabilities` fields to the value the rule needs (unknown fails the gate);
     `versions` are PEP 440 specifiers of the releases where the evidence was read (documentation, not a gate);
-    `stand_back`: when it applies the plugin decides nothing else (another library owns checkpointing); `detail`: the
+    `stand_back`: when it applies the plugin decides nothing else (another library owns checkpointing);
+    `fix_overrides`: a `prefer` whose explicit other value fix mode overrides (strict and warn keep it and say so: the
+    first step's evidence decides a refusal); `detail`: the
     fact-specific first sentence of a reason; `level`: how its repairs and checks are logged (refusals are errors,
     overrides of a user's value warnings)."""
 
@@ -50,6 +52,7 @@ class Rule:
     remove_when: str = ""
     stages: tuple[str, ...] = ()
     stand_back: bool = False
+    fix_overrides: bool = False
     level: Level = "warning"
     when: Callable[[Facts], bool] = field(default=lambda f: False, compare=False)
     detail: Callable[[Facts], str] | None = field(default=None, compare=False)
@@ -323,6 +326,61 @@ RULES: tuple[Rule, ...] = (
         versions={"transformers": ">=4.57.6"},
         remove_when="transformers records router logits outside the checkpointed call, or reentrant checkpointing "
         "returns what a hook records inside it",
+    ),
+    Rule(
+        id="moe-routing-recomputed",
+        title="MoE routing recomputed in the backward: non-reentrant keeps the forward's router logits",
+        kind="prefer",
+        setting=USE_REENTRANT,
+        value=False,
+        fix_overrides=True,
+        when=lambda f: bool(f.gc_enabled and f.moe_routers),
+        stages=("init_end", "train"),
+        condition="checkpointing on and a checkpointed block holds an MoE router (a weight of shape (experts, "
+        "hidden)); `use_reentrant=True` set explicitly",
+        message="Full checkpointing runs the router again in the backward: where its logits differ from the forward's "
+        "(nondeterministic GEMMs, another kernel, bf16 near a top-k tie), tokens go to other experts, and the "
+        "backward either fails (`CheckpointError: A different number of tensors was saved`, verl #7016) or, "
+        "silently, trains on other gradients (13% off, reproduced). Under non-reentrant the plugin keeps each "
+        "router's logits from the forward (tokens x experts values per block), so the recompute routes as the "
+        "forward did: use_reentrant=False. Under reentrant (no context_fn there) the first step's parity probe "
+        "decides: a difference far beyond numerical noise is refused in strict mode.",
+        evidence=(
+            "https://github.com/verl-project/verl/issues/7016 (Qwen3-30B-A3B + FSDP2 + checkpointing: CheckpointError "
+            "1730 vs 178 tensors)",
+            "https://github.com/verl-project/verl/issues/3258",
+            "https://github.com/ByteDance-Seed/VeOmni/issues/979 (intermittent, MoE + checkpointing)",
+            "https://github.com/pytorch/torchtitan/pull/3146 (torchtitan keeps aten.topk's output for this reason)",
+            "reproduced (tests/test_recompute.py): tiny Mixtral and Qwen3-MoE, the router's input perturbed in the "
+            "recompute only: transformers 4.57.6 non-reentrant CheckpointError (a different number of tensors), 5.23.0 "
+            "gradients off; reentrant off on both; with the router's logits kept, equal to no checkpointing",
+        ),
+        versions={"transformers": ">=4.53.2", "torch": ">=2.4"},
+        remove_when="transformers keeps the routing decision across the recompute itself (or checkpoints the "
+        "router outside the block)",
+    ),
+    Rule(
+        id="fp8-checkpointing",
+        title="FP8 training with checkpointing: the memory and the FP8 speed-up are not what they seem",
+        kind="check",
+        setting="fp8",
+        level="warning",
+        when=lambda f: bool(f.gc_enabled and f.fp8),
+        detail=lambda f: f"The model trains in FP8 ({f.fp8}) with checkpointing on.",
+        condition="checkpointing on and the model's matmuls run in FP8 (torchao `Float8Linear`, Transformer Engine, "
+        "accelerate's `mixed_precision: fp8`, Axolotl's `fp8: true`)",
+        message="Checkpointing recomputes the FP8 casts and scales of every checkpointed matmul in the backward, "
+        "and what the blocks keep is not priced as FP8: reported as less memory saved than expected and the FP8 "
+        "speed-up lost (torchao float8 with activation checkpointing). Measure the step time and peak memory with "
+        "and without checkpointing before keeping both; the plugin's memory planner does not plan for FP8 "
+        "activations (it would price them as 16-bit).",
+        evidence=(
+            "https://github.com/pytorch/ao/issues/2445 (float8 training + activation checkpointing: memory and speed)",
+            "https://github.com/pytorch/ao/pull/3349",
+            "https://github.com/axolotl-ai-cloud/axolotl/pull/2926 (fp8: true with gradient checkpointing)",
+        ),
+        versions={"torchao": ">=0.10"},
+        remove_when="torchao's float8 training saves and recomputes its casts under checkpointing as it does without",
     ),
     Rule(
         id="model-cannot-checkpoint",

@@ -65,6 +65,7 @@ TARGETS: dict[str, Target] = {
         Target("checkpointing_kwargs", lambda facts: (unread_layer_kwargs(facts), "user")),  # what torch must not get
         Target("checkpointing_kwargs.unknown", lambda facts: (list(facts.kwargs_unknown), "user")),
         Target("checkpoint_wrapper", _fact("checkpoint_wrapped", "launcher")),
+        Target("fp8", _fact("fp8", "model")),
         Target("inputs_require_grad", _fact("inputs_require_grad", "model")),
         Target("parallelism_config.cp_size", _fact("cp_size", "user")),
         Target("first_step_checks", lambda facts: (None, "plugin")),  # the plugin's own

@@ -114,7 +114,7 @@ def is_selective(func: Any) -> bool:
 def is_lean(func: Any) -> bool:
     from .policies import lean_context
 
-    return keywords(func).get("context_fn") is lean_context
+    return keywords(func).get("context_fn") == lean_context
 
 
 def layout_of(model: Any) -> Layout:
@@ -202,7 +202,16 @@ def with_keywords(func: Any, **changes: Any) -> Any:
     else:
         target, args, kw = base, (), {}
     kw = {k: v for k, v in {**kw, **changes}.items() if k not in changes or v is not None}
+    if kw.get("use_reentrant", True) is not False and _is_ours(kw.get("context_fn")):
+        # torch takes a `context_fn` only under non-reentrant: the plugin's own goes with a switch to reentrant
+        kw.pop("context_fn")
     return functools.partial(target, *args, **kw)
+
+
+def _is_ours(context_fn: Any) -> bool:
+    from .policies import is_ours
+
+    return context_fn is not None and is_ours(context_fn)
 
 
 def set_flag(module: Any, on: bool) -> None:
@@ -367,3 +376,86 @@ def restore(snap: Snapshot, keep_use_reentrant: bool = False) -> None:
         restored = want if mode is None else with_keywords(want, use_reentrant=mode)
         if not same(restored, real(now)):
             set_function(module, restored)
+
+
+# --- the recompute computes what the forward computed (policies.Faithful) -----------------------------------------
+
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""Config fields that hold an MoE layer's number of routed experts (Mixtral / GPT-OSS, Qwen-MoE / OLMoE / Jamba,
+DeepSeek, ERNIE)."""
+
+
+def router_shapes(model: Any) -> frozenset[tuple[int, int]]:
+    """The (experts, hidden) shapes an MoE router's weight has in this model, from every config it reads."""
+    shapes = set()
+    configs = {id(m.config): m.config for m in unwrap(model).modules() if getattr(m, "config", None) is not None}
+    for config in configs.values():
+        hidden = getattr(config, "hidden_size", None)
+        for name in EXPERT_COUNTS:
+            experts = getattr(config, name, None)
+            if isinstance(experts, int) and experts > 1 and isinstance(hidden, int):
+                shapes.add((experts, hidden))
+    return frozenset(shapes)
+
+
+def router_of(block: Any, shapes: Collection[tuple[int, int]]) -> tuple[int, int] | None:
+    """The (experts, hidden) of the router in `block`: a 2-D parameter of that shape (ZeRO-3's `ds_shape` read; FSDP1's
+    flattened parameters hide it: None)."""
+    if not shapes:
+        return None
+    for param in block.parameters():
+        shape = tuple(getattr(param, "ds_shape", None) or param.shape)
+        if len(shape) == 2 and shape in shapes:
+            return (int(shape[0]), int(shape[1]))
+    return None
+
+
+def faithful_blocks(model: Any) -> tuple[int, int, int]:
+    """Give every non-reentrant block whose function runs no `context_fn` of a user's the plugin's (`Faithful`): the
+    router's logits kept where the block has one, the forward's attention backend replayed in the recompute. Returns
+    (blocks changed, blocks with a router found, non-reentrant blocks whose routing stays recomputed: a user's
+    `context_fn` or no router found in a model that has one)."""
+    from .policies import Faithful, is_ours
+
+    base = unwrap(model)
+    shapes = router_shapes(base)
+    changed = routed = unrouted = 0
+    for block in blocks(base):
+        func = function_of(block)
+        if func is None:
+            continue
+        kw = keywords(func)
+        if kw.get("use_reentrant", True) is not False:
+            continue
+        current = kw.get("context_fn")
+        if current is not None and not is_ours(current):
+            unrouted += bool(shapes)
+            continue
+        if is_ours(current) and current.keep != "full":  # the planner's selective / lean: they keep the router
+            continue
+        router = router_of(block, shapes)
+        routed += router is not None
+        unrouted += bool(shapes) and router is None
+        want = Faithful(router=router)
+        if current == want:
+            continue
+        extra: dict[str, Any] = {"context_fn": want}
+        if router is not None and "respect_saved_tensors_hooks" in torch_checkpoint_keywords():
+            extra.setdefault("respect_saved_tensors_hooks", kw.get("respect_saved_tensors_hooks", False))
+        set_function(block, with_keywords(real(func), **extra), behind_observer=True)
+        changed += 1
+    return changed, routed, unrouted
+
+
+def unfaithful_blocks(model: Any) -> None:
+    """Take the plugin's full-block `context_fn` back out (a run's end: the model runs as the user enabled it)."""
+    from .policies import Faithful
+
+    for block in blocks(unwrap(model)):
+        func = function_of(block)
+        current = keywords(func).get("context_fn") if func is not None else None
+        if isinstance(current, Faithful) and current.keep == "full":
+            extra: dict[str, Any] = {"context_fn": None}
+            if current.router is not None and keywords(func).get("respect_saved_tensors_hooks") is False:
+                extra["respect_saved_tensors_hooks"] = None
+            set_function(block, with_keywords(real(func), **extra), behind_observer=True)

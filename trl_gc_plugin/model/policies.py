@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 # aten packets whose outputs selective checkpointing keeps: the matmuls (nn.Linear lowers to mm/addmm below
@@ -97,14 +100,136 @@ def lean_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return state["must_save"] if lean_keeps(op, args, state) else state["recompute"]
 
 
-def selective_context() -> Any:
-    """A fresh pair of contexts per call (a shared pair breaks the second); module-level, so a partial pickles."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+# --- the recompute computes what the forward computed -------------------------------------------------------------
+# torch's checkpoint restores the RNG, autocast and the device for the recompute, not the scaled-dot-product attention
+# backend: a forward run under `sdpa_kernel([SDPBackend.MATH])` and a backward outside it recompute with another kernel,
+# which saves other tensors (`CheckpointError: Recomputed values ... have different metadata` under non-reentrant,
+# torch 2.13 and 2.15, transformers 4.57 and 5.23). And a recomputed MoE router whose logits differ from the forward's
+# (nondeterministic GEMMs, another kernel, bf16 near a top-k tie) sends tokens to other experts: a different number
+# of saved tensors (verl #7016: `CheckpointError ... 1730 vs 178`) or, silently, other gradients. So every block the
+# plugin manages runs a `context_fn` built here from parts: the selective / lean policy or, under full checkpointing,
+# a policy that keeps only the router's logits (tokens x experts values), and the forward's attention backend
+# re-entered around the recompute. Each part is a module-level object that pickles and compares by value.
 
-    return create_selective_checkpoint_contexts(selective_policy)
+
+def attention_state() -> tuple[tuple[bool, ...], tuple[int, ...]] | None:
+    """The SDPA backends enabled now and their priority order; None where this torch has no such switches."""
+    import torch
+
+    names = _backend_names()
+    if not names:
+        return None
+    flags = tuple(bool(getattr(torch._C, f"_get_{name}_sdp_enabled")()) for name in names)
+    order = getattr(torch._C, "_get_sdp_priority_order", None)
+    return flags, tuple(order()) if order is not None else ()
 
 
-def lean_context() -> Any:
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+def _backend_names() -> tuple[str, ...]:
+    """The backend switches this torch has (`torch.nn.attention._backend_names`: cudnn, flash, mem_efficient, math,
+    overrideable), those with both a getter and a setter."""
+    import torch
 
-    return create_selective_checkpoint_contexts(lean_policy)
+    try:
+        from torch.nn.attention import _backend_names as names  # type: ignore[attr-defined]
+    except ImportError:
+        return ()
+    return tuple(
+        n for n in names if hasattr(torch._C, f"_get_{n}_sdp_enabled") and hasattr(torch._C, f"_set_sdp_use_{n}")
+    )
+
+
+def set_attention_state(state: tuple[tuple[bool, ...], tuple[int, ...]]) -> None:
+    import torch
+
+    flags, order = state
+    for name, on in zip(_backend_names(), flags, strict=False):
+        getattr(torch._C, f"_set_sdp_use_{name}")(on)
+    if order and hasattr(torch._C, "_set_sdp_priority_order"):
+        torch._C._set_sdp_priority_order(list(order))
+
+
+class _Replayed:
+    """A recompute context: enters `inner` (SAC's cached mode, or nothing) under the forward's attention backend,
+    switched only where the backward runs under another one, and put back on the way out."""
+
+    def __init__(self, inner: Any, state: Any) -> None:
+        self.inner, self.state, self.previous = inner, state, None
+
+    def __enter__(self) -> Any:
+        if self.state is not None and (now := attention_state()) != self.state:
+            self.previous = now
+            set_attention_state(self.state)
+        return self.inner.__enter__() if self.inner is not None else None
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.inner.__exit__(*exc) if self.inner is not None else None
+        finally:
+            if self.previous is not None:
+                set_attention_state(self.previous)
+                self.previous = None
+
+
+def router_keeps(experts: int, hidden: int, op: Any, args: tuple[Any, ...], state: dict[str, Any]) -> bool:
+    """A matmul from the hidden size to the number of experts: an MoE router's logits (`F.linear(h, gate.weight)`,
+    with or without bias, lowers to `mm` / `addmm`). An expert projection of the same shape would be kept too."""
+    if op in state["mm"]:
+        a, b = args[0], args[1]
+    elif op in state["addmm"]:
+        a, b = args[1], args[2]
+    else:
+        return False
+    return bool(a.shape[-1] == hidden and b.shape[-1] == experts)
+
+
+@dataclass(frozen=True)
+class Faithful:
+    """The `context_fn` of a block the plugin manages: `keep` (`selective` / `lean` policy, or `full`: nothing kept
+    but the router's logits when `router` = (experts, hidden) is set), and the forward's attention backend replayed.
+    Under `torch.compile` (which needs two dispatch modes) only the save policy is returned."""
+
+    keep: str = "full"
+    router: tuple[int, int] | None = None
+
+    def policy(self) -> Any:
+        if self.keep == "selective":
+            return selective_policy
+        if self.keep == "lean":
+            return lean_policy
+        if self.router is not None:
+            return functools.partial(_routing_policy, *self.router)
+        return None
+
+    def __call__(self) -> tuple[Any, Any]:
+        import torch
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        policy = self.policy()
+        if torch.compiler.is_compiling():
+            return create_selective_checkpoint_contexts(policy or _recompute_all)
+        forward, recompute = create_selective_checkpoint_contexts(policy) if policy else (_NULL, None)
+        return forward, _Replayed(recompute, attention_state())
+
+
+def _routing_policy(experts: int, hidden: int, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    state = _state or policy_state()
+    return state["must_save"] if router_keeps(experts, hidden, op, args, state) else state["recompute"]
+
+
+def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    return (_state or policy_state())["recompute"]
+
+
+_NULL = contextlib.nullcontext()
+
+
+selective_context = Faithful("selective")
+"""The planner's selective blocks' `context_fn` (a module-level value: a partial holding it pickles)."""
+lean_context = Faithful("lean")
+full_context = Faithful()
+"""A fully checkpointed block without a router: the attention backend replayed, nothing kept."""
+
+
+def is_ours(context_fn: Any) -> bool:
+    """Whether a `context_fn` is one the plugin writes (a user's own is kept as it is)."""
+    return isinstance(context_fn, Faithful)

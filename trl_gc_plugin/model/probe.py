@@ -474,6 +474,8 @@ def facts_from_trainer(args: Any, model: Any, stage: str = "init_end") -> Facts:
         dropout=has_dropout(base),
         shared_state_layers=shares_layer_state(base),
         router_logits_recorded=records_router_logits_in_blocks(base, blocks),
+        moe_routers=moe_routers(base, blocks),
+        fp8=fp8_training(model),
         shared_block_params=shares_block_params(blocks + layer_list_entries(base)),
         compiled=compiled(args, model),
         checkpoint_wrapped=checkpoint_wrapped(model),
@@ -486,6 +488,30 @@ equal to those without checkpointing (peft 0.21.2, transformers 4.57.6 and 5.23.
 Plain LoRA (no variant) too; plain LoRA and DoRA under the lean policy (`policies.lean_policy`) as well. BD-LoRA
 (`BdLoraLinearVariant`) was measured 0.59 off and aLoRA (`ALoraLinearVariant`, its adapter active from the invocation
 token on) 1.61 off; the others were not measured."""
+
+
+def moe_routers(base: Any, blocks: list[Any]) -> int:
+    """How many checkpointable blocks hold an MoE router (a weight of shape (experts, hidden), `ckpt.router_of`)."""
+    shapes = ckpt.router_shapes(base)
+    return sum(ckpt.router_of(b, shapes) is not None for b in blocks) if shapes else 0
+
+
+FP8_MODULES = frozenset({"Float8Linear", "Float8DynamicLinear", "TELinear", "Linear8bitFP"})
+"""Module classes that run FP8 matmuls in training: torchao's `Float8Linear` (accelerate's `mixed_precision="fp8"`
+with the torchao backend converts to it, as Axolotl's `fp8: true` does); Transformer Engine's `te.Linear` is read
+by module path (`transformer_engine.`)."""
+
+
+def fp8_training(model: Any) -> str | None:
+    """What makes this model train its matmuls in FP8 (a module class or accelerate's mixed precision), None when
+    nothing does."""
+    for module in ckpt.unwrap(model).modules():
+        cls = type(module)
+        if cls.__name__ in FP8_MODULES or cls.__module__.startswith("transformer_engine."):
+            return f"{cls.__module__}.{cls.__name__}"
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() == "fp8":
+        return "ACCELERATE_MIXED_PRECISION=fp8"
+    return None
 
 
 def checkpoint_wrapped(model: Any) -> bool:

@@ -153,7 +153,21 @@ class Parity:
             )
         if result.outside:
             summary += f"; {len(result.outside)} differ beyond it, most {result.outside[0]}"
-        after = {"max_abs": result.max_abs, "max_rel": result.max_rel, "compared": result.compared}
+        if result.far:  # far beyond numerical noise on the tensors that carry the update: the recompute is not the forward
+            action = _refused_or_said(run.mode)
+            names = ", ".join(result.major[:3]) or "the largest gradients together"
+            summary += (
+                f"; {len(result.major)} gradient(s) differ by a relative L2 of up to {result.major_rel:.3g}, beyond "
+                f"{parity.FAR:g} and far from numerical noise ({names}). The recompute did "
+                "not compute what the forward computed: an MoE router routing differently (use_reentrant=False keeps "
+                "the routing), a forward context the backward does not re-enter, or state the forward changed"
+            )
+        after = {
+            "max_abs": result.max_abs,
+            "max_rel": result.max_rel,
+            "compared": result.compared,
+            "major_rel": result.major_rel,
+        }
         verdicts = [runtime_decision(rule, action, None, after, summary + ".")]
         if replayed and not result.ok:
             verdicts.append(_replay_changes_gradients(run, replayed, summary))

@@ -26,6 +26,13 @@ MAX_BATCH_TOKENS = 8192  # the whole first batch is tried (after one sample fail
 PARITY_RTOL = 1e-4
 LOW_PRECISION_RTOL = 1e-2
 FLOOR = 1e-3
+FAR = 0.1
+"""A relative L2 difference of one gradient far beyond numerical noise: bf16 noise on a GPU stays near 1e-3; a
+recompute that routes MoE tokens to other experts gave 0.56-0.64 on the experts (tiny Mixtral, 5.23). Strict mode
+refuses it before any update."""
+MAJOR = 1e-2
+"""A gradient counts for that when its size is at least this fraction of the largest one's (a near-zero gradient's
+relative difference says nothing)."""
 # a batch with only these keys is cut to `MAX_TOKENS` tokens
 TEXT_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "token_type_ids")
 
@@ -42,6 +49,14 @@ class ParityResult:
     skipped: str | None = None
     batch: str = ""
     rtol: float = PARITY_RTOL
+    major_rel: float = 0.0
+    """The largest relative L2 difference among the gradients of at least `MAJOR` of the largest one's size."""
+    major: list[str] = field(default_factory=list)
+    """Those of them beyond `FAR`, the largest difference first."""
+
+    @property
+    def far(self) -> bool:
+        return self.major_rel > FAR
 
     @property
     def ok(self) -> bool:
@@ -384,6 +399,33 @@ def _compare(
         if diff > result.rtol * max(ref_size, FLOOR * scale):
             deviations.append((diff / ref_size, name))
     result.outside = [name for _, name in sorted(deviations, reverse=True)]
+    _major(result, params, with_gc, without)
+
+
+def _major(
+    result: ParityResult,
+    params: list[tuple[str, Any]],
+    with_gc: dict[int, list[float]],
+    without: dict[int, list[float]],
+) -> None:
+    """The relative L2 differences (the projections keep norms in expectation) of the gradients that are not
+    negligible, and which of them differ by more than `FAR`."""
+
+    def norm(v: list[float]) -> float:
+        return math.sqrt(sum(x * x for x in v))
+
+    sizes = {i: norm(v) for i, v in without.items()}
+    scale = max(sizes.values(), default=0.0)
+    far = []
+    for index, ref in without.items():
+        if sizes[index] == 0.0 or sizes[index] < MAJOR * scale:
+            continue
+        got = with_gc.get(index) or [0.0] * len(ref)
+        rel = norm([a - b for a, b in zip(got, ref, strict=True)]) / sizes[index]
+        result.major_rel = max(result.major_rel, rel)
+        if rel > FAR:
+            far.append((rel, params[index][0]))
+    result.major = [name for _, name in sorted(far, reverse=True)]
 
 
 def _tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

@@ -56,6 +56,8 @@ class Run(Record):
         self.ddp_needs_every_gradient = False
         self.offloader = offloader
         self.route_facts = dict(route_facts or {})
+        self.faithful_undo: Any = None
+        self.faithful_said: set[str] = set()
 
     def decide(
         self, args: Any, model: Any, previous: list[Decision] | None = None, stage: str = "init_end"
@@ -109,6 +111,7 @@ class Run(Record):
         if self.cache_off and self.cache_switch:  # the configs as the Trainer leaves them
             self.cache = CacheSwitch(model)
         self._keep_what_was_enabled(facts, model)
+        self.keep_recompute_faithful(model, facts)
         value = self.use_reentrant
         if not isinstance(value, bool):  # warn mode or a stand-back left it unset: watch what actually runs
             value = ckpt.model_use_reentrant(model)
@@ -167,6 +170,39 @@ class Run(Record):
     def reenabled(self) -> None:
         """What drifted at a re-enable is put back before the next forward runs it."""
         drift.check(self, "when checkpointing was re-enabled")
+        self.keep_recompute_faithful(self.model)
+
+    def switch(self, value: bool) -> None:
+        super().switch(value)
+        self.keep_recompute_faithful(self.model)
+
+    def keep_recompute_faithful(self, model: Any, facts: Facts | None = None) -> None:
+        """Every non-reentrant block recomputes as its forward ran (`ckpt.faithful_blocks`): the MoE router's logits
+        kept, the attention backend replayed; said once where the routing stays recomputed. Not under `torch.compile`
+        (nothing is hooked into a compiled forward) nor where another library owns checkpointing."""
+        if model is None or self.stands_back() or self.stopped or (facts is not None and facts.compiled):
+            return
+        changed, routed, unrouted = ckpt.faithful_blocks(model)
+        if changed and self.faithful_undo is None:
+            self.faithful_undo = self.hooks.undo(functools.partial(_unfaithful, weakref.ref(model)), repair=True)
+        said = self.faithful_said
+        if routed and "kept" not in said:
+            said.add("kept")
+            rule = get_rule("moe-routing-recomputed")
+            reason = (
+                f"{routed} checkpointed block(s) keep their MoE router's logits from the forward (tokens x experts "
+                "values each), so the recompute routes every token to the experts the forward chose."
+            )
+            self.record([runtime_decision(rule, "repair", None, "router logits kept", reason, level="info")])
+        if unrouted and "recomputed" not in said:
+            said.add("recomputed")
+            rule = get_rule("moe-routing-recomputed")
+            reason = (
+                f"{unrouted} non-reentrant checkpointed block(s) of this MoE model recompute their routing in the "
+                "backward (a context_fn of yours, or no router weight of shape (experts, hidden) found in the block). "
+                + rule.message
+            )
+            self.record([runtime_decision(rule, "warn", None, None, reason)])
 
     def step_begin(self) -> None:
         if self.cache is not None:
@@ -213,6 +249,7 @@ class Run(Record):
     def stop(self, keep_repairs: bool = False) -> None:
         self._remove_checks()  # what a check put in place for one forward (the observer) goes back first
         super().stop(keep_repairs)
+        self.faithful_undo = None
         self.parity = None
         self.replay = None
         self.audit_pending = False
@@ -230,6 +267,11 @@ class Run(Record):
         """A plugin bug in `where`: said; training goes on without the run's hooks."""
         report.note(internal_error(where, exc), "warning")
         self.stop()
+
+
+def _unfaithful(model: weakref.ref[Any]) -> None:
+    if (alive := model()) is not None:
+        ckpt.unfaithful_blocks(alive)
 
 
 def _asked_vs_running(run: Run, asked: bool, model: Any) -> None:
