@@ -352,3 +352,21 @@ def test_every_rule_setting_has_a_value_the_engine_can_read_and_a_way_to_be_writ
         if rule.kind in ("require", "prefer", "repair") and rule.setting != "model.config.use_cache":
             assert TARGETS[rule.setting].write is not None, rule.id  # the callback switches use_cache step by step
     assert write.apply([], None) == []
+
+
+def test_fp8_training_with_checkpointing_is_said():
+    from trl_gc_plugin import Facts, decide
+
+    said = [d for d in decide(Facts(gc_enabled=True, fp8="torchao.float8.Float8Linear")) if d.rule_id == "fp8-checkpointing"]
+    assert [(d.action, d.level) for d in said] == [("warn", "warning")]
+    assert said[0].reason.startswith("The model trains in FP8 (torchao.float8.Float8Linear)")
+    assert not [d for d in decide(Facts(gc_enabled=True)) if d.rule_id == "fp8-checkpointing"]
+
+
+def test_moe_explicit_reentrant_is_overridden_in_fix_and_kept_in_strict():
+    from trl_gc_plugin import Facts, decide
+
+    facts = Facts(gc_enabled=True, moe_routers=2, use_reentrant=True, use_reentrant_source="user")
+    got = {m: [(d.action, d.after) for d in decide(facts, m) if d.rule_id == "moe-routing-recomputed"]
+           for m in ("strict", "fix", "warn")}
+    assert got == {"strict": [("warn", True)], "fix": [("override", False)], "warn": [("warn", True)]}

@@ -251,3 +251,18 @@ def test_attention_state_round_trips():
         policies.set_attention_state(default)
     assert policies.attention_state() == default
     logging.getLogger(__name__).debug("states %s %s", default, math_only)
+
+
+# --- FP8 training with checkpointing, said before launch ----------------------------------------------------------
+
+def test_the_check_says_fp8_with_checkpointing(tmp_path):
+    from trl_gc_plugin.configcheck.check import check_files
+
+    config = tmp_path / "axolotl_fp8.yml"
+    config.write_text("base_model: meta-llama/Llama-3.2-1B\ngradient_checkpointing: true\nfp8: true\n"
+                      "datasets:\n  - path: tatsu-lab/alpaca\n    type: alpaca\nmicro_batch_size: 1\n")
+    [report] = check_files([str(config)])
+    assert [d.action for d in report.decisions if d.rule_id == "fp8-checkpointing"] == ["warn"]
+    config.write_text(config.read_text().replace("fp8: true", "fp8: false"))
+    [report] = check_files([str(config)])
+    assert not [d for d in report.decisions if d.rule_id == "fp8-checkpointing"]

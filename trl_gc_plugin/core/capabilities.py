@@ -256,18 +256,26 @@ def _source(package: str, root: Path | None, *parts: str) -> str | None:
 
 def detect_trl_offload(trl_dir: Path | None = None) -> bool | None:
     """Whether TRL's `OffloadActivations` has the stream fixes (`TRL_OFFLOAD_FIXES`): the compute stream a property,
-    offset views cloned before the transfer stream waits, `__exit__` synchronizing."""
+    offset views cloned before the transfer stream waits, `__exit__` synchronizing; and, where it deduplicates saved
+    tensors by storage address (`storage_to_tensor_id`, trl PR 4247), an entry dropped when its tensor is released
+    (trl PR 6241: else the allocator hands a freed address to a new tensor, which is then not offloaded; wheels read:
+    0.26.2 lacks it, 1.10.0 and later have it)."""
     text = _source("trl", trl_dir, "models", "activation_offloading.py")
     if text is None:
         return None
     clone, wait = text.find("activation.clone(memory_format"), text.find("self.s1.wait_stream(self.s0)")
     exit_body = _EXIT.search(text)
+    dedupe_released = "storage_to_tensor_id" not in text or bool(_DEDUPE_RELEASED.search(text))
     return bool(
         _LIVE_STREAM.search(text)
         and -1 < clone < wait
         and exit_body is not None
         and "synchronize()" in exit_body.group(0)
+        and dedupe_released
     )
+
+
+_DEDUPE_RELEASED = re.compile(r"del self\.storage_to_tensor_id\[|self\.storage_to_tensor_id\.pop\(")
 
 
 _PRE_BACKWARD = re.compile(r"def _pre_forward\(.*?TrainingState\.PRE_BACKWARD:(.*?)\n        [^\s#]", re.S)

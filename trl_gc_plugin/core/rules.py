@@ -443,7 +443,8 @@ RULES: tuple[Rule, ...] = (
         ),
         condition="a TRL config with `activation_offloading=True` on an accelerator, and the installed TRL's "
         "`OffloadActivations` lacks the stream fixes (read in its source: the compute stream cached at "
-        "construction, offset views cloned after the transfer stream's wait)",
+        "construction, offset views cloned after the transfer stream's wait) or keeps the storage-address dedupe "
+        "entries of released tensors",
         message="set activation_offloading=False. This TRL's offloading races its copy stream against the compute "
         "stream: reported as a device-side assert at the first backward (20 of 20 runs) or silently corrupted "
         "saved tensors such as the loss's shifted labels; TRL 1.14 fixed both races.",
@@ -452,8 +453,10 @@ RULES: tuple[Rule, ...] = (
             "https://github.com/axolotl-ai-cloud/axolotl/pull/3833 (shift_labels cloned on the transfer stream: "
             "device-side assert in nll_loss backward, 20/20 runs unpatched)",
             "https://github.com/huggingface/trl/pull/5700 (streams synced and stashes cleared in __exit__: a 5 GB leak)",
-            "read: TRL wheels 0.20.0, 0.26.2, 1.10.0-1.13.0 lack the fixes; 1.14.0, 1.15.0, 1.16.0 have them "
-            "(capabilities.detect_trl_offload)",
+            "https://github.com/huggingface/trl/pull/6241 (the storage-address dedupe kept the entries of released "
+            "tensors: the allocator reuses a freed address and the new tensor is not offloaded)",
+            "read: TRL wheels 0.20.0, 0.26.2, 1.10.0-1.13.0 lack the stream fixes; 1.14.0, 1.15.0, 1.16.0 have them "
+            "(capabilities.detect_trl_offload); the dedupe release of PR 6241: 0.26.2 lacks it, 1.10.0-1.16.0 have it",
         ),
         versions={"trl": "<1.14.0"},
         needs={"trl_offload_stream_fixes": False},

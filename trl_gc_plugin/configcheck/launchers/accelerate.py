@@ -66,6 +66,8 @@ class AccelerateConfig:
     dynamo_backend: str | None = None
     fsdp_sharding: str | None = None
     num_machines: int = 1
+    fp8: bool = False
+    """`mixed_precision: fp8` (rule `fp8-checkpointing`)."""
 
 
 def _trl_config_dirs() -> list[str]:
@@ -167,6 +169,7 @@ def read_accelerate(file: str, overrides: dict[str, Any] | None = None) -> Accel
         dynamo_backend=None if backend in (None, False) or str(backend).lower() == "no" else str(backend),
         fsdp_sharding=sharding,
         num_machines=machines,
+        fp8=str(overrides.get("mixed_precision", data.get("mixed_precision", ""))).lower() == "fp8",
     )
 
 
@@ -196,6 +199,8 @@ def set_accelerate_facts(reading: Any, accel: AccelerateConfig | None, where_acc
         return
     if accel.cp_size > 1:
         reading.set("cp_size", accel.cp_size, "accelerate config", f"{where_accel}: parallelism_config.{CP_KEY}")
+    if accel.fp8:
+        reading.set("fp8", "accelerate mixed_precision: fp8", "accelerate config", f"{where_accel}: mixed_precision")
     if accel.dynamo_backend is not None:
         reading.set(
             "compiled",

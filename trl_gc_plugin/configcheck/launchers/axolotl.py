@@ -113,6 +113,7 @@ READ_KEYS = frozenset(
         "attn_implementation",
         "ebft",
         "sample_packing",
+        "fp8",
     }
 )
 
@@ -694,6 +695,8 @@ def _builders(v: View, kw: Reentrant, ctx: Context, reading: Reading) -> None:
     if v.selective is not None and v.gc:
         kw.rewrite(False, f"selective_checkpointing patches the model to non-reentrant ({SOURCES['sac']})")
         reading.set("selective", True, "file", "key 'selective_checkpointing'")
+    if pydantic_bool(v.raw.get("fp8")) is True:  # torchao's Float8Linear (rule `fp8-checkpointing`)
+        reading.set("fp8", "Axolotl fp8: true (torchao Float8Linear)", "file", "key 'fp8'")
 
 
 def _gc_facts(v: View, kw: Reentrant, reading: Reading) -> None:
