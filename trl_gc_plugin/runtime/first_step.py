@@ -153,7 +153,8 @@ class Parity:
             )
         if result.outside:
             summary += f"; {len(result.outside)} differ beyond it, most {result.outside[0]}"
-        if result.far:  # far beyond numerical noise on the tensors that carry the update: the recompute is not the forward
+        # far beyond numerical noise on a gradient that counts: the recompute did not compute what the forward did
+        if result.far:
             action = _refused_or_said(run.mode)
             names = ", ".join(result.major[:3]) or "the largest gradients together"
             summary += (
