@@ -266,3 +266,19 @@ def test_the_check_says_fp8_with_checkpointing(tmp_path):
     config.write_text(config.read_text().replace("fp8: true", "fp8: false"))
     [report] = check_files([str(config)])
     assert not [d for d in report.decisions if d.rule_id == "fp8-checkpointing"]
+
+
+def test_a_forward_context_the_recompute_cannot_reenter_is_named(caplog, monkeypatch):
+    """A context torch does not restore and the plugin cannot re-enter (TE's fp8_autocast; not installable here, so a
+    watched state of the test's own stands in): its difference is said once, before torch's own error."""
+    state = {"on": True}
+    monkeypatch.setitem(policies.WATCHED, "the test's context", lambda: state["on"])
+    model = _sdpa_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt.faithful_blocks(model)
+    loss = model(**_padded_batch()).loss
+    state["on"] = False  # the backward outside it
+    with caplog.at_level(logging.WARNING, logger="trl_gc_plugin"):
+        loss.backward()
+    said = [r.getMessage() for r in caplog.records if "the test's context" in r.getMessage()]
+    assert len(said) == 1 and "= True, its recompute in the backward runs with False" in said[0]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,17 +150,37 @@ def set_attention_state(state: tuple[tuple[bool, ...], tuple[int, ...]]) -> None
         torch._C._set_sdp_priority_order(list(order))
 
 
+def _te_fp8() -> Any:
+    """Whether Transformer Engine's `fp8_autocast` is on (None where TE is not imported: nothing is read)."""
+    fp8 = sys.modules.get("transformer_engine.pytorch.fp8")
+    manager = getattr(fp8, "FP8GlobalStateManager", None)
+    return None if manager is None else bool(manager.is_fp8_enabled())
+
+
+WATCHED: dict[str, Callable[[], Any]] = {"Transformer Engine's fp8_autocast": _te_fp8}
+"""Forward contexts torch's checkpoint does not restore and the plugin cannot re-enter (TE's FP8 state lives in its
+own global manager): read at each checkpointed forward and again in the recompute; a difference is said once, naming
+the context, before torch's own `CheckpointError` metadata dump."""
+
+
+def watched_states() -> tuple[Any, ...]:
+    return tuple(read() for read in WATCHED.values())
+
+
 class _Replayed:
     """A recompute context: enters `inner` (SAC's cached mode, or nothing) under the forward's attention backend,
-    switched only where the backward runs under another one, and put back on the way out."""
+    switched only where the backward runs under another one, and put back on the way out; says which watched
+    context (`WATCHED`) the recompute runs outside of."""
 
-    def __init__(self, inner: Any, state: Any) -> None:
-        self.inner, self.state, self.previous = inner, state, None
+    def __init__(self, inner: Any, state: Any, watched: tuple[Any, ...] = ()) -> None:
+        self.inner, self.state, self.previous, self.watched = inner, state, None, watched
 
     def __enter__(self) -> Any:
         if self.state is not None and (now := attention_state()) != self.state:
             self.previous = now
             set_attention_state(self.state)
+        if self.watched and (now_watched := watched_states()) != self.watched:
+            _say_unreplayed(self.watched, now_watched)
         return self.inner.__enter__() if self.inner is not None else None
 
     def __exit__(self, *exc: Any) -> Any:
@@ -208,7 +230,7 @@ class Faithful:
         if torch.compiler.is_compiling():
             return create_selective_checkpoint_contexts(policy or _recompute_all)
         forward, recompute = create_selective_checkpoint_contexts(policy) if policy else (_NULL, None)
-        return forward, _Replayed(recompute, attention_state())
+        return forward, _Replayed(recompute, attention_state(), watched_states())
 
 
 def _routing_policy(experts: int, hidden: int, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -233,3 +255,18 @@ full_context = Faithful()
 def is_ours(context_fn: Any) -> bool:
     """Whether a `context_fn` is one the plugin writes (a user's own is kept as it is)."""
     return isinstance(context_fn, Faithful)
+
+
+def _say_unreplayed(forward: tuple[Any, ...], recompute: tuple[Any, ...]) -> None:
+    from .._base import report
+
+    for name, was, now in zip(WATCHED, forward, recompute, strict=True):
+        if was != now:
+            report.note(
+                f"the checkpointed forward ran with {name} = {was!r}, its recompute in the backward runs with {now!r}: "
+                "torch's checkpoint does not restore it, so the recompute computes something else (a CheckpointError "
+                "'Recomputed values ... have different metadata' or other gradients follow). Run the backward under "
+                "the same context as the forward, or checkpoint outside it.",
+                "warning",
+                report.is_main_process(),
+            )
