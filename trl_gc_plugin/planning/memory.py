@@ -9,6 +9,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -250,18 +251,33 @@ def _would_keep_mode(counter: _Counter) -> Any:
     return _after_each_op(count)
 
 
-def _counting_context(counter: _Counter, lean: bool) -> Any:
-    """The blocks' selective `context_fn` with a dispatch mode above its cache that counts what the policy keeps (SAC's
-    cache is invisible to saved-tensor hooks; torch before 2.13 calls the policy before the op, without its output)."""
+def _counting_context(counter: _Counter, context: Any) -> Any:
+    """A block's `context_fn` (`policies.Faithful`: selective, lean, or full with its router's logits kept) whose
+    policy also counts what it keeps, SAC's cache being invisible to saved-tensor hooks. Where torch hands the policy
+    the op's output (`SelectiveCheckpointContext.op_output`, torch 2.13+) the count rides in the policy and the
+    forward context stays SAC's own caching mode, so torch passes `respect_saved_tensors_hooks` to it (torch 2.15
+    warns about a context it cannot recognise); before that, a dispatch mode above the cache counts."""
+    from torch.utils.checkpoint import SelectiveCheckpointContext, create_selective_checkpoint_contexts
+
     state = policies.policy_state()
-    keeps = policies.lean_keeps if lean else policies.keeps
+    policy = context.policy()
+
+    if "op_output" in inspect.signature(SelectiveCheckpointContext).parameters:
+
+        def counting(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            decision = policy(ctx, op, *args, **kwargs)
+            if decision is state["must_save"] and not ctx.is_recompute and ctx.op_output is not None:
+                counter.keep(ctx.op_output)
+            return decision
+
+        return lambda: create_selective_checkpoint_contexts(counting)
 
     def count(func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        if keeps(func, args, state):
+        if policy(None, func, *args, **kwargs) is state["must_save"]:
             counter.keep(out)
 
     def context_fn() -> tuple[Any, Any]:
-        forward, recompute = policies.lean_context() if lean else policies.selective_context()
+        forward, recompute = create_selective_checkpoint_contexts(policy)
         return _entered_in_order(forward, _after_each_op(count)), recompute
 
     return context_fn
@@ -291,8 +307,8 @@ def meter(model: Any, *, would_keep: bool = False, through: bool = False) -> Ite
     storages = [t.untyped_storage() for t in (*base.parameters(), *base.buffers()) if not hasattr(t, "ds_shape")]
     counter = _Counter([n for n, _ in blocks], storages)
     handles = []
-    selective = [
-        b for _, b in blocks if getattr(b, ckpt.FLAG, False) and ckpt.is_selective(getattr(b, ckpt.FUNC, None))
+    selective = [  # blocks whose context_fn keeps something: selective, lean, a kept router's logits
+        b for _, b in blocks if getattr(b, ckpt.FLAG, False) and _keeps(getattr(b, ckpt.FUNC, None))
     ]
     saved = ckpt.snapshot(base, flags=False, only=selective)  # put back exactly what is swapped, nothing else
     for name, block in blocks:
@@ -302,7 +318,8 @@ def meter(model: Any, *, would_keep: bool = False, through: bool = False) -> Ite
         handles.append(block.register_forward_hook(functools.partial(counter.leave, name), always_call=True))
     for block in selective:
         func = getattr(block, ckpt.FUNC)
-        ckpt.set_function(block, ckpt.with_keywords(func, context_fn=_counting_context(counter, ckpt.is_lean(func))))
+        context = ckpt.keywords(func)["context_fn"]
+        ckpt.set_function(block, ckpt.with_keywords(func, context_fn=_counting_context(counter, context)))
     mode = _would_keep_mode(counter) if would_keep else contextlib.nullcontext()
     pack, unpack = _saved_tensor_hooks(counter.pack, through)
     try:
@@ -313,6 +330,11 @@ def meter(model: Any, *, would_keep: bool = False, through: bool = False) -> Ite
             h.remove()
         ckpt.restore(saved)
         counter.clear()
+
+
+def _keeps(func: Any) -> bool:
+    context = ckpt.keywords(func).get("context_fn") if func is not None else None
+    return policies.is_ours(context) and context.policy() is not None
 
 
 def _saved_tensor_hooks(count: Any, through: bool) -> tuple[Any, Any]:

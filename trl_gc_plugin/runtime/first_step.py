@@ -154,8 +154,8 @@ class Parity:
         if result.outside:
             summary += f"; {len(result.outside)} differ beyond it, most {result.outside[0]}"
         # far beyond numerical noise on a gradient that counts: the recompute did not compute what the forward did
-        if result.far:
-            action = _refused_or_said(run.mode)
+        if result.far:  # refused here unless the replayed state explains it (`forward-state-replayed` refuses then)
+            action = action if replayed else _refused_or_said(run.mode)
             names = ", ".join(result.major[:3]) or "the largest gradients together"
             summary += (
                 f"; {len(result.major)} gradient(s) differ by a relative L2 of up to {result.major_rel:.3g}, beyond "
