@@ -12,7 +12,7 @@ DeepSpeed config, lands here), and internal errors of the check (must be 0).
 `--repo NAME=GIT_DIR@REV` reads a tag or commit instead of HEAD (OpenRLHF's v0.11.0 and v0.9.10 were read too).
 
 Selection: TRL `examples/cli_configs/*.yaml`; Axolotl `examples/**/*.y*ml`; LLaMA-Factory `examples/**/*.yaml`;
-OpenRLHF `examples/scripts/*.sh`. Writes benchmarks/results/launcher_corpora.json (per file: status, format, what was
+OpenRLHF `examples/scripts/*.sh`; verl `examples/**/*.sh` (issue 44). Writes benchmarks/results/launcher_corpora.json (per file: status, format, what was
 not read, the error) and prints the counts.
 """
 
@@ -32,6 +32,7 @@ SELECT = {
     "axolotl": ("examples/*.yml", "examples/*.yaml"),
     "llamafactory": ("examples/*.yaml",),
     "openrlhf": ("examples/scripts/*.sh",),
+    "verl": ("examples/*.sh",),
 }
 
 

@@ -28,6 +28,8 @@ def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
     keys = set(config.keys)
     if forced != "auto":
         return forced, "--format"
+    if config.kind == "command" and "verl_entry" in config.values:
+        return "verl", f"the command runs {config.values['verl_entry']}"
     if config.kind == "command":
         return "openrlhf", f"the command runs openrlhf.cli.{config.values.get('openrlhf_entry')}"
     if keys & LLAMAFACTORY_V1_KEYS and "model" in keys:
