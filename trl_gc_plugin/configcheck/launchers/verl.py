@@ -115,7 +115,7 @@ _EXPORT = re.compile(r"^\s*(?:export\s+|env\s+)?TRL_GC_PLUGIN=(\S*)", re.M)
 
 def mentions(text: str) -> bool:
     """`text` may hold a verl command: what `parse_command` looks for."""
-    return "verl." in text or "verl/trainer/" in text
+    return re.search(r"\bverl\b", text) is not None
 
 
 def _entry_of(words: list[str]) -> list[tuple[int, str]]:
@@ -132,11 +132,16 @@ def _entry_of(words: list[str]) -> list[tuple[int, str]]:
 
 
 def kind_of(entry: str) -> str | None:
-    """`sft`, `ppo` (every RL entry), or None for an entry that trains nothing (generation, evaluation)."""
+    """`sft` (`verl.trainer.sft_trainer`), `ppo` (every RL entry: `verl.trainer.main_*`, an experimental `*_main`),
+    or None for an entry that trains nothing (generation, evaluation, the model merger, ...)."""
     name = entry.rsplit(".", 1)[-1]
     if "generation" in name or "eval" in name:
         return None
-    return "sft" if "sft" in name else "ppo"
+    if entry.startswith("verl.trainer.sft_trainer"):
+        return "sft"
+    if entry.startswith("verl.trainer.main_") or (entry.startswith("verl.experimental.") and "main" in name):
+        return "ppo"
+    return None
 
 
 def parse_command(path: str, text: str) -> Config:
