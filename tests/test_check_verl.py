@@ -37,8 +37,11 @@ def run(overrides, prelude=""):
 
 def test_verls_array_launcher_is_read_in_full():
     """The shape of verl's example launchers: arrays, `${VAR:-default}`, an array set again in a branch (RAY),
-    `"$@"`. The MoE name (gpt-oss) on FSDP with checkpointing on is the MoE rule's warning, not a refusal."""
-    report = check(DATA / "verl_grpo_arrays.sh")
+    `"$@"` (unread: it may hold any override; read as none with --no-script-args). The MoE name (gpt-oss) on FSDP
+    with checkpointing on is the MoE rule's warning, not a refusal."""
+    as_written = check(DATA / "verl_grpo_arrays.sh")
+    assert as_written.status == "incomplete" and [u.split(":")[0] for u in as_written.unread] == ['"$@"']
+    report = check(DATA / "verl_grpo_arrays.sh", no_script_args=True)
     assert report.format == "verl" and report.status == "ok", report.error or report.unread
     got = report.to_dict()["facts"]
     assert got["gc_enabled"] is True and got["use_reentrant"] is False and got["fsdp"] is True
@@ -46,7 +49,7 @@ def test_verls_array_launcher_is_read_in_full():
     assert report.sources["strategy"].value == "fsdp" and report.sources["moe"].value is True
     assert rules(report)["verl:moe-fsdp-checkpointing"] == "warn"
     assert any('"${RAY[@]}": set in a branch' in n for n in report.notes)
-    assert any('"$@"' in n and "without arguments" in n for n in report.notes)
+    assert any('"$@"' in n and "read as none (--no-script-args)" in n for n in report.notes)
     assert "7016" in json.dumps(report.to_dict()["decisions"])  # the source is in the evidence
 
 
@@ -256,3 +259,20 @@ def test_the_verl_rules_are_data_with_their_sources():
     for rule in verl.RULES:
         assert rule.id.startswith("verl:") and rule.condition and rule.message and rule.remove_when
         assert rule.evidence and all("https://" in e or e.startswith("trl_gc_plugin/") for e in rule.evidence)
+
+
+def test_no_script_args_reads_a_scripts_arguments_as_none_for_openrlhf_too(tmp_path):
+    text = 'deepspeed --module openrlhf.cli.train_sft --pretrain x --model.gradient_checkpointing_enable "$@"\n'
+    assert check(write(tmp_path, text)).status == "incomplete"
+    report = check(write(tmp_path, text), no_script_args=True)
+    assert report.status == "ok" and any("--no-script-args" in n for n in report.notes)
+
+
+def test_the_command_line_option(capsys):
+    from trl_gc_plugin.__main__ import check_main
+
+    path = str(DATA / "verl_grpo_arrays.sh")
+    assert check_main(["--parser", "model", "--brief", path]) == 2
+    assert check_main(["--parser", "model", "--brief", "--no-script-args", path]) == 0
+    out = capsys.readouterr().out
+    assert "incomplete: could not be read: \"$@\"" in out and "[verl:moe-fsdp-checkpointing] warn" in out

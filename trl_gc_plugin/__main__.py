@@ -65,7 +65,7 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         "--format",
         default="auto",
         metavar="FORMAT",
-        help="auto (default, from the keys), trl, axolotl, llamafactory, training-args or openrlhf",
+        help="auto (default, from the keys), trl, axolotl, llamafactory, training-args, openrlhf or verl",
     )
     parser.add_argument(
         "--parser",
@@ -95,6 +95,12 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip, silently, files that are no training config of a known launcher (a pre-commit hook over every "
         "YAML / JSON / shell file); files that are but cannot be read stay errors",
+    )
+    parser.add_argument(
+        "--no-script-args",
+        action="store_true",
+        help='read a shell script\'s own arguments ("$@") as none: the script as launched without arguments (by '
+        "default they are unread, and a verdict depending on them is incomplete)",
     )
     parser.add_argument(
         "--json",
@@ -179,6 +185,7 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
         parser=ns.parser,
         accelerate_config=accelerate,
         timeout=timeout,
+        no_script_args=bool(getattr(ns, "no_script_args", False)),
     )
     return launch, resolved.mode
 

@@ -149,6 +149,7 @@ class Context:
     nproc: int | None = None
     trainer: str | None = None
     accelerate_config: str | None = None
+    no_script_args: bool = False
     versions: Mapping[str, str | None] = field(default_factory=dict)
     version_origins: Mapping[str, str] = field(default_factory=dict)
 

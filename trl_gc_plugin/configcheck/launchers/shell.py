@@ -362,6 +362,27 @@ def _find(scope: _Scope, text: str, marker: str, depth: int, found: list[Expande
             found.append(Expanded(words, list(scope.unresolved), frozenset(scope.many), alternatives))
 
 
+SCRIPT_ARGS = ('"$@"', "$@", '"$*"', "$*", '"${@}"', "${@}")
+
+
+def script_args(what: str) -> bool:
+    """`what` (an unread word's description) is the script's own arguments (`"$@"`)."""
+    return what.split(":", 1)[0] in SCRIPT_ARGS
+
+
+def unread_words(whats: list[str], none_given: bool) -> tuple[list[str], list[str]]:
+    """(what stays unread, notes): the script's own arguments become a note when the check reads them as none."""
+    if not none_given:
+        return list(whats), []
+    notes = [
+        f"{readable(w.split(':', 1)[0])}: the script's arguments, read as none (--no-script-args): check the ones you "
+        "pass, too"
+        for w in whats
+        if script_args(w)
+    ]
+    return [w for w in whats if not script_args(w)], notes
+
+
 def readable(text: str) -> str:
     return _PLACEHOLDER.sub("<unread>", text)
 

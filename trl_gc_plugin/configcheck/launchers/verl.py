@@ -4,9 +4,9 @@ verl YAML configs (`actor_rollout_ref:` ...): the plugin's model of verl at 1dda
 (it needs Ray, vLLM or SGLang, and CUDA). Every key, default and path below was read in that snapshot.
 
 Overrides are Hydra's: `key=value` (the key must exist: Hydra refuses a new one), `+key=value` (adds a key),
-`++key=value` (adds or overrides), `~key` (deletes). The script's own arguments (`"$@"`) are read as none: the check
-reads the script as it runs without arguments (as `${VAR:-default}` is read as its default); an override the
-expansion cannot read is named, and the verdict is then `incomplete`, never `ok`.
+`++key=value` (adds or overrides), `~key` (deletes). The script's own arguments (`"$@"`) are unread, as for OpenRLHF (they may hold any override),
+unless `--no-script-args` reads them as none; `${VAR:-default}` is read as its default. An override the expansion
+cannot read is named, and the verdict is then `incomplete`, never `ok`.
 """
 
 from __future__ import annotations
@@ -109,7 +109,6 @@ _END = frozenset({"&&", "||", ";", "|", "&"})
 _REDIRECT = re.compile(r"^(?:\d*[<>]|&>)")
 _OVERRIDE = re.compile(r"^(\+\+|\+|~)?([A-Za-z_][\w\-]*(?:\.[A-Za-z_0-9][\w\-]*)*)(?:=(.*))?$", re.S)
 _CONFIG_FLAGS = {"--config-name": "name", "-cn": "name", "--config-path": "path", "-cp": "path", "--config-dir": "dir"}
-_SCRIPT_ARGS = ('"$@"', "$@", '"$*"', "$*", '"${@}"', "${@}")
 _EXPORT = re.compile(r"^\s*(?:export\s+|env\s+)?TRL_GC_PLUGIN=(\S*)", re.M)
 
 
@@ -219,12 +218,7 @@ def _overrides(
         i += 1
         whats = expanded.what(word)
         if whats and shell._PLACEHOLDER.fullmatch(word):
-            if any(what.split(":", 1)[0] in _SCRIPT_ARGS for what in whats):
-                notes.append(
-                    f"{shell.readable(whats[0].split(':', 1)[0])}: the script's arguments are appended to the command; "
-                    "checked as run without arguments (check the overrides you pass, too)"
-                )
-            elif (same := _alternatives(expanded, word)) is not None:
+            if (same := _alternatives(expanded, word)) is not None:
                 notes.append(same[0])
                 words[i:i] = same[1]  # the overrides every value holds are read as written
             else:
@@ -813,7 +807,9 @@ def _misspelled(v: _Values, keys: _Keys, reading: Reading) -> tuple[tuple[str, .
 
 def _unread(v: _Values, reading: Reading, ctx: Context, keys: _Keys, hf_gc: bool, strategy: str) -> None:
     """What the expansion left unread: in `Reading.unread` where the verdict depends on it, else as a note."""
-    for what in v.hidden:
+    hidden, notes = shell.unread_words(v.hidden, ctx.no_script_args)
+    reading.notes += notes
+    for what in hidden:
         reading.unread.append(
             f"{shell.readable(what)}: may hold any override (checkpointing, offload, strategy, LoRA, model)"
         )
