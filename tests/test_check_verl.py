@@ -38,16 +38,16 @@ def run(overrides, prelude=""):
 def test_verls_array_launcher_is_read_in_full():
     """The shape of verl's example launchers: arrays, `${VAR:-default}`, an array set again in a branch (RAY),
     `"$@"` (unread: it may hold any override; read as none with --no-script-args). The MoE name (gpt-oss) on FSDP
-    with checkpointing on is the MoE rule's warning, not a refusal."""
+    on FSDP2 with checkpointing on is the MoE rule's warning, not a refusal."""
     as_written = check(DATA / "verl_grpo_arrays.sh")
     assert as_written.status == "incomplete" and [u.split(":")[0] for u in as_written.unread] == ['"$@"']
     report = check(DATA / "verl_grpo_arrays.sh", no_script_args=True)
     assert report.format == "verl" and report.status == "ok", report.error or report.unread
     got = report.to_dict()["facts"]
-    assert got["gc_enabled"] is True and got["use_reentrant"] is False and got["fsdp"] is True
+    assert got["gc_enabled"] is True and got["use_reentrant"] is False and got["fsdp_version"] == 2
     assert got["world_size"] == 8 and got["trainer_kind"] == "ppo" and got["generates"] is True
-    assert report.sources["strategy"].value == "fsdp" and report.sources["moe"].value is True
-    assert rules(report)["verl:moe-fsdp-checkpointing"] == "warn"
+    assert report.sources["strategy"].value == "fsdp2" and report.sources["moe"].value is True
+    assert rules(report)["verl:moe-fsdp2-checkpointing"] == "warn"
     assert any('"${RAY[@]}": set in a branch' in n for n in report.notes)
     assert any('"$@"' in n and "read as none (--no-script-args)" in n for n in report.notes)
     assert "7016" in json.dumps(report.to_dict()["decisions"])  # the source is in the evidence
@@ -189,26 +189,38 @@ def test_trl_gc_plugin_exported_but_not_passed_to_the_ray_workers(tmp_path):
 
 
 def test_moe_from_a_local_config_and_a_dense_model(tmp_path):
+    """The MoE rule is FSDP2's (verl #7016: FSDP1 trains the same config)."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8}))
-    moe = check(write(tmp_path, run([f"actor_rollout_ref.model.path={model}"])))
-    assert moe.sources["moe"].origin == "model config" and rules(moe)["verl:moe-fsdp-checkpointing"] == "warn"
+    fsdp2 = "actor_rollout_ref.actor.strategy=fsdp2"
+    moe = check(write(tmp_path, run([f"actor_rollout_ref.model.path={model}", fsdp2])))
+    assert moe.sources["moe"].origin == "model config" and rules(moe)["verl:moe-fsdp2-checkpointing"] == "warn"
+    assert "strategy=fsdp " in rules_change(moe)
+    fsdp1 = check(write(tmp_path, run([f"actor_rollout_ref.model.path={model}"])))
+    assert fsdp1.sources["moe"].value is True and "verl:moe-fsdp2-checkpointing" not in rules(fsdp1)
     off = check(
         write(
             tmp_path,
             run(
-                [f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.enable_gradient_checkpointing=False"]
+                [
+                    f"actor_rollout_ref.model.path={model}",
+                    fsdp2,
+                    "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+                ]
             ),
         )
     )
-    assert "verl:moe-fsdp-checkpointing" not in rules(off)
-    dense = check(write(tmp_path, run(["actor_rollout_ref.model.path=Qwen/Qwen3-8B"])))
-    assert (
-        dense.sources["moe"].value is False
-        and dense.status == "ok"
-        and not rules(dense).keys() & {"verl:moe-fsdp-checkpointing"}
-    )
+    assert "verl:moe-fsdp2-checkpointing" not in rules(off)
+    dense = check(write(tmp_path, run(["actor_rollout_ref.model.path=Qwen/Qwen3-8B", fsdp2])))
+    assert dense.sources["moe"].value is False and dense.status == "ok"
+    assert "verl:moe-fsdp2-checkpointing" not in rules(dense)
+
+
+def rules_change(report) -> str:
+    from trl_gc_plugin.configcheck.launchers import verl
+
+    return " ".join(r.change for r in verl.RULES if r.id in rules(report)) + " "
 
 
 @pytest.mark.parametrize(
@@ -216,13 +228,22 @@ def test_moe_from_a_local_config_and_a_dense_model(tmp_path):
     [
         (run(["actor_rollout_ref.model.enable_gradient_checkpointing=${GC}"]), "enable_gradient_checkpointing: ${GC}"),
         (run(["actor_rollout_ref.model.path=Qwen/Qwen3-8B", '"${EXTRA[@]}"']), '"${EXTRA[@]}"'),
-        (run(["actor_rollout_ref.model.path=${MODEL}"]), "actor_rollout_ref.model.path: ${MODEL}"),
+        # MoE or not decides the FSDP2 rule
+        (
+            run(["actor_rollout_ref.model.path=${MODEL}", "actor_rollout_ref.actor.strategy=fsdp2"]),
+            "actor_rollout_ref.model.path: ${MODEL}",
+        ),
         (run(["actor_rollout_ref.model.path=Qwen/Qwen3-8B", "$OVERRIDES"]), "$OVERRIDES"),
     ],
 )
 def test_what_the_verdict_depends_on_and_was_not_read_makes_it_incomplete(tmp_path, text, unread):
     report = check(write(tmp_path, text))
     assert report.status == "incomplete" and any(unread in u for u in report.unread), report.unread
+
+
+def test_an_unread_model_path_on_fsdp1_decides_nothing(tmp_path):
+    report = check(write(tmp_path, run(["actor_rollout_ref.model.path=${MODEL}"])))
+    assert report.status == "ok" and any("${MODEL}" in n and "no rule reads it" in n for n in report.notes)
 
 
 def test_a_model_named_after_an_unread_directory_is_judged_by_its_name(tmp_path):
@@ -275,4 +296,4 @@ def test_the_command_line_option(capsys):
     assert check_main(["--parser", "model", "--brief", path]) == 2
     assert check_main(["--parser", "model", "--brief", "--no-script-args", path]) == 0
     out = capsys.readouterr().out
-    assert "incomplete: could not be read: \"$@\"" in out and "[verl:moe-fsdp-checkpointing] warn" in out
+    assert "incomplete: could not be read: \"$@\"" in out and "[verl:moe-fsdp2-checkpointing] warn" in out

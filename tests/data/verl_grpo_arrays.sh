@@ -14,6 +14,7 @@ MODEL=(
     actor_rollout_ref.model.enable_gradient_checkpointing=True
 )
 ACTOR=(
+    actor_rollout_ref.actor.strategy=fsdp2
     actor_rollout_ref.actor.ppo_mini_batch_size=256
     actor_rollout_ref.actor.fsdp_config.param_offload=False
 )

@@ -44,7 +44,7 @@ SOURCES = {
     "ulysses": "https://github.com/verl-project/verl/issues/4664 (FSDP2 + ulysses_sequence_parallel_size > 1: "
     "CheckpointError in the backward, the recomputed strides differ; FSDP1 and FSDP2 without Ulysses work; open)",
     "moe": "https://github.com/verl-project/verl/issues/7016 and https://github.com/verl-project/verl/issues/3258 "
-    "(MoE + FSDP + checkpointing: the recompute routes tokens otherwise than the forward did, CheckpointError)",
+    "(Qwen3-MoE + FSDP2 + checkpointing: CheckpointError in the first backward, open; FSDP1 works)",
     "misspelled": "https://github.com/verl-project/verl/issues/4672 "
     "(enable_activation_offloading written for enable_activation_offload)",
     "dedup": "https://github.com/modelscope/ms-swift/pull/10157 (an offloader that deduplicates saved tensors by "
@@ -395,20 +395,22 @@ RULES: tuple[LauncherRule, ...] = (
         remove_when="verl #4664 is fixed in the verl release the launch uses",
     ),
     LauncherRule(
-        id="verl:moe-fsdp-checkpointing",
+        id="verl:moe-fsdp2-checkpointing",
         action="warn",
         setting="activation_checkpointing",
-        condition="an MoE model, strategy fsdp or fsdp2, and enable_gradient_checkpointing",
+        condition="an MoE model, strategy fsdp2, and enable_gradient_checkpointing",
         message=(
-            "MoE + FSDP + checkpointing (verl #7016, #3258): the recompute can route tokens to other experts than the "
-            "forward did, and non-reentrant checkpointing (verl's) stops the backward with CheckpointError. Where the "
-            "plugin runs in the workers (TRL_GC_PLUGIN=1 through the Ray runtime env), a block it makes selective "
-            "keeps the router's gate output, so the recompute routes as the forward did, and its first-step audit "
-            "names a block whose recompute differs; without it, set enable_gradient_checkpointing=False for this model."
+            "MoE + FSDP2 + checkpointing: verl #7016 (Qwen3-30B-A3B) fails in the first actor backward with "
+            "CheckpointError, a different number of tensors saved in the recompute than in the forward (the router "
+            "dispatches otherwise), and FSDP1 trains the same config; #3258 is the same error with "
+            "offload_policy=True. Where the plugin runs in the workers (TRL_GC_PLUGIN=1 through the Ray runtime env) "
+            "and makes a block selective, that block keeps the router's gate output, so its recompute routes as the "
+            "forward did; the plugin's run with verl's MoE path is not tested."
         ),
-        change=f"pass the plugin to the workers ({RAY_ENV}), or set actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        change="set actor_rollout_ref.actor.strategy=fsdp (FSDP1 trains this config, verl #7016), or "
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
         evidence=(SOURCES["moe"], SOURCES["policies"], SOURCES["enable"]),
-        when=lambda v: bool(v.moe) and v.strategy in FSDP and v.gc,
+        when=lambda v: bool(v.moe) and v.strategy == "fsdp2" and v.gc and not v.offload,
         remove_when="verl #7016 and #3258 are fixed in the verl release the launch uses",
     ),
     LauncherRule(
@@ -819,8 +821,8 @@ def _unread(v: _Values, reading: Reading, ctx: Context, keys: _Keys, hf_gc: bool
         leaf = key.rsplit(".", 1)[-1]
         misspelled = leaf not in KNOWN_LEAVES and re.search(r"checkpoint|offload|recompute", leaf)
         depends = key in read or key.startswith(keys.recompute) or bool(misspelled)
-        if key == keys.model + "path" and (reading.extra.get("path_by_name") or not (hf_gc and strategy in FSDP)):
-            depends = False  # whether it is an MoE decides only the FSDP checkpointing rule
+        if key == keys.model + "path" and (reading.extra.get("path_by_name") or not (hf_gc and strategy == "fsdp2")):
+            depends = False  # whether it is an MoE decides only the FSDP2 checkpointing rule
         if key.startswith("trainer.") and ctx.nproc is None:
             depends = False  # the process count decides no rule here (the one that reads it needs bitsandbytes)
         if depends:
