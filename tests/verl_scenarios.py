@@ -7,7 +7,8 @@ emulated with the real transformers, PEFT and torch FSDP2 (`fully_shard` per dec
 `apply_fsdp2` does): `gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})`; for
 LoRA `enable_input_require_grads()` then `get_peft_model`; FSDP2; two AdamW steps with `use_cache=False`.
 
-A scenario is `<model>-<path>`: model `full` or `lora`; path `engine` (the calls above) or `offload` (what verl's
+A scenario is `<model>-<path>`: model `full`, `lora` or `moe` (a tiny Qwen3-MoE, fully trained, its load-balancing
+loss on); path `engine` (the calls above) or `offload` (what verl's
 activation offloader adds after the wrapping, `verl/utils/activation_offload.py`: `gradient_checkpointing_disable()` on
 every module, then each decoder layer's forward wrapped in `torch.utils.checkpoint(..., use_reentrant=True)` with
 its keyword arguments flattened into positional inputs; the CPU offloading itself is not emulated). Whether the
@@ -53,6 +54,19 @@ def own_reentrant_checkpoint(layer) -> None:
     layer.forward = forward
 
 
+def tiny_moe():
+    """A tiny Qwen3-MoE built offline, its load-balancing loss on (the router trains from it)."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.1, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
 def _patched() -> bool:
     """The model route is installed: `PreTrainedModel`'s enable method is the plugin's."""
     from transformers import PreTrainedModel
@@ -75,7 +89,7 @@ def run(out: str, scenario: str) -> dict:
     plugin_logger.addHandler(lines)
     plugin_logger.setLevel(logging.INFO)
     result: dict = {"scenario": scenario, "rank": dist.get_rank(), "plugin": _patched()}
-    model = make_model()
+    model = tiny_moe() if kind == "moe" else make_model()
     try:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if kind == "lora":
