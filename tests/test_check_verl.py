@@ -297,3 +297,13 @@ def test_the_command_line_option(capsys):
     assert check_main(["--parser", "model", "--brief", "--no-script-args", path]) == 0
     out = capsys.readouterr().out
     assert "incomplete: could not be read: \"$@\"" in out and "[verl:moe-fsdp2-checkpointing] warn" in out
+
+
+def test_a_forced_format_that_is_not_the_commands_is_refused_and_verl_on_another_yaml_is_not_ok(tmp_path):
+    script = write(tmp_path, run(["actor_rollout_ref.model.path=Qwen/Qwen3-8B"]))
+    for forced in ("openrlhf", "trl"):
+        report = check(script, format=forced)
+        assert report.status == "error" and "runs a verl command" in report.error, report.error
+    assert check(script, format="verl").status == "ok"
+    other = check(DATA / "trl_sft_lora.yaml", format="verl")
+    assert other.status == "incomplete" and "nothing of a verl launch was read" in other.unread[0]

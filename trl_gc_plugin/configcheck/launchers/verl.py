@@ -625,6 +625,10 @@ def read(config: Config, ctx: Context) -> Reading:
         changes={"activation_checkpointing": f"{keys.model}enable_gradient_checkpointing={{value}}"},
     )
     reading.notes += v.notes
+    if v.yaml and not any(k.startswith(("actor_rollout_ref.", "critic.")) for k in v.values):
+        reading.unread.append(
+            "no key of verl's (actor_rollout_ref, critic) in the file: nothing of a verl launch was read"
+        )
     if kind is None:
         reading.training = False
         reading.notes.append(f"{config.path} runs {entry}: nothing trains, so checkpointing does not apply")
