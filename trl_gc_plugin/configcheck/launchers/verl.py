@@ -18,7 +18,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import shell
-from .common import Config, ConfigError, Context, Fact, LauncherRule, NotTrainingConfig, Origin, Reading
+from .common import (
+    Config,
+    ConfigError,
+    Context,
+    Fact,
+    LauncherRule,
+    NotTrainingConfig,
+    Origin,
+    Reading,
+    expect_mapping,
+)
 from .model_config import local_model_config, read_model_facts
 
 COMMIT = "1dda039b9c6311889a9c9a26040677e1254814f9"
@@ -625,10 +635,14 @@ def read(config: Config, ctx: Context) -> Reading:
         changes={"activation_checkpointing": f"{keys.model}enable_gradient_checkpointing={{value}}"},
     )
     reading.notes += v.notes
-    if v.yaml and not any(k.startswith(("actor_rollout_ref.", "critic.")) for k in v.values):
-        reading.unread.append(
-            "no key of verl's (actor_rollout_ref, critic) in the file: nothing of a verl launch was read"
-        )
+    if v.yaml:
+        for key in ("actor_rollout_ref", "critic", "trainer", "ray_kwargs"):
+            if key in config.values:
+                expect_mapping(config.values[key], config.path, key, config.lines)
+        if not {"actor_rollout_ref", "critic"} & set(config.keys):
+            reading.unread.append(
+                "no key of verl's (actor_rollout_ref, critic) in the file: nothing of a verl launch was read"
+            )
     if kind is None:
         reading.training = False
         reading.notes.append(f"{config.path} runs {entry}: nothing trains, so checkpointing does not apply")
