@@ -307,3 +307,34 @@ def test_a_forced_format_that_is_not_the_commands_is_refused_and_verl_on_another
     assert check(script, format="verl").status == "ok"
     other = check(DATA / "trl_sft_lora.yaml", format="verl")
     assert other.status == "incomplete" and "nothing of a verl launch was read" in other.unread[0]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_check_and_the_run_agree(tmp_path, lora):
+    """One process: the check of a verl launch and the model route on a loop that makes verl's FSDP engine calls
+    (`{"use_reentrant": False}`, LoRA after `enable_input_require_grads()`) take the same decisions."""
+    import torch
+
+    import trl_gc_plugin
+    from trl_gc_plugin.testing import make_model
+
+    overrides = ["actor_rollout_ref.model.path=Qwen/Qwen3-8B", "trainer.n_gpus_per_node=1"]
+    overrides += ["actor_rollout_ref.model.lora_rank=4"] if lora else []
+    report = check(write(tmp_path, run(overrides)))
+    checked = {(d.rule_id, d.action, d.after) for d in report.decisions if ":" not in d.rule_id}
+    with trl_gc_plugin.installed():
+        model = make_model()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model.enable_input_require_grads()
+            model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        model.train()
+        ids = torch.randint(3, 64, (2, 8))
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        route = trl_gc_plugin.routes.model_route._ROUTES.get(trl_gc_plugin.model.ckpt.unwrap(model))
+        ran = {(d.rule_id, d.action, d.after) for d in route.run.decisions if d.stage == "init_end"}
+        route.end()
+    assert checked == ran, f"check {checked} run {ran}"
+    assert ("non-reentrant-default", "none", False) in checked  # verl's kwargs kept as passed, on both sides
