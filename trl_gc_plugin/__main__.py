@@ -28,8 +28,8 @@ def trainer_kinds() -> tuple[str, ...]:
 
 
 CHECK_DESCRIPTION = """Check training configs before launching: read each file the way its launcher does (TRL CLI,
-Axolotl, LLaMA-Factory, a plain TrainingArguments JSON, or an OpenRLHF command line in a shell script, expanded as bash
-would without running it), run the plugin's rules on what it says, and print the facts (and where each came from),
+Axolotl, LLaMA-Factory, a plain TrainingArguments JSON, an OpenRLHF or verl command line in a shell script, expanded as
+bash would without running it, or a verl YAML config), run the plugin's rules on what it says, and print the facts (and where each came from),
 the decisions and the one change to make. Exit status: 0 every file fine; 1 strict mode (or the launcher itself)
 refuses at least one; 2 at least one file cannot be read, has no recognised format, is read only in part where the
 verdict depends on what was not read, or an option is invalid."""
