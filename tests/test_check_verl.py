@@ -65,7 +65,7 @@ def test_a_yaml_config_ulysses_fsdp2_is_refused():
     report = check(DATA / "verl_ppo.yaml")
     assert report.format == "verl" and report.status == "refused"
     assert rules(report)["verl:ulysses-fsdp2-checkpointing"] == "error"
-    assert report.change == "set actor_rollout_ref.actor.strategy=fsdp (FSDP1 works with Ulysses, verl #4664)"
+    assert report.change.startswith("set actor_rollout_ref.actor.strategy=fsdp (engine.strategy=fsdp for sft_trainer)")
     assert report.facts.world_size == 16 and report.facts.fsdp_version == 2
 
 
@@ -338,3 +338,19 @@ def test_the_check_and_the_run_agree(tmp_path, lora):
         route.end()
     assert checked == ran, f"check {checked} run {ran}"
     assert ("non-reentrant-default", "none", False) in checked  # verl's kwargs kept as passed, on both sides
+
+
+@pytest.mark.parametrize(
+    ("flags", "status"),
+    [
+        ("--config-path=config --config-name=ppo_megatron_trainer", "ok"),  # verl's own, beside the entry
+        ("--config-name='ppo_megatron_trainer.yaml'", "ok"),
+        ("--config-path=/srv/my_configs --config-name=my_ppo", "incomplete"),
+        ("--config-name=my_ppo", "incomplete"),
+    ],
+)
+def test_a_config_of_ones_own_is_unread(tmp_path, flags, status):
+    report = check(write(tmp_path, run([flags, "actor_rollout_ref.model.path=Qwen/Qwen3-8B"])))
+    assert report.status == status, report.unread
+    if status == "ok":
+        assert report.sources["strategy"].value == "megatron"

@@ -399,7 +399,8 @@ RULES: tuple[LauncherRule, ...] = (
             "are ulysses_sequence_parallel_size times the saved ones): FSDP2 with Ulysses sequence parallelism and "
             "checkpointing, reported on verl 0.6.1 and open (#4664); FSDP1 with Ulysses and FSDP2 without it work."
         ),
-        change="set actor_rollout_ref.actor.strategy=fsdp (FSDP1 works with Ulysses, verl #4664)",
+        change="set actor_rollout_ref.actor.strategy=fsdp (engine.strategy=fsdp for sft_trainer): FSDP1 works with "
+        "Ulysses, verl #4664",
         evidence=(SOURCES["ulysses"], SOURCES["enable"]),
         when=lambda v: v.strategy == "fsdp2" and v.ulysses > 1 and v.gc and not v.offload,
         remove_when="verl #4664 is fixed in the verl release the launch uses",
@@ -417,8 +418,8 @@ RULES: tuple[LauncherRule, ...] = (
             "and makes a block selective, that block keeps the router's gate output, so its recompute routes as the "
             "forward did; the plugin's run with verl's MoE path is not tested."
         ),
-        change="set actor_rollout_ref.actor.strategy=fsdp (FSDP1 trains this config, verl #7016), or "
-        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        change="set actor_rollout_ref.actor.strategy=fsdp (engine.strategy=fsdp for sft_trainer): FSDP1 trains this "
+        "config, verl #7016; or enable_gradient_checkpointing=False",
         evidence=(SOURCES["moe"], SOURCES["policies"], SOURCES["enable"]),
         when=lambda v: bool(v.moe) and v.strategy == "fsdp2" and v.gc and not v.offload,
         remove_when="verl #7016 and #3258 are fixed in the verl release the launch uses",
@@ -578,6 +579,32 @@ def _int(v: _Values, path: str, key: str, default: int) -> tuple[int, bool]:
     raise ConfigError(f"{path}: {v.where(key)}: verl reads a whole number here, got {value!r}")
 
 
+VERL_CONFIGS = frozenset(
+    {
+        "ppo_trainer",
+        "ppo_megatron_trainer",
+        "sft_trainer_engine",
+        "fully_async_ppo_trainer",
+        "fully_async_ppo_megatron_trainer",
+        "one_step_off_ppo_trainer",
+        "one_step_off_ppo_megatron_trainer",
+    }
+)
+"""verl's own top-level training configs (`verl/**/config/*.yaml` at 1dda039): their defaults are the ones modelled;
+`--config-path config` (or `./config`) is the entry's own directory (Hydra resolves it beside the `@hydra.main` file)."""
+
+
+def _config_unread(config: Config) -> str | None:
+    """What of a `--config-path` / `--config-name` the check does not read: a config of the user's own."""
+    name = str(config.values.get("verl_config_name", "")).removesuffix(".yaml")
+    path = config.values.get("verl_config_path")
+    if path is not None and str(path).rstrip("/") not in ("config", "./config"):
+        return f"--config-path {path} --config-name {name or '(the entry default)'}: a config of your own, not read"
+    if name and name not in VERL_CONFIGS:
+        return f"--config-name {name}: not one of verl's configs; its contents are not read"
+    return None
+
+
 def _strategy(v: _Values, config: Config, keys: _Keys, sft: bool) -> tuple[str, str]:
     """(strategy, where it comes from)."""
     value, written = v.get(keys.strategy, None)
@@ -647,6 +674,8 @@ def read(config: Config, ctx: Context) -> Reading:
         reading.training = False
         reading.notes.append(f"{config.path} runs {entry}: nothing trains, so checkpointing does not apply")
         return reading
+    if (own := _config_unread(config)) is not None:
+        reading.unread.append(f"{own} (its defaults decide checkpointing, strategy and LoRA here)")
     strategy, strategy_why = _strategy(v, config, keys, kind == "sft")
     if strategy not in STRATEGIES:
         reading.unread.append(
