@@ -354,3 +354,13 @@ def test_a_config_of_ones_own_is_unread(tmp_path, flags, status):
     assert report.status == status, report.unread
     if status == "ok":
         assert report.sources["strategy"].value == "megatron"
+
+
+def test_a_ray_job_runtime_env_that_passes_the_variable(tmp_path):
+    submit = "export TRL_GC_PLUGIN=1\nray job submit --runtime-env-json='{\"env_vars\": {\"TRL_GC_PLUGIN\": \"1\"}}' -- "
+    report = check(write(tmp_path, submit + run(["actor_rollout_ref.model.path=Qwen/Qwen3-8B"])))
+    assert report.format == "verl" and "verl:plugin-not-in-ray-workers" not in rules(report)
+    other = submit.replace('"TRL_GC_PLUGIN": "1"', '"X": "1"')
+    assert rules(check(write(tmp_path, other + run(["actor_rollout_ref.model.path=Qwen/Qwen3-8B"]))))[
+        "verl:plugin-not-in-ray-workers"
+    ] == "warn"

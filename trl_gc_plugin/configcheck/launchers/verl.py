@@ -188,6 +188,11 @@ def parse_command(path: str, text: str) -> Config:
     exported += [w.split("=", 1)[1] for w in expanded.words[:start] if w.startswith("TRL_GC_PLUGIN=")]
     if exported:
         values["verl_env"] = exported[-1]
+    for i, word in enumerate(expanded.words[:start]):  # `ray job submit --runtime-env(-json) ... -- python3 -m ...`
+        flag, eq, inline = word.partition("=")
+        if flag in ("--runtime-env-json", "--runtime-env"):
+            value = inline if eq else (expanded.words[i + 1] if i + 1 < start else "")
+            values["verl_ray_job_env"] = (flag, shell.readable(value))
     values[OVERRIDES] = overrides
     values[UNREAD] = {"values": unread_values, "hidden": hidden, "launch": launch_unread, "notes": notes}
     return Config(path=path, values=values, keys=tuple(values), kind="command")
@@ -808,6 +813,14 @@ def _rules(
         k.startswith("ray_kwargs.ray_init.runtime_env.env_vars") and "TRL_GC_PLUGIN" in k for k in v.values
     )
     exported = config.values.get("verl_env") not in (None, "", "0")
+    job_env = config.values.get("verl_ray_job_env")
+    if job_env is not None and exported and not env_passed:
+        flag, value = job_env
+        if flag == "--runtime-env-json" and "TRL_GC_PLUGIN" in value:
+            env_passed = True
+        elif flag == "--runtime-env":  # a file: whether it passes the variable is not read
+            env_passed = True
+            reading.notes.append(f"ray job submit --runtime-env {value}: pass TRL_GC_PLUGIN under its env_vars")
     view = View(
         strategy=strategy,
         gc=gc,
