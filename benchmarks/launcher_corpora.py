@@ -9,10 +9,11 @@ DeepSpeed config, lands here), and internal errors of the check (must be 0).
 
     python benchmarks/launcher_corpora.py --repo trl=/path/to/trl.git --repo axolotl=... [--out results/x.json]
 
-`--repo NAME=GIT_DIR@REV` reads a tag or commit instead of HEAD (OpenRLHF's v0.11.0 and v0.9.10 were read too).
+`--repo NAME=GIT_DIR@REV` reads a tag or commit instead of HEAD (OpenRLHF's v0.11.0 and v0.9.10 were read too);
+`--no-script-args` checks each corpus a second time with the scripts' own arguments (`"$@"`) read as none.
 
 Selection: TRL `examples/cli_configs/*.yaml`; Axolotl `examples/**/*.y*ml`; LLaMA-Factory `examples/**/*.yaml`;
-OpenRLHF `examples/scripts/*.sh`. Writes benchmarks/results/launcher_corpora.json (per file: status, format, what was
+OpenRLHF `examples/scripts/*.sh`; verl `examples/**/*.sh` (issue 44). Writes benchmarks/results/launcher_corpora.json (per file: status, format, what was
 not read, the error) and prints the counts.
 """
 
@@ -32,6 +33,7 @@ SELECT = {
     "axolotl": ("examples/*.yml", "examples/*.yaml"),
     "llamafactory": ("examples/*.yaml",),
     "openrlhf": ("examples/scripts/*.sh",),
+    "verl": ("examples/*.sh",),
 }
 
 
@@ -44,7 +46,7 @@ def files_of(repo: str, patterns: tuple[str, ...], rev: str = "HEAD") -> list[st
     return sorted(n for n in names if any(fnmatch.fnmatch(n, p) for p in patterns))
 
 
-def check_corpus(name: str, repo: str, workdir: Path, rev: str = "HEAD") -> dict:
+def check_corpus(name: str, repo: str, workdir: Path, rev: str = "HEAD", no_script_args: bool = False) -> dict:
     from trl_gc_plugin.configcheck.check import Launch, check_files
 
     commit = _git(repo, "rev-parse", f"{rev}^{{commit}}").strip()
@@ -56,7 +58,7 @@ def check_corpus(name: str, repo: str, workdir: Path, rev: str = "HEAD") -> dict
         target.write_bytes(subprocess.run(["git", "--git-dir", repo, "show", f"{rev}:{rel}"], capture_output=True,
                                           check=True).stdout)
         paths.append(str(target))
-    reports = check_files(paths, Launch(parser="model"))
+    reports = check_files(paths, Launch(parser="model", no_script_args=no_script_args))
     files = []
     for path, report in zip(paths, reports, strict=True):
         files.append({
@@ -83,6 +85,8 @@ def main() -> int:
     parser.add_argument("--repo", action="append", default=[], metavar="NAME=GIT_DIR",
                         help=f"a launcher's repository snapshot, NAME one of {', '.join(SELECT)}")
     parser.add_argument("--out", default=str(RESULTS / "launcher_corpora.json"))
+    parser.add_argument("--no-script-args", action="store_true",
+                        help='also check each corpus with the scripts\' own arguments ("$@") read as none (key NAME+no-args)')
     ns = parser.parse_args()
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,6 +99,10 @@ def main() -> int:
             result[key] = check_corpus(name, repo, Path(tmp), rev or "HEAD")
             counts = result[key]["counts"]
             print(f"{key} @ {result[key]['commit'][:8]}: {json.dumps(counts)}", flush=True)
+            if ns.no_script_args:
+                result[key + "+no-args"] = check_corpus(name, repo, Path(tmp) / "no-args", rev or "HEAD", True)
+                counts = result[key + "+no-args"]["counts"]
+                print(f"{key}+no-args @ {result[key]['commit'][:8]}: {json.dumps(counts)}", flush=True)
     Path(ns.out).write_text(json.dumps(result, indent=2) + "\n")
     return 1 if any(r["counts"]["internal_errors"] for r in result.values()) else 0
 

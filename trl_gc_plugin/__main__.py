@@ -28,8 +28,8 @@ def trainer_kinds() -> tuple[str, ...]:
 
 
 CHECK_DESCRIPTION = """Check training configs before launching: read each file the way its launcher does (TRL CLI,
-Axolotl, LLaMA-Factory, a plain TrainingArguments JSON, or an OpenRLHF command line in a shell script, expanded as bash
-would without running it), run the plugin's rules on what it says, and print the facts (and where each came from),
+Axolotl, LLaMA-Factory, a plain TrainingArguments JSON, an OpenRLHF or verl command line in a shell script, expanded as
+bash would without running it, or a verl YAML config), run the plugin's rules on what it says, and print the facts (and where each came from),
 the decisions and the one change to make. Exit status: 0 every file fine; 1 strict mode (or the launcher itself)
 refuses at least one; 2 at least one file cannot be read, has no recognised format, is read only in part where the
 verdict depends on what was not read, or an option is invalid."""
@@ -65,7 +65,7 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         "--format",
         default="auto",
         metavar="FORMAT",
-        help="auto (default, from the keys), trl, axolotl, llamafactory, training-args or openrlhf",
+        help="auto (default, from the keys), trl, axolotl, llamafactory, training-args, openrlhf or verl",
     )
     parser.add_argument(
         "--parser",
@@ -95,6 +95,12 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip, silently, files that are no training config of a known launcher (a pre-commit hook over every "
         "YAML / JSON / shell file); files that are but cannot be read stay errors",
+    )
+    parser.add_argument(
+        "--no-script-args",
+        action="store_true",
+        help='read a shell script\'s own arguments ("$@") as none: the script as launched without arguments (by '
+        "default they are unread, and a verdict depending on them is incomplete)",
     )
     parser.add_argument(
         "--json",
@@ -179,6 +185,7 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
         parser=ns.parser,
         accelerate_config=accelerate,
         timeout=timeout,
+        no_script_args=bool(getattr(ns, "no_script_args", False)),
     )
     return launch, resolved.mode
 

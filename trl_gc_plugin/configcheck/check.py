@@ -57,6 +57,7 @@ class Launch:
     parser: str = "auto"
     accelerate_config: str | None = None
     timeout: float = 120.0
+    no_script_args: bool = False
 
 
 @dataclass
@@ -275,6 +276,7 @@ def _first_read(index: int, path: str, launch: Launch) -> _Read:
         nproc=launch.nproc,
         trainer=launch.trainer,
         accelerate_config=launch.accelerate_config,
+        no_script_args=launch.no_script_args,
         versions={k: v.value for k, v in versions.items()},
         version_origins={k: v.origin for k, v in versions.items()},
     )
@@ -371,6 +373,9 @@ SHOWN = (
     ("model.config.use_cache", "use_cache"),
     ("trainer", "trainer_kind"),
     ("processes", "world_size"),
+    ("verl strategy", "strategy"),
+    ("MoE model", "moe"),
+    ("Ulysses sequence parallel size", "ulysses"),
     ("DeepSpeed ZeRO stage", "zero_stage"),
     ("DeepSpeed activation_checkpointing", "deepspeed_activation_checkpointing"),
     ("FSDP", "fsdp"),

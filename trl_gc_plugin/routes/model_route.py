@@ -98,7 +98,8 @@ class ModelRoute:
         self.kwargs = dict(kwargs) if kwargs is not None else None
         self.known = known
         self.run = Run(settings, cache_switch=False, route_facts=ROUTE_FACTS)
-        self.state = "new"  # then `decided`, `first step` (its checks armed), `done` (first step checked), `ended`
+        self.state = "new"  # then `decided`, `first step` (its checks armed), `done` (first step checked), `ended`;
+        # `standing back`: the loop checkpoints by its own means, only its first step's gradients are looked at
         self._calls: list[Any] = []
         self._tracked: tuple[weakref.ref[Any], int] | None = None
 
@@ -148,7 +149,7 @@ class ModelRoute:
         model = self.model_ref()
         if self.run.stopped:  # refused, or failed: the run removed its hooks itself
             self.state = "ended"
-        if self.state in ("done", "ended") or model is None:  # the first step is over: nothing more to see here
+        if self.state in ("done", "ended", "standing back") or model is None:  # nothing more to see here
             for handle in self._calls:
                 self.run.hooks.discard(handle)
             self._calls = []
@@ -161,7 +162,11 @@ class ModelRoute:
                 self.end("the model's parameters changed without a torch optimizer step (an update by hand?)")
             return
         if not probe.checkpointing_on(model):  # turned off again before training: nothing to guard
-            self.end()
+            if self._stand_back(model):  # the loop's own checkpointing: its first step is still checked
+                self.state = "standing back"
+                self.run.hooks.optimizer_step(self._on_own_step)
+            else:
+                self.end()
             return
         if self.state == "new":
             self.decide()
@@ -170,6 +175,45 @@ class ModelRoute:
         self.run.hooks.optimizer_step(self._on_step)
         self._tracked = _version_of(model)
         self.state = "first step"
+
+    def _stand_back(self, model: Any) -> bool:
+        """Say once that the loop checkpoints by its own means, where checkpointing was turned off again and the loop
+        replaced the forward of checkpointable blocks (verl's activation offloader wraps each FSDP unit in its own
+        reentrant `torch.utils.checkpoint`); a plain turn-off stays silent. True when it stands back."""
+        blocks = ckpt.blocks(ckpt.unwrap(model))
+        replaced = sum(1 for block in blocks if "forward" in vars(block))
+        if replaced:
+            report.note(
+                f"{type(ckpt.unwrap(model)).__name__}: checkpointing was enabled, then turned off again before "
+                f"training, and the loop replaced the forward of {replaced} of its {len(blocks)} blocks (as verl's "
+                "activation offloader does to checkpoint each unit itself): the plugin stands back; it guards "
+                "transformers' checkpointing only, not the loop's own.",
+                "info",
+                main_process=report.is_main_process(),
+            )
+        return bool(replaced)
+
+    def _on_own_step(self, optimizer: Any) -> None:
+        """At the first step of a loop that checkpoints by its own means: say which trainable block tensors got no
+        gradient (a reentrant wrapper whose inputs do not require grad: frozen input embeddings without
+        `enable_input_require_grads()` train nothing inside the blocks, silently), then end."""
+        model = self.model_ref()
+        if self.state != "standing back" or model is None or not _steps(optimizer, model):
+            return
+        with contained("the model route", self._fail):
+            base = ckpt.unwrap(model)
+            params = [p for block in ckpt.blocks(base) for p in block.parameters() if p.requires_grad]
+            missing = sum(1 for p in params if p.grad is None)
+            if missing:
+                report.note(
+                    f"{type(base).__name__}: at the first optimizer step {missing} of the {len(params)} trainable "
+                    "tensors in its blocks have no gradient under the loop's own checkpointing: a reentrant "
+                    "checkpoint whose inputs do not require grad (frozen input embeddings) trains nothing inside it; "
+                    "call model.enable_input_require_grads() before training, or checkpoint with use_reentrant=False.",
+                    "warning",
+                    main_process=report.is_main_process(),
+                )
+            self.end()
 
     def _on_step(self, optimizer: Any) -> None:
         model = self.model_ref()

@@ -90,7 +90,7 @@ class LauncherRule:
     """A verdict of a launcher's own code about a config, as data: `id` is `<launcher>:<name>`; `action` `error`
     (it refuses to start), `warn` (it warns, or reads the file otherwise than it seems to say) or `none`; `when` a
     predicate on the launcher module's view; `change` the one change to make; `disagreement` why the plugin decides
-    otherwise on purpose."""
+    otherwise on purpose; `remove_when` when the rule can go."""
 
     id: str
     action: Action
@@ -101,6 +101,7 @@ class LauncherRule:
     when: Callable[[Any], bool]
     change: str = ""
     disagreement: str = ""
+    remove_when: str = ""
 
     def decision(self, version: str, before: Any = None, source: str = "user") -> Decision:
         """This rule's verdict, never applied; `before` is the value it is about, `source` who set it."""
@@ -148,6 +149,7 @@ class Context:
     nproc: int | None = None
     trainer: str | None = None
     accelerate_config: str | None = None
+    no_script_args: bool = False
     versions: Mapping[str, str | None] = field(default_factory=dict)
     version_origins: Mapping[str, str] = field(default_factory=dict)
 

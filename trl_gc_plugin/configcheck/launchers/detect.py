@@ -26,8 +26,15 @@ def _names(keys: set[str]) -> str:
 def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
     """`(format, why)` for `config`."""
     keys = set(config.keys)
+    command = "verl" if "verl_entry" in config.values else "openrlhf"
+    if forced != "auto" and config.kind == "command" and forced != command:
+        raise ConfigError(
+            f"{config.path}: --format {forced}: the script runs a {NAMES[command]} command, not a {forced} config"
+        )
     if forced != "auto":
         return forced, "--format"
+    if config.kind == "command" and command == "verl":
+        return "verl", f"the command runs {config.values['verl_entry']}"
     if config.kind == "command":
         return "openrlhf", f"the command runs openrlhf.cli.{config.values.get('openrlhf_entry')}"
     if keys & LLAMAFACTORY_V1_KEYS and "model" in keys:

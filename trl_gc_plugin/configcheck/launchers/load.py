@@ -54,19 +54,29 @@ def load(path: str, wanted: frozenset[str] | None = None) -> Config:
     if path.lower().endswith(".json"):
         return _whole(path, _json(text, path), wanted, "json")
     if _is_command(path, text):
-        from .openrlhf import parse_command
+        from . import openrlhf, verl
 
-        return parse_command(path, text)
+        if "openrlhf.cli." in text or not verl.mentions(text):
+            return openrlhf.parse_command(path, text)
+        try:
+            return verl.parse_command(path, text)
+        except NotTrainingConfig as exc:  # no verl command: an OpenRLHF one may come from a sourced file
+            try:
+                return openrlhf.parse_command(path, text)
+            except NotTrainingConfig:
+                raise exc from None
     _check_nesting(text, path)
     return _load_yaml(path, text, wanted)
 
 
 def _is_command(path: str, text: str) -> bool:
-    """A shell script (never YAML), or a text file that is not YAML holding an OpenRLHF command line."""
+    """A shell script (never YAML), or a text file that is not YAML holding an OpenRLHF or verl command line."""
     lower = path.lower()
     if lower.endswith((".sh", ".bash")):
         return True
-    return "openrlhf.cli." in text and (lower.endswith((".txt", ".cmd")) or not lower.endswith((".yaml", ".yml")))
+    return ("openrlhf.cli." in text or "-m verl." in text) and (
+        lower.endswith((".txt", ".cmd")) or not lower.endswith((".yaml", ".yml"))
+    )
 
 
 MAX_DEPTH = 1000

@@ -219,7 +219,9 @@ def read(config: Config, ctx: Context) -> Reading:
 def _unread(config: Config, reading: Reading, ctx: Context, flags: set[str]) -> None:
     """What the expansion left unread: in `Reading.unread` where the verdict depends on it, else as a note."""
     unread = config.values.get(UNREAD) or {}
-    for what in unread.get("hidden", []):
+    hidden, notes = shell.unread_words(unread.get("hidden", []), ctx.no_script_args)
+    reading.notes += notes
+    for what in hidden:
         reading.unread.append(f"{shell.readable(what)}: may hold any flag (checkpointing, LoRA, 4-bit, ZeRO stage)")
     for name, whats in unread.get("values", {}).items():
         said = ", ".join(shell.readable(w) for w in whats)

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import axolotl, llamafactory, openrlhf, training_args, trl
+from . import axolotl, llamafactory, openrlhf, training_args, trl, verl
 
 LAUNCHERS: dict[str, ModuleType] = {
     "trl": trl,
     "axolotl": axolotl,
     "llamafactory": llamafactory,
     "openrlhf": openrlhf,
+    "verl": verl,
     "training-args": training_args,
 }
-NAMES = {"trl": "TRL", "axolotl": "Axolotl", "llamafactory": "LLaMA-Factory", "openrlhf": "OpenRLHF"}
+NAMES = {"trl": "TRL", "axolotl": "Axolotl", "llamafactory": "LLaMA-Factory", "openrlhf": "OpenRLHF", "verl": "verl"}
 """How messages name the launchers `detect` tells by marker keys (a plain arguments file is told by its fields)."""

@@ -44,6 +44,9 @@ class Expanded:
     words: list[str]
     unresolved: list[str] = field(default_factory=list)
     many: frozenset[int] = frozenset()
+    alternatives: dict[int, list[list[str]]] = field(default_factory=dict)
+    """For a placeholder of a variable set inside a block: the words of each value the script gives it (the one
+    before the block, then each inside it), one of which it holds when the command runs."""
 
     def what(self, word: str) -> list[str]:
         """What the placeholders inside `word` stand for (empty: the word was read whole)."""
@@ -64,11 +67,15 @@ class _Scope:
     unresolved: list[str] = field(default_factory=list)
     many: set[int] = field(default_factory=set)
     missing_sources: list[str] = field(default_factory=list)
+    branches: dict[str, list[list[str]]] = field(default_factory=dict)  # name -> the words of each value given
+    alternatives: dict[int, list[list[str]]] = field(default_factory=dict)
 
-    def placeholder(self, what: str, many: bool = False) -> str:
+    def placeholder(self, what: str, many: bool = False, name: str = "") -> str:
         self.unresolved.append(what)
         if many:
             self.many.add(len(self.unresolved) - 1)
+        if name in self.branches:
+            self.alternatives[len(self.unresolved) - 1] = [list(w) for w in self.branches[name]]
         return PLACEHOLDER.format(len(self.unresolved) - 1)
 
     def expand(self, text: str) -> str:
@@ -95,11 +102,12 @@ class _Scope:
         if array:
             name = array.group(1)
             if name in self.arrays:
-                return " ".join(shlex.quote(w) if _PLACEHOLDER.search(w) is None else w for w in self.arrays[name])
+                # an element that is a placeholder alone stays unquoted (it may stand for several words)
+                return " ".join(w if _PLACEHOLDER.fullmatch(w) else shlex.quote(w) for w in self.arrays[name])
             if name in self.scalars:
                 return self.scalars[name]
             return self.placeholder(
-                f"{spelled}: {self.unknown.get(name, 'an array the script does not set')}", many=True
+                f"{spelled}: {self.unknown.get(name, 'an array the script does not set')}", many=True, name=name
             )
         element = re.fullmatch(r"([A-Za-z_]\w*)\[(\d+)\]", inner)
         if element and element.group(1) in self.arrays:
@@ -112,7 +120,7 @@ class _Scope:
             if name in self.scalars or name in self.arrays:
                 return self._variable(name, spelled)
             if name in self.unknown:
-                return self.placeholder(f"{spelled}: {self.unknown[name]}")
+                return self.placeholder(f"{spelled}: {self.unknown[name]}", name=name)
             return self.expand(default.group(2))
         if re.fullmatch(r"[A-Za-z_]\w*", inner):
             return self._variable(inner, spelled)
@@ -124,7 +132,7 @@ class _Scope:
         if name in self.arrays:
             return self.arrays[name][0] if self.arrays[name] else ""
         why = "a script argument" if name.isdigit() or name in "@*#" else "not set in the script (the environment's)"
-        return self.placeholder(f"{spelled}: {self.unknown.get(name, why)}", many=name in "@*")
+        return self.placeholder(f"{spelled}: {self.unknown.get(name, why)}", many=name in "@*", name=name)
 
     def words(self, text: str) -> list[str]:
         try:
@@ -152,10 +160,43 @@ def _statements(text: str) -> list[str]:
             end = next(ends, len(lines) - 1)
             out.append("\n".join([stripped, *lines[i + 1 : end + 1]]))
             i = end + 1
+        elif assign and _quote_open(assign.group(3)):  # `X="` ... `"`: a quoted value over several lines
+            ends = (
+                j
+                for j in range(i + 1, len(lines))
+                if not _quote_open("\n".join([assign.group(3), *lines[i + 1 : j + 1]]))
+            )
+            end = next(ends, len(lines) - 1)
+            out.append("\n".join([stripped, *lines[i + 1 : end + 1]]))
+            i = end + 1
         else:
             out.append(stripped)
             i += 1
     return out
+
+
+def _quote_open(value: str) -> bool:
+    """Whether `value` ends inside a quoted string (a `#` outside quotes ends the line's words)."""
+    quote = ""
+    i = 0
+    while i < len(value):
+        ch = value[i]
+        if quote:
+            if ch == "\\" and quote == '"':
+                i += 1
+            elif ch == quote:
+                quote = ""
+        elif ch == "\\":
+            i += 1
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or value[i - 1].isspace()):
+            nl = value.find("\n", i)
+            if nl == -1:
+                return False
+            i = nl
+        i += 1
+    return bool(quote)
 
 
 def _closed(value: str) -> bool:
@@ -190,6 +231,15 @@ def _assign(scope: _Scope, statement: str, in_block: bool) -> bool:
         _assign(scope, statement[: len(statement) - len(rest)], in_block)
         return _assign(scope, tail, in_block)
     if in_block:
+        before = scope.arrays.get(name, [scope.scalars[name]] if name in scope.scalars else None)
+        if name not in scope.unknown:
+            scope.branches[name] = [] if before is None else [before]
+        if name in scope.branches:  # `+=` adds to the value before the block (in a loop: the words it may hold)
+            value = value.strip()
+            body = value[1 : value.rfind(")")] if value.startswith("(") and ")" in value else value
+            words = scope.words(body) if value.startswith("(") else " ".join(scope.words(value)).split()
+            base = scope.branches[name][0] if append and scope.branches[name] else []
+            scope.branches[name].append(base + words)
         scope.unknown[name] = "set inside a loop, a branch or a function"
         scope.scalars.pop(name, None)
         scope.arrays.pop(name, None)
@@ -200,12 +250,14 @@ def _assign(scope: _Scope, statement: str, in_block: bool) -> bool:
         words = scope.words(body)
         scope.arrays[name] = (scope.arrays.get(name, []) if append else []) + words
         scope.scalars.pop(name, None)
+        scope.branches.pop(name, None)
         return True
     words = scope.words(value) if value else [""]
     text = " ".join(words) if len(words) != 1 else words[0]
     scope.scalars[name] = (scope.scalars.get(name, "") if append else "") + text
     scope.arrays.pop(name, None)
     scope.unknown.pop(name, None)
+    scope.branches.pop(name, None)
     return True
 
 
@@ -306,7 +358,29 @@ def _find(scope: _Scope, text: str, marker: str, depth: int, found: list[Expande
         if payload is not None and marker in payload and depth < 3:
             _find(scope, payload, marker, depth + 1, found, base_dir)
         elif any(marker in w for w in words):
-            found.append(Expanded(words, list(scope.unresolved), frozenset(scope.many)))
+            alternatives = {i: [list(w) for w in a] for i, a in scope.alternatives.items()}
+            found.append(Expanded(words, list(scope.unresolved), frozenset(scope.many), alternatives))
+
+
+SCRIPT_ARGS = ('"$@"', "$@", '"$*"', "$*", '"${@}"', "${@}")
+
+
+def script_args(what: str) -> bool:
+    """`what` (an unread word's description) is the script's own arguments (`"$@"`)."""
+    return what.split(":", 1)[0] in SCRIPT_ARGS
+
+
+def unread_words(whats: list[str], none_given: bool) -> tuple[list[str], list[str]]:
+    """(what stays unread, notes): the script's own arguments become a note when the check reads them as none."""
+    if not none_given:
+        return list(whats), []
+    notes = [
+        f"{readable(w.split(':', 1)[0])}: the script's arguments, read as none (--no-script-args): check the ones you "
+        "pass, too"
+        for w in whats
+        if script_args(w)
+    ]
+    return [w for w in whats if not script_args(w)], notes
 
 
 def readable(text: str) -> str:
