@@ -282,3 +282,26 @@ def test_a_forward_context_the_recompute_cannot_reenter_is_named(caplog, monkeyp
         loss.backward()
     said = [r.getMessage() for r in caplog.records if "the test's context" in r.getMessage()]
     assert len(said) == 1 and "= True, its recompute in the backward runs with False" in said[0]
+
+
+def test_an_fp8_model_is_said_and_gets_no_memory_plan():
+    """torchao is not installed here: a module class of its name stands in (the plugin reads the class name)."""
+
+    class Float8Linear(torch.nn.Linear):
+        pass
+
+    def build():
+        model = _causal("LlamaConfig", **LLAMA_LIKE)()
+        mlp = model.model.layers[0].mlp
+        fp8 = Float8Linear(mlp.up_proj.in_features, mlp.up_proj.out_features, bias=False)
+        fp8.weight = mlp.up_proj.weight
+        mlp.up_proj = fp8
+        return model
+
+    arch = Arch("llama_fp8", build, lm_batch, ("q_proj", "v_proj"))
+    outcome = run(arch, "full", "unset", plugin="strict", memory_budget="auto")
+    assert outcome.error is None
+    said = [d for d in outcome.decisions if d.rule_id == "fp8-checkpointing"]
+    assert said and said[0].action == "warn" and "Float8Linear" in said[0].reason
+    plans = [d for d in outcome.decisions if d.rule_id == "memory-plan"]
+    assert plans and plans[0].reason.startswith("No memory plan: the model trains in FP8")

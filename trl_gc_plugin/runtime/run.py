@@ -133,6 +133,10 @@ class Run(Record):
         if settings.memory_budget is not None and not self.stands_back():
             if compiled:
                 self.record([no_plan(f"{compiled}, and the estimate runs the eager forward")])
+            elif facts.fp8:  # rule `fp8-checkpointing`: what FP8 blocks keep is not what the estimate counts
+                self.record(
+                    [no_plan(f"the model trains in FP8 ({facts.fp8}), whose activations the planner cannot price")]
+                )
             else:
                 self.memory_plan = MemoryPlan(self, settings.memory_budget)  # its hooks go at stop
                 self.memory_plan.install(model)
