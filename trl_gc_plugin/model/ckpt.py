@@ -3,7 +3,9 @@ and `_gradient_checkpointing_func` (transformers' `functools.partial(torch.utils
 
 In front of that partial may stand the plugin's first-forward observer (`real()` looks behind it) and a launcher's
 `functools.wraps` wrapper (LLaMA-Factory's: `inner()`, `wrapped()`), which every writer keeps, rebuilt around the new
-partial.
+partial. Why keep it: the wrapper does work of its own (LLaMA-Factory's `custom_gradient_checkpointing_func` makes the
+hidden states require grad and skips frozen layers), chosen on purpose; a bare partial in its place would silently
+drop that. `use_reentrant` and the other keywords are read from, and written into, the partial inside.
 """
 
 from __future__ import annotations

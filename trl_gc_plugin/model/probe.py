@@ -26,7 +26,9 @@ logger = logging.getLogger("trl_gc_plugin")
 NEW_KWARGS, OLD_KWARGS = "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"
 NEW_FLAG, OLD_FLAG = "activation_checkpointing", "gradient_checkpointing"
 
-# transformers' `enable_input_require_grads` hook and PEFT/TRL's fallback
+# Forward hooks on the input embeddings that make their output require grad, found by the function's name. Two names,
+# one letter apart, both meant: `make_inputs_require_grads` is transformers' (`enable_input_require_grads`),
+# `make_inputs_require_grad` PEFT's and TRL's own fallback. Do not "fix" either spelling.
 INPUT_GRAD_HOOK_NAMES = frozenset({"make_inputs_require_grads", "make_inputs_require_grad"})
 
 

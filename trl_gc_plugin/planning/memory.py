@@ -631,6 +631,9 @@ def _vocab_size(model: Any) -> int:
 
 
 def _transient(config: Any, attn: str, batch_size: int, seq_len: int, act: int) -> int:
+    """The gradient buffers alive inside one block's backward besides its saved activations: `batch x seq x
+    (intermediate + hidden)` elements of the activation dtype, and with eager attention the `s x s` scores' gradient
+    per head. An analytic bound from the config, not a measurement."""
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     sizes = (getattr(config, name, None) for name in ("intermediate_size", "ffn_dim", "n_inner", "d_ff"))
     intermediate = next((v for v in sizes if isinstance(v, int) and v > 0), 4 * hidden)

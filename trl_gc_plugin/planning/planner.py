@@ -1,11 +1,14 @@
 """Plan the cheapest checkpointing that fits an activation-memory budget (`plan`), and apply it to a live model.
 
-Predicted peak (above weights and optimizer state, gradients allocated in the backward): the largest of the loss head
-(everything saved plus two float32 `batch x seq x vocab` buffers), each block's backward (what blocks `0..i` keep,
-what block `i` rebuilds, the keyword tensors, the gradients of blocks `i..L-1` and the head, one block's gradient
-buffers) and the end (every gradient). Recompute cost: a block's matmul and attention FLOPs plus `balance` per byte
-its other ops write; selective recomputes only the latter, plus `op_overhead` per aten op (its policy runs in Python).
-Both constants rank candidates (fitted with `benchmarks/planner.py`); they do not promise a step time.
+Predicted peak (above weights and optimizer state): the largest of the loss head (everything saved plus two float32
+`batch x seq x vocab` buffers), each block's backward (what blocks `0..i` keep, what block `i` rebuilds, the keyword
+tensors, the gradients of blocks `i..L-1` and the head, one block's gradient buffers) and the end (every gradient).
+It assumes the parameter gradients are allocated during the backward, as `zero_grad(set_to_none=True)` (the
+Trainer's and torch's default) leaves them; with `set_to_none=False`, or after the first micro-step of gradient
+accumulation, they already sit in memory: `grads_preallocated` then leaves them out of the activation peak.
+Recompute cost: a block's matmul and attention FLOPs plus `balance` per byte its other ops write; selective recomputes
+only the latter, plus `op_overhead` per aten op (its policy runs in Python). Both constants rank candidates (fitted
+with `benchmarks/planner.py`); they do not promise a step time.
 """
 
 from __future__ import annotations

@@ -129,6 +129,8 @@ class MemoryPlan(Check):
         if fsdp2 is not None:
             return fsdp2.grad_fraction
         if any(sharding.is_dtensor(p) for p in ckpt.unwrap(model).parameters()):
+            # tensor parallelism shards the activations too (each rank holds a slice of the hidden states or heads),
+            # which the activation estimate does not model: a plan would be priced on the wrong bytes
             self.run.record([no_plan("not planned under tensor parallelism (DTensor parameters, no FSDP2)")])
             return None
         fsdp1 = sharding.fsdp1_layout(model)
