@@ -29,10 +29,10 @@ def trainer_kinds() -> tuple[str, ...]:
 
 CHECK_DESCRIPTION = """Check training configs before launching: read each file the way its launcher does (TRL CLI,
 Axolotl, LLaMA-Factory, a plain TrainingArguments JSON, an OpenRLHF or verl command line in a shell script, expanded as
-bash would without running it, or a verl YAML config), run the plugin's rules on what it says, and print the facts (and where each came from),
-the decisions and the one change to make. Exit status: 0 every file fine; 1 strict mode (or the launcher itself)
-refuses at least one; 2 at least one file cannot be read, has no recognised format, is read only in part where the
-verdict depends on what was not read, or an option is invalid."""
+bash would without running it, or a verl YAML config), run the plugin's rules on what it says, and print the facts (and
+where each came from), the decisions and the one change to make. Exit status: 0 every file fine; 1 strict mode (or the
+launcher itself) refuses at least one; 2 at least one file cannot be read, has no recognised format, is read only in
+part where the verdict depends on what was not read, or an option is invalid."""
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +77,8 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--accelerate-config",
         metavar="PATH|NAME",
-        help="the accelerate config the launch uses (`accelerate launch --config_file`); TRL configs may name it in `accelerate_config:`",
+        help="the accelerate config the launch uses (`accelerate launch --config_file`); TRL configs may name it "
+        "in `accelerate_config:`",
     )
     parser.add_argument(
         "--timeout",

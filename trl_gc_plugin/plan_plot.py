@@ -13,7 +13,8 @@ class PlotUnavailable(RuntimeError):
 
 
 def plot(plan: Any, label: str, path: str) -> None:
-    """Write the candidates of `plan` (a `planner.Plan`) to the image `path` (its suffix picks the format: .png, .svg)."""
+    """Write the candidates of `plan` (a `planner.Plan`) to the image `path` (its suffix picks the format: .png,
+    .svg)."""
     try:
         import matplotlib
 

@@ -177,7 +177,8 @@ def change_line(reading: Reading, decisions: list[Decision], facts: Facts | None
 
 
 def _relabel(decisions: list[Decision], reading: Reading) -> list[Decision]:
-    """A `use_reentrant` the launcher wrote is `unknown` to the engine (as at runtime); the output names the launcher."""
+    """A `use_reentrant` the launcher wrote is `unknown` to the engine (as at runtime); the output names the
+    launcher."""
     if reading.value("use_reentrant_source") != "unknown":
         return decisions
     label = f"launcher ({reading.format})"

@@ -6,12 +6,12 @@ wheels; a version newer than every tested one gets the newest capabilities.
 
 | capability | transformers | read in the wheels of |
 |---|---|---|
-| `checkpointing_layer` (`GradientCheckpointingLayer`, the per-layer flag `every_n_layers` needs) | 4.52.0 | 4.51.3 (absent), 4.52.0 |
+| `checkpointing_layer` (`GradientCheckpointingLayer`, `every_n_layers` needs it) | 4.52.0 | 4.51.3 (absent), 4.52.0 |
 | `none_kwargs_reentrant` False (kwargs None -> non-reentrant) | 5.0.0 | 4.57.6 (`{"use_reentrant": True}`), 5.0.0 |
-| `enable_adds_input_hook` (enabling calls `enable_input_require_grads()` for `input_ids` models) | 5.0.0 | 4.57.6, 5.0.0 |
+| `enable_adds_input_hook` (enabling calls `enable_input_require_grads()`, `input_ids` models) | 5.0.0 | 4.57.6, 5.0.0 |
 | `every_n_layers` (model signature and Trainer pops it from the kwargs) | 5.16.0 | 5.15.0 (absent), 5.16.0 |
 | `empty_kwargs_to_none` (Trainer: `gc_kwargs or None`, so `{}` means the model default) | 5.16.0 | 5.15.0, 5.16.0 |
-| `offload` (model signature, `save_on_cpu(pin_memory=True)`; Trainer pops it) | 5.17.0 | 5.16.0 (absent), 5.17.0, 5.22.0 |
+| `offload` (signature, `save_on_cpu(pin_memory=True)`; Trainer pops it) | 5.17.0 | 5.16.0 (absent), 5.17.0, 5.22.0 |
 | `activation_fields` (`TrainingArguments.activation_checkpointing*`) | 5.23.0 | 5.22.0 (absent), 5.23.0, 5.24.0 |
 """
 

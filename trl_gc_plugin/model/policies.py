@@ -17,8 +17,9 @@ from typing import Any
 # are recomputed, its `scores @ V` is kept. An MoE router's gate is a matmul narrower than its input, kept by both
 # policies: the recompute reads the forward's router logits bitwise, so `softmax` and `topk` route as the forward did
 # (the concern of torchtitan #3146, which keeps `aten.topk` itself). `topk` is not kept: transformers' Mixtral and
-# Qwen-MoE (`norm_topk_prob`) routers normalise its values in place (`/=`), and torch refuses a mutated cache entry at the first backward
-# ("Tensor cached during selective activation checkpoint has been mutated", measured with torch 2.13 and 2.15).
+# Qwen-MoE (`norm_topk_prob`) routers normalise its values in place (`/=`), and torch refuses a mutated cache entry at
+# the first backward ("Tensor cached during selective activation checkpoint has been mutated", measured with torch
+# 2.13 and 2.15).
 _SAVE_NAMES = (
     "mm",
     "addmm",

@@ -42,8 +42,8 @@ def audit(run: Record, result: verify.AuditResult, probe_follows: bool) -> None:
     if result.broken:
         reason = (
             f"{len(result.broken)} of {result.checked} checkpointed block(s) with trainable parameters got no "
-            f"gradient at the first optimizer step ({names_of(result.broken)}): the first forward saw them run reentrant "
-            f"(use_reentrant={value!r}) with inputs that do not require grad. "
+            f"gradient at the first optimizer step ({names_of(result.broken)}): the first forward saw them run "
+            f"reentrant (use_reentrant={value!r}) with inputs that do not require grad. "
             + rule.message
             + " Switch the audit off with SafeGCCallback(audit=False) or TRL_GC_PLUGIN_AUDIT=0."
         )
@@ -56,16 +56,17 @@ def audit(run: Record, result: verify.AuditResult, probe_follows: bool) -> None:
     )
     if result.unused:
         reason = (
-            f"{len(result.unused)} trainable checkpointed block(s) got no gradient ({names_of(result.unused)}) although "
-            "they ran with inputs that require grad, or non-reentrant, or not at all: not the frozen-inputs failure; "
-            "the loss does not use them, or their recompute differs from their forward." + compare
+            f"{len(result.unused)} trainable checkpointed block(s) got no gradient ({names_of(result.unused)}) "
+            "although they ran with inputs that require grad, or non-reentrant, or not at all: not the frozen-inputs "
+            "failure; the loss does not use them, or their recompute differs from their forward." + compare
         )
         verdicts.append(runtime_decision(rule, "none", len(result.unused), len(result.unused), reason, level="info"))
     if result.zero:
         reason = (
-            f"{len(result.zero)} trainable checkpointed block(s) got a gradient of zeros only ({names_of(result.zero)}): "
-            "the loss does not depend on them in this batch, or their recompute differs from their forward (a side "
-            "input that a hook set for the forward and cleared before the backward)." + compare
+            f"{len(result.zero)} trainable checkpointed block(s) got a gradient of zeros only "
+            f"({names_of(result.zero)}): the loss does not depend on them in this batch, or their recompute differs "
+            "from their forward (a side input that a hook set for the forward and cleared before the backward)."
+            + compare
         )
         action: Action = "none" if probe_follows else "warn"
         verdicts.append(runtime_decision(rule, action, None, None, reason, level="info" if probe_follows else None))

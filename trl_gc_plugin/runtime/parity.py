@@ -295,7 +295,10 @@ def parity_probe(
     if made is not None:
         candidates.append(("synthetic", made))
     if not candidates:
-        result.skipped = f"no batch: the first training forward was not seen and main_input_name is {getattr(base, 'main_input_name', None)!r}"
+        result.skipped = (
+            "no batch: the first training forward was not seen and main_input_name is "
+            f"{getattr(base, 'main_input_name', None)!r}"
+        )
         return result
     failures = []
     for origin, (f_args, f_kwargs) in candidates:

@@ -18,11 +18,17 @@ from .deepspeed import read_deepspeed
 from .load import load_yaml_file
 
 EVIDENCE = (
-    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/commands/launch.py (_validate_launch_command: config values fill unset launch arguments)",
-    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/utils/launch.py (prepare_multi_gpu_env: ACCELERATE_DEEPSPEED_ZERO_STAGE, FSDP_ACTIVATION_CHECKPOINTING, FSDP_VERSION)",
-    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/utils/dataclasses.py (DeepSpeedPlugin: zero_stage defaults to 2)",
-    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/utils/dataclasses.py (FullyShardedDataParallelPlugin.__post_init__: FSDP1 sharding_strategy from FSDP_SHARDING_STRATEGY, FSDP2 reshard_after_forward from FSDP_RESHARD_AFTER_FORWARD)",
-    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/accelerator.py (FSDP1: sharding_strategy or reshard_after_forward)",
+    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/commands/launch.py "
+    "(_validate_launch_command: config values fill unset launch arguments)",
+    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/utils/launch.py (prepare_multi_gpu_env: "
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE, FSDP_ACTIVATION_CHECKPOINTING, FSDP_VERSION)",
+    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/utils/dataclasses.py (DeepSpeedPlugin: "
+    "zero_stage defaults to 2)",
+    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/utils/dataclasses.py "
+    "(FullyShardedDataParallelPlugin.__post_init__: FSDP1 sharding_strategy from FSDP_SHARDING_STRATEGY, FSDP2 "
+    "reshard_after_forward from FSDP_RESHARD_AFTER_FORWARD)",
+    "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/accelerator.py (FSDP1: sharding_strategy "
+    "or reshard_after_forward)",
 )
 
 FSDP_SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
@@ -112,7 +118,8 @@ def read_accelerate(file: str, overrides: dict[str, Any] | None = None) -> Accel
     kind = data.get("distributed_type", "NO")
     if not isinstance(kind, str) or kind.upper() not in DISTRIBUTED_TYPES:
         raise ConfigError(
-            f"{label}: key 'distributed_type': not one of accelerate's types ({', '.join(sorted(DISTRIBUTED_TYPES))}): {short(kind)}"
+            f"{label}: key 'distributed_type': not one of accelerate's types ({', '.join(sorted(DISTRIBUTED_TYPES))}): "
+            f"{short(kind)}"
         )
     kind = kind.upper()
     procs = overrides.get("num_processes", data.get("num_processes"))

@@ -39,16 +39,32 @@ SRC = f"https://github.com/axolotl-ai-cloud/axolotl/blob/{COMMIT}/src/axolotl/"
 VALIDATION = SRC + "utils/schemas/validation.py"
 
 SOURCES = {
-    "schema": f"{SRC}utils/schemas/config.py#L600-L635 (gradient_checkpointing, gradient_checkpointing_kwargs, selective_checkpointing, activation_offloading)",
-    "normalize": f"{SRC}utils/config/__init__.py#L377-L383 (normalize_config: use_reentrant True for SFT when nothing else sets it)",
-    "gemma4": f"{SRC}utils/config/__init__.py#L385-L415 (Gemma 4: use_reentrant False, ddp_find_unused_parameters True)",
+    "schema": (
+        f"{SRC}utils/schemas/config.py#L600-L635 (gradient_checkpointing, gradient_checkpointing_kwargs, "
+        "selective_checkpointing, activation_offloading)"
+    ),
+    "normalize": (
+        f"{SRC}utils/config/__init__.py#L377-L383 (normalize_config: use_reentrant True for SFT when nothing else "
+        "sets it)"
+    ),
+    "gemma4": (
+        f"{SRC}utils/config/__init__.py#L385-L415 (Gemma 4: use_reentrant False, ddp_find_unused_parameters True)"
+    ),
     "causal_ddp": f"{SRC}core/builders/causal.py#L262-L268 (SFT: ddp_find_unused_parameters=bool(cfg value) under DDP)",
     "rl_builder": f"{SRC}core/builders/rl.py#L101-L229 (RL: ddp_find_unused_parameters is not passed)",
     "builder_gc": f"{SRC}core/builders/base.py#L581-L610 (_configure_gradient_checkpointing)",
     "input_grads": f"{SRC}loaders/adapter.py#L427-L428 (enable_input_require_grads() for every adapter)",
-    "sac": f"{SRC}monkeypatch/selective_checkpointing.py#L317-L326 (selective checkpointing forces use_reentrant=False)",
-    "ac_wrap": f"{SRC}core/trainers/mixins/activation_checkpointing.py#L148-L150 (ac_wrap_hf_model: torch checkpoint_wrapper, NO_REENTRANT)",
-    "offload_cpu": f"{SRC}monkeypatch/gradient_checkpointing/offload_cpu.py#L38-L68 (legacy offloading: a reentrant-style autograd Function)",
+    "sac": (
+        f"{SRC}monkeypatch/selective_checkpointing.py#L317-L326 (selective checkpointing forces use_reentrant=False)"
+    ),
+    "ac_wrap": (
+        f"{SRC}core/trainers/mixins/activation_checkpointing.py#L148-L150 (ac_wrap_hf_model: torch "
+        "checkpoint_wrapper, NO_REENTRANT)"
+    ),
+    "offload_cpu": (
+        f"{SRC}monkeypatch/gradient_checkpointing/offload_cpu.py#L38-L68 (legacy offloading: a reentrant-style "
+        "autograd Function)"
+    ),
     "offload": f"{VALIDATION}#L1426-L1442 (offload -> activation_offloading)",
     "hidden_states": f"{VALIDATION}#L1497-L1515 (hidden_states: use_reentrant defaults to False)",
     "cp_env": "axolotl 0.19.0 utils/trainer.py setup_parallelism_envs: PARALLELISM_CONFIG_CP_SIZE, "
@@ -246,7 +262,10 @@ RULES: tuple[LauncherRule, ...] = (
         action="error",
         setting="adapter",
         condition="`load_in_4bit` or `load_in_8bit` without an `adapter` (and not `inference`)",
-        message='Axolotl refuses to start: "load_in_8bit and load_in_4bit are not supported without setting an adapter for training."',
+        message=(
+            'Axolotl refuses to start: "load_in_8bit and load_in_4bit are not supported without setting an adapter for '
+            'training."'
+        ),
         change="set `adapter: lora` (or `qlora`), or turn off load_in_4bit / load_in_8bit",
         evidence=(SOURCES["adapter"],),
         when=lambda v: (
@@ -310,7 +329,10 @@ RULES: tuple[LauncherRule, ...] = (
         action="error",
         setting="activation_offloading",
         condition="`selective_checkpointing` with `activation_offloading` other than false / hidden_states",
-        message="Axolotl refuses to start: selective checkpointing works only with `activation_offloading: hidden_states` (or false).",
+        message=(
+            "Axolotl refuses to start: selective checkpointing works only with `activation_offloading: hidden_states` "
+            "(or false)."
+        ),
         change="activation_offloading: hidden_states (or false)",
         evidence=(SOURCES["selective"],),
         when=lambda v: (
@@ -343,7 +365,10 @@ RULES: tuple[LauncherRule, ...] = (
         action="error",
         setting="use_reentrant",
         condition="`activation_offloading: hidden_states`, `use_reentrant: true` and `unfrozen_parameters`",
-        message="Axolotl refuses to start: hidden-states offloading with reentrant checkpointing is incompatible with `unfrozen_parameters`.",
+        message=(
+            "Axolotl refuses to start: hidden-states offloading with reentrant checkpointing is incompatible with "
+            "`unfrozen_parameters`."
+        ),
         change="gradient_checkpointing_kwargs: {use_reentrant: false}",
         evidence=(SOURCES["hidden_states"],),
         when=lambda v: (
@@ -357,7 +382,10 @@ RULES: tuple[LauncherRule, ...] = (
         action="error",
         setting="activation_offloading",
         condition="EBFT strided + `attn_implementation: flex_attention` + `activation_offloading: true`",
-        message="Axolotl refuses to start: activation offloading conflicts with flex_attention's reentrant requirement in EBFT strided mode.",
+        message=(
+            "Axolotl refuses to start: activation offloading conflicts with flex_attention's reentrant requirement in "
+            "EBFT strided mode."
+        ),
         change="remove activation_offloading",
         evidence=(f"{VALIDATION}#L1846-L1863 (check_ebft_activation_offloading)",),
         when=lambda v: v.ebft_strided_flex and v.activation_offloading is True,
@@ -387,7 +415,10 @@ RULES: tuple[LauncherRule, ...] = (
         action="none",
         setting="use_reentrant",
         condition="`adapter: qlora`, `use_reentrant: false` and a `deepspeed` path containing 'zero3'",
-        message="Axolotl only warns: \"qlora + zero3 with use_reentrant: false may result in a CheckpointError\", and only when the DeepSpeed path's text contains 'zero3'.",
+        message=(
+            'Axolotl only warns: "qlora + zero3 with use_reentrant: false may result in a CheckpointError", and only '
+            "when the DeepSpeed path's text contains 'zero3'."
+        ),
         evidence=(f"{VALIDATION}#L628-L644 (warn_qlora_zero3_w_use_reentrant)",),
         when=lambda v: (
             v.raw.get("adapter") == "qlora"
@@ -426,7 +457,10 @@ RULES: tuple[LauncherRule, ...] = (
         action="warn",
         setting="ddp_find_unused_parameters",
         condition="`rl` and `ddp_find_unused_parameters` in the file",
-        message="Axolotl's RL builder does not pass ddp_find_unused_parameters to the trainer, so the file's value has no effect: transformers decides (True for a PEFT model).",
+        message=(
+            "Axolotl's RL builder does not pass ddp_find_unused_parameters to the trainer, so the file's value has no "
+            "effect: transformers decides (True for a PEFT model)."
+        ),
         evidence=(SOURCES["rl_builder"],),
         when=lambda v: v.rl is not None and v.raw.get("ddp_find_unused_parameters") is not None,
     ),
@@ -435,24 +469,36 @@ RULES: tuple[LauncherRule, ...] = (
         action="none",
         setting="use_reentrant",
         condition="`gradient_checkpointing_kwargs.use_reentrant` is not a boolean (e.g. the string 'false')",
-        message="Axolotl passes the value through unchanged and its validators compare it with `is True` / `is False`, so they do not see it; torch reads a non-empty string as True.",
+        message=(
+            "Axolotl passes the value through unchanged and its validators compare it with `is True` / `is False`, so "
+            "they do not see it; torch reads a non-empty string as True."
+        ),
         evidence=(SOURCES["schema"],),
         when=lambda v: (
             "use_reentrant" in v.raw_kwargs()
             and not isinstance(v.raw_kwargs()["use_reentrant"], bool)
             and v.raw_kwargs()["use_reentrant"] is not None
         ),
-        disagreement="the plugin reads a string that spells a boolean as that boolean and writes the bool (rule invalid-use-reentrant).",
+        disagreement=(
+            "the plugin reads a string that spells a boolean as that boolean and writes the bool (rule "
+            "invalid-use-reentrant)."
+        ),
     ),
     LauncherRule(
         id="axolotl:fsdp-checkpointing-and-gc",
         action="none",
         setting="gradient_checkpointing",
         condition="`fsdp_config.activation_checkpointing` and `gradient_checkpointing` both on",
-        message="No Axolotl validator rejects FSDP's activation checkpointing together with gradient_checkpointing (its examples say \"don't use with fsdp_activation_checkpointing\").",
+        message=(
+            "No Axolotl validator rejects FSDP's activation checkpointing together with gradient_checkpointing (its "
+            'examples say "don\'t use with fsdp_activation_checkpointing").'
+        ),
         evidence=(f"{VALIDATION}#L1085-L1104 (fsdp_config keys; no check of the pair)",),
         when=lambda v: False,  # added by `read` when the pair is on (it needs the parsed fsdp_config)
-        disagreement="transformers' Trainer refuses the pair (5.23: 'both activation checkpointing options'); the plugin says so before launch (rule fsdp-activation-checkpointing).",
+        disagreement=(
+            "transformers' Trainer refuses the pair (5.23: 'both activation checkpointing options'); the plugin says "
+            "so before launch (rule fsdp-activation-checkpointing)."
+        ),
     ),
     LauncherRule(
         id="axolotl:plugin-is-a-callback",
@@ -492,7 +538,8 @@ def _base_model(config: Config) -> str:
     base_model = config.values.get("base_model")
     if not isinstance(base_model, str) or not base_model:
         raise ConfigError(
-            f"{where(config.path, 'base_model', config.lines)}: Axolotl requires base_model (a model id or path), got {type_name(base_model)} {short(base_model)}"
+            f"{where(config.path, 'base_model', config.lines)}: Axolotl requires base_model (a model id or path), got "
+            f"{type_name(base_model)} {short(base_model)}"
         )
     return base_model
 
@@ -525,7 +572,8 @@ def _selective(config: Config) -> dict[str, Any] | None:
     flag = None if value is None else pydantic_bool(value)
     if value is not None and flag is None:
         raise ConfigError(
-            f"{where(path, 'selective_checkpointing', lines)}: Axolotl's schema takes a mapping or true/false, not {short(value)}"
+            f"{where(path, 'selective_checkpointing', lines)}: Axolotl's schema takes a mapping or true/false, not "
+            f"{short(value)}"
         )
     return {"save": ["attention"]} if flag else None
 
@@ -536,7 +584,8 @@ def _training(config: Config) -> dict[str, Any]:
     unfrozen = raw.get("unfrozen_parameters")
     if unfrozen is not None and (not isinstance(unfrozen, list) or not all(isinstance(p, str) for p in unfrozen)):
         raise ConfigError(
-            f"{where(path, 'unfrozen_parameters', lines)}: Axolotl's schema takes a list of parameter-name patterns, got {short(unfrozen)}"
+            f"{where(path, 'unfrozen_parameters', lines)}: Axolotl's schema takes a list of parameter-name patterns, "
+            f"got {short(unfrozen)}"
         )
     rl = raw.get("rl")
     if rl is not None and (not isinstance(rl, str) or rl not in RL_TYPES):
@@ -546,7 +595,8 @@ def _training(config: Config) -> dict[str, Any]:
     adapter = raw.get("adapter")
     if adapter is not None and not isinstance(adapter, str):
         raise ConfigError(
-            f"{where(path, 'adapter', lines)}: expected a string such as lora or qlora, got {type_name(adapter)} {short(adapter)}"
+            f"{where(path, 'adapter', lines)}: expected a string such as lora or qlora, got {type_name(adapter)} "
+            f"{short(adapter)}"
         )
     return {"unfrozen": unfrozen, "rl": rl, "adapter": adapter}
 
@@ -561,12 +611,14 @@ def _fsdp(config: Config) -> dict[str, Any]:
     fsdp = raw.get("fsdp")
     if fsdp is not None and (not isinstance(fsdp, list) or not all(isinstance(x, str) for x in fsdp)):
         raise ConfigError(
-            f"{where(path, 'fsdp', lines)}: Axolotl's schema takes a list of FSDP options (deprecated: use fsdp_config), got {short(fsdp)}"
+            f"{where(path, 'fsdp', lines)}: Axolotl's schema takes a list of FSDP options (deprecated: use "
+            f"fsdp_config), got {short(fsdp)}"
         )
     fsdp_config_raw = raw.get("fsdp_config")
     fsdp_config: dict[str, Any] = {}
     if fsdp_config_raw is not None:
-        fsdp_config = {  # check_fsdp_config_kwargs_prefix: `fsdp_activation_checkpointing` -> `activation_checkpointing`
+        # check_fsdp_config_kwargs_prefix: `fsdp_activation_checkpointing` -> `activation_checkpointing`
+        fsdp_config = {
             (k[5:] if k.startswith("fsdp_") and k != "fsdp_version" else k): v
             for k, v in expect_mapping(
                 fsdp_config_raw, path, "fsdp_config", lines, "{activation_checkpointing: true}"
@@ -620,7 +672,10 @@ def _validators(s: View, kw: Reentrant, reading: Reading) -> View:
     gc_detail = "key 'gradient_checkpointing'" if "gradient_checkpointing" in s.raw else "Axolotl's default: false"
     if gc in ("offload", "offload_disk"):  # SOURCES["offload"]
         offloading = True if gc == "offload" else "disk"
-        gc_detail = f"gradient_checkpointing: {gc} -> true + activation_offloading: {'true' if gc == 'offload' else 'disk'} (Axolotl validator)"
+        gc_detail = (
+            f"gradient_checkpointing: {gc} -> true + activation_offloading: {'true' if gc == 'offload' else 'disk'} "
+            "(Axolotl validator)"
+        )
         gc = True
     ebft_strided_flex = bool(s.rl == "ebft" and (s.ebft or {}).get("mode") == "strided" and s.attn == "flex_attention")
     if offloading == "hidden_states":
@@ -673,19 +728,22 @@ def _builders(v: View, kw: Reentrant, ctx: Context, reading: Reading) -> None:
         if not v.adapter:
             kw.rewrite(
                 False,
-                f"activation_offloading {offloading!r} on a full fine-tune: torch checkpoint_wrapper, non-reentrant ({SOURCES['ac_wrap']})",
+                f"activation_offloading {offloading!r} on a full fine-tune: torch checkpoint_wrapper, non-reentrant "
+                f"({SOURCES['ac_wrap']})",
             )
             reading.set("checkpoint_wrapped", True, "launcher rewrite", f"ac_wrap_hf_model ({SOURCES['ac_wrap']})")
         elif offloading == "legacy":
             kw.rewrite(
                 True,
-                f"activation_offloading: legacy runs Axolotl's CPU-offloading checkpoint, reentrant-style ({SOURCES['offload_cpu']})",
+                "activation_offloading: legacy runs Axolotl's CPU-offloading checkpoint, reentrant-style "
+                f"({SOURCES['offload_cpu']})",
             )
         elif kw.value is None:
             tf = ctx.versions.get("transformers") or "5"
             kw.rewrite(
                 tf.split(".")[0].isdigit() and int(tf.split(".")[0]) < 5,
-                "adapter + activation_offloading: the load-time checkpointing without use_reentrant takes transformers' default",
+                "adapter + activation_offloading: the load-time checkpointing without use_reentrant takes "
+                "transformers' default",
                 "launcher default",
             )
     elif not offloading and v.gc and kw.kwargs is None:
@@ -757,7 +815,8 @@ def _parallel_facts(config: Config, s: View, ddp: bool, find_unused: bool | None
     ds_value = raw.get("deepspeed")
     if ds_value is not None and not isinstance(ds_value, (str, dict)):
         raise ConfigError(
-            f"{where(path, 'deepspeed', lines)}: Axolotl's schema takes a path or a mapping, got {type_name(ds_value)} {short(ds_value)}"
+            f"{where(path, 'deepspeed', lines)}: Axolotl's schema takes a path or a mapping, got {type_name(ds_value)} "
+            f"{short(ds_value)}"
         )
     if ds_value:
         read_deepspeed(

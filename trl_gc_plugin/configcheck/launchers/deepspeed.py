@@ -52,7 +52,8 @@ def read_deepspeed(
         return _parse(value, f"{key} (inline)", path, key, f"key {key!r} (inline mapping)")
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(
-            f"{where(path, key, lines)}: expected a path to a DeepSpeed JSON file or a mapping, got {type_name(value)} {short(value)}"
+            f"{where(path, key, lines)}: expected a path to a DeepSpeed JSON file or a mapping, got {type_name(value)} "
+            f"{short(value)}"
         )
     file = find_beside(value, base_dir, os.path.exists)
     if file is not None:

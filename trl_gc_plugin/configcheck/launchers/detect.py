@@ -39,7 +39,8 @@ def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
         return "openrlhf", f"the command runs openrlhf.cli.{config.values.get('openrlhf_entry')}"
     if keys & LLAMAFACTORY_V1_KEYS and "model" in keys:
         raise ConfigError(
-            f"{config.path}: a LLaMA-Factory v1 config (USE_V1=1: {_names(keys & LLAMAFACTORY_V1_KEYS)}); only v0 configs are supported"
+            f"{config.path}: a LLaMA-Factory v1 config (USE_V1=1: {_names(keys & LLAMAFACTORY_V1_KEYS)}); only v0 "
+            "configs are supported"
         )
     found = {name: keys & markers for name, markers in STRONG.items() if keys & markers}
     if not found:
@@ -50,7 +51,8 @@ def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
     if len(found) > 1:
         parts = "; ".join(f"{name} ({_names(hits)})" for name, hits in found.items())
         raise ConfigError(
-            f"{config.path}: keys of several launchers: {parts}; pass --format trl|axolotl|llamafactory|openrlhf|training-args"
+            f"{config.path}: keys of several launchers: {parts}; pass --format "
+            "trl|axolotl|llamafactory|openrlhf|training-args"
         )
     if keys & ACCELERATE_KEYS:
         raise NotTrainingConfig(
@@ -70,9 +72,11 @@ def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
     if config.kind == "json" and keys & training_args.KEYS:
         return (
             "training-args",
-            f"a JSON file of TrainingArguments fields ({_names(keys & training_args.KEYS)}) and no launcher's key (--format trl if it is a TRL config)",
+            f"a JSON file of TrainingArguments fields ({_names(keys & training_args.KEYS)}) and no launcher's key "
+            "(--format trl if it is a TRL config)",
         )
     raise NotTrainingConfig(
-        f"{config.path}: unrecognised format: no key of a TRL (model_name_or_path, use_peft, ...), Axolotl (base_model, ...) "
-        "or LLaMA-Factory (stage, finetuning_type, ...) config; pass --format trl|axolotl|llamafactory|openrlhf|training-args"
+        f"{config.path}: unrecognised format: no key of a TRL (model_name_or_path, use_peft, ...), Axolotl "
+        "(base_model, ...) or LLaMA-Factory (stage, finetuning_type, ...) config; pass --format "
+        "trl|axolotl|llamafactory|openrlhf|training-args"
     )

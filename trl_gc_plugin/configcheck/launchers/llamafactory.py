@@ -35,16 +35,34 @@ VERSION_MODELLED = "LLaMA-Factory main@ff6d4d12 (= 0.9.5 for these keys)"
 SRC = f"https://github.com/hiyouga/LLaMA-Factory/blob/{COMMIT}/src/llamafactory/"
 
 SOURCES = {
-    "keys": f"{SRC}hparams/model_args.py#L129-L152 (use_unsloth, use_unsloth_gc, disable_gradient_checkpointing, use_reentrant_gc)",
-    "enable": f"{SRC}model/model_utils/checkpointing.py#L163-L204 (prepare_model_for_training: FSDP2 -> use_reentrant_gc False; {{use_reentrant: use_reentrant_gc}}; use_cache False)",
-    "wrapper": f"{SRC}model/model_utils/checkpointing.py#L100-L154 (hidden states require grad for trainable layers; no kwargs -> use_reentrant True)",
+    "keys": (
+        f"{SRC}hparams/model_args.py#L129-L152 (use_unsloth, use_unsloth_gc, disable_gradient_checkpointing, "
+        "use_reentrant_gc)"
+    ),
+    "enable": (
+        f"{SRC}model/model_utils/checkpointing.py#L163-L204 (prepare_model_for_training: FSDP2 -> use_reentrant_gc "
+        f"False; {{use_reentrant: use_reentrant_gc}}; use_cache False)"
+    ),
+    "wrapper": (
+        f"{SRC}model/model_utils/checkpointing.py#L100-L154 (hidden states require grad for trainable layers; no "
+        "kwargs -> use_reentrant True)"
+    ),
     "trainable": f"{SRC}model/patcher.py#L476-L483 (only a trainable model (do_train) gets checkpointing)",
-    "parse_dict": "https://github.com/huggingface/transformers/blob/v5.8.0/src/transformers/hf_argparser.py (parse_dict: dataclass(**values), no string conversion)",
-    "verify": f"{SRC}hparams/parser.py#L227-L237 (_verify_model_args: adapters only with LoRA, quantization only with LoRA/OFT)",
+    "parse_dict": (
+        "https://github.com/huggingface/transformers/blob/v5.8.0/src/transformers/hf_argparser.py (parse_dict: "
+        "dataclass(**values), no string conversion)"
+    ),
+    "verify": (
+        f"{SRC}hparams/parser.py#L227-L237 (_verify_model_args: adapters only with LoRA, quantization only with "
+        "LoRA/OFT)"
+    ),
     "ddp": f"{SRC}hparams/parser.py#L596-L602 (DDP + LoRA: ddp_find_unused_parameters False)",
     "deepspeed": f"{SRC}hparams/parser.py#L471-L472 (DeepSpeed needs a distributed launch (FORCE_TORCHRUN=1))",
     "versions": f"{SRC}extras/misc.py#L95-L101 (check_dependencies: transformers>=4.55.0,<=5.8.0)",
-    "hyper_parallel": f"{SRC}train/hyper_parallel/workflow.py#L41-L59 (_prepare_hp_args: activation_mode != 'none' -> disable_gradient_checkpointing = True)",
+    "hyper_parallel": (
+        f"{SRC}train/hyper_parallel/workflow.py#L41-L59 (_prepare_hp_args: activation_mode != 'none' -> "
+        "disable_gradient_checkpointing = True)"
+    ),
     "hyper_parallel_stages": f"{SRC}train/tuner.py#L92-L101 (use_hyper_parallel runs the pt and sft stages only)",
     "hyper_parallel_modes": "https://github.com/hiyouga/LlamaFactory/pull/10370 (activation_mode none (default) / "
     "recompute / swap; recompute and swap disable native gradient_checkpointing)",
@@ -192,17 +210,28 @@ RULES: tuple[LauncherRule, ...] = (
         action="none",
         setting="use_reentrant",
         condition="checkpointing on and `use_reentrant_gc` not set",
-        message="LLaMA-Factory checkpoints reentrant by default (use_reentrant_gc: true) and makes the hidden states require grad for every layer with trainable parameters, so reentrant trains with frozen embeddings.",
+        message=(
+            "LLaMA-Factory checkpoints reentrant by default (use_reentrant_gc: true) and makes the hidden states "
+            "require grad for every layer with trainable parameters, so reentrant trains with frozen embeddings."
+        ),
         evidence=(SOURCES["keys"], SOURCES["wrapper"]),
         when=lambda v: v.reentrant_default,
-        disagreement="the plugin prefers non-reentrant (PyTorch's recommendation) but keeps the launcher's value; set `use_reentrant_gc: false` to follow it.",
+        disagreement=(
+            "the plugin prefers non-reentrant (PyTorch's recommendation) but keeps the launcher's value; set "
+            "`use_reentrant_gc: false` to follow it."
+        ),
     ),
     LauncherRule(
         id="llamafactory:trainer-gc-overrides",
         action="warn",
         setting="use_reentrant",
-        condition="`gradient_checkpointing: true` without `gradient_checkpointing_kwargs`, and `use_reentrant_gc: false`",
-        message="The Trainer re-enables checkpointing through LLaMA-Factory's patched method, which without kwargs uses {use_reentrant: true}: your use_reentrant_gc: false does not hold.",
+        condition=(
+            "`gradient_checkpointing: true` without `gradient_checkpointing_kwargs`, and `use_reentrant_gc: false`"
+        ),
+        message=(
+            "The Trainer re-enables checkpointing through LLaMA-Factory's patched method, which without kwargs uses "
+            "{use_reentrant: true}: your use_reentrant_gc: false does not hold."
+        ),
         change="also set gradient_checkpointing_kwargs: {use_reentrant: false}, or drop gradient_checkpointing: true",
         evidence=(SOURCES["wrapper"],),
         when=lambda v: v.hf_gc_overrides,
@@ -249,7 +278,10 @@ RULES: tuple[LauncherRule, ...] = (
         action="warn",
         setting="transformers",
         condition="the transformers release checked for is outside LLaMA-Factory's supported range",
-        message="LLaMA-Factory refuses to import with transformers outside >=4.55,<=5.8 unless DISABLE_VERSION_CHECK=1; outside that range its checkpointing patch is untested.",
+        message=(
+            "LLaMA-Factory refuses to import with transformers outside >=4.55,<=5.8 unless DISABLE_VERSION_CHECK=1; "
+            "outside that range its checkpointing patch is untested."
+        ),
         evidence=(SOURCES["versions"],),
         when=lambda v: v.transformers_outside,
     ),
@@ -258,7 +290,9 @@ RULES: tuple[LauncherRule, ...] = (
         action="none",
         setting="deepspeed",
         condition="`deepspeed` with one process",
-        message="LLaMA-Factory runs DeepSpeed only in a distributed launch: with one GPU, launch with FORCE_TORCHRUN=1.",
+        message=(
+            "LLaMA-Factory runs DeepSpeed only in a distributed launch: with one GPU, launch with FORCE_TORCHRUN=1."
+        ),
         evidence=(SOURCES["deepspeed"],),
         when=lambda v: v.deepspeed_one_process,
     ),
@@ -294,7 +328,10 @@ def read(config: Config, ctx: Context) -> Reading:
     # checkpointing on/off: LLaMA-Factory's own, on the model, only for a trainable model
     given = "disable_gradient_checkpointing" in parsed.raw
     if not parsed.do_train:
-        detail = f"do_train is not true: nothing trains and LLaMA-Factory does not enable checkpointing ({SOURCES['trainable']})"
+        detail = (
+            "do_train is not true: nothing trains and LLaMA-Factory does not enable checkpointing "
+            f"({SOURCES['trainable']})"
+        )
         reading.set("gc_enabled", False, "file", detail)
     elif parsed.disabled:
         detail = f"key 'disable_gradient_checkpointing': {parsed.raw['disable_gradient_checkpointing']!r}"
@@ -340,7 +377,8 @@ def read(config: Config, ctx: Context) -> Reading:
 
 
 def _parse(config: Config) -> View:
-    """Type the keys LLaMA-Factory's argument dataclasses check, with their defaults (a `ConfigError` where it refuses)."""
+    """Type the keys LLaMA-Factory's argument dataclasses check, with their defaults (a `ConfigError` where it
+    refuses)."""
     path, lines = config.path, config.lines
     raw = dict(config.values)
     for key in ("stage", "finetuning_type", "quantization_method"):
@@ -356,12 +394,14 @@ def _parse(config: Config) -> View:
     finetuning = raw.get("finetuning_type", "lora")
     if finetuning not in FINETUNING_TYPES:
         raise ConfigError(
-            f"{where(path, 'finetuning_type', lines)}: LLaMA-Factory asserts one of {', '.join(FINETUNING_TYPES)}, got {short(finetuning)}"
+            f"{where(path, 'finetuning_type', lines)}: LLaMA-Factory asserts one of {', '.join(FINETUNING_TYPES)}, got "
+            f"{short(finetuning)}"
         )
     bits = raw.get("quantization_bit")
     if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int)):
         raise ConfigError(
-            f"{where(path, 'quantization_bit', lines)}: expected a whole number such as 4 or 8, got {type_name(bits)} {short(bits)}"
+            f"{where(path, 'quantization_bit', lines)}: expected a whole number such as 4 or 8, got {type_name(bits)} "
+            f"{short(bits)}"
         )
     return View(
         raw=raw,
@@ -444,7 +484,8 @@ def _read_trainer_reenable(config: Config, parsed: View, reading: Reading, reent
         hf_override = reentrant.value is not True
         reentrant.rewrite(
             True,
-            f"gradient_checkpointing: true without kwargs: the Trainer re-enables through LLaMA-Factory's method with {{use_reentrant: true}} ({SOURCES['wrapper']})",
+            "gradient_checkpointing: true without kwargs: the Trainer re-enables through LLaMA-Factory's method with "
+            f"{{use_reentrant: true}} ({SOURCES['wrapper']})",
         )
     reading.changes["use_reentrant"] = "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}"
     return hf_override
@@ -506,7 +547,8 @@ def _read_model(parsed: View, reading: Reading) -> None:
         grads=Fact(
             True,
             "launcher rewrite",
-            f"LLaMA-Factory's checkpoint wrapper makes the hidden states require grad for trainable layers ({SOURCES['wrapper']})",
+            "LLaMA-Factory's checkpoint wrapper makes the hidden states require grad for trainable layers "
+            f"({SOURCES['wrapper']})",
         ),
         no_adapter=f"finetuning_type: {finetuning}",
     )
@@ -527,7 +569,8 @@ def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, a
     if ds_value not in (None, "", False):
         if not isinstance(ds_value, (str, dict)):
             raise ConfigError(
-                f"{where(config.path, 'deepspeed', config.lines)}: expected a path to a DeepSpeed JSON file, got {type_name(ds_value)} {short(ds_value)}"
+                f"{where(config.path, 'deepspeed', config.lines)}: expected a path to a DeepSpeed JSON file, got "
+                f"{type_name(ds_value)} {short(ds_value)}"
             )
         read_deepspeed(
             ds_value, config.path, "deepspeed", config.base_dir, BUNDLED_DEEPSPEED, "examples/deepspeed/", config.lines
@@ -582,12 +625,14 @@ def read_native(config: Config, ctx: Context, result: dict[str, Any]) -> Reading
         if key in config.values:
             if native[key] != config.values[key]:
                 notes.append(
-                    f"LLaMA-Factory parsed {key}={native[key]!r} from the file's {config.values[key]!r}; its value is used"
+                    f"LLaMA-Factory parsed {key}={native[key]!r} from the file's {config.values[key]!r}; its value is "
+                    "used"
                 )
                 values[key] = native[key]
         elif native[key] != default:
             notes.append(
-                f"LLaMA-Factory's default {key}={native[key]!r} differs from the plugin's model ({default!r}); its value is used"
+                f"LLaMA-Factory's default {key}={native[key]!r} differs from the plugin's model ({default!r}); its "
+                "value is used"
             )
             values[key] = native[key]
     reading = read(Config(path=config.path, values=values, keys=config.keys, lines=config.lines, kind=config.kind), ctx)

@@ -249,7 +249,8 @@ def _checkpointing(config: Config, reading: Reading, prefix: str, ppo: bool, fla
     why = (
         f"--{re_name}"
         if re_name
-        else f"OpenRLHF passes {{use_reentrant: false}} without --{prefix}gradient_checkpointing_reentrant ({SOURCES['enable']})"
+        else f"OpenRLHF passes {{use_reentrant: false}} without --{prefix}gradient_checkpointing_reentrant "
+        f"({SOURCES['enable']})"
     )
     reading.set("use_reentrant", reentrant, origin, why)
     # the run's model route sees the kwargs passed to the enable call: the value is the loop's, kept as set

@@ -10,8 +10,14 @@ from .load import Config
 from .trl import read_kwargs_key, read_launch, set_trainer_kind
 
 SOURCES = {
-    "parse_dict": "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/hf_argparser.py (parse_json_file -> parse_dict: dataclass(**values), no string conversion)",
-    "default": "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/training_args.py (gradient_checkpointing: bool = False)",
+    "parse_dict": (
+        "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/hf_argparser.py (parse_json_file "
+        "-> parse_dict: dataclass(**values), no string conversion)"
+    ),
+    "default": (
+        "https://github.com/huggingface/transformers/blob/v5.23.0/src/transformers/training_args.py "
+        "(gradient_checkpointing: bool = False)"
+    ),
 }
 
 KEYS = frozenset(

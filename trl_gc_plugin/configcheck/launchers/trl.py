@@ -45,7 +45,10 @@ SOURCES = {
     "parser": f"{SRC}scripts/utils.py (TrlParser.parse_args_and_config, set_defaults_with_config)",
     "model_config": f"{SRC}trainer/model_config.py (use_peft, load_in_4bit, load_in_8bit)",
     "cli": f"{SRC}cli/commands/training.py (unconsumed keys go to accelerate launch)",
-    "peft_zero3": f"{SRC}trainer/sft_trainer.py (PEFT + ZeRO-3: use_reentrant forced to True; same in dpo, grpo, kto, reward, rloo, distillation)",
+    "peft_zero3": (
+        f"{SRC}trainer/sft_trainer.py (PEFT + ZeRO-3: use_reentrant forced to True; same in dpo, grpo, kto, reward, "
+        "rloo, distillation)"
+    ),
 }
 
 CLI_TRAINERS = ("distillation", "dpo", "grpo", "kto", "reward", "rloo", "sft")
@@ -127,7 +130,9 @@ RULES: tuple[LauncherRule, ...] = (
         id="trl:valueless-launch-flag",
         action="error",
         setting="accelerate launch",
-        condition="a key that is an `accelerate launch` flag without a value (`use_deepspeed`, `multi_gpu`, `use_fsdp`, ...)",
+        condition=(
+            "a key that is an `accelerate launch` flag without a value (`use_deepspeed`, `multi_gpu`, `use_fsdp`, ...)"
+        ),
         message=(
             "`trl` passes keys that are not fields of its configs to `accelerate launch` as `--key value`; these "
             "flags take no value, so `--use_deepspeed True` makes accelerate take `True` as the training script and "
@@ -200,7 +205,8 @@ def read(config: Config, ctx: Context) -> Reading:
     env = config.get("env")
     if "env" in config.values and not isinstance(env, dict):
         raise ConfigError(
-            f"{where(config.path, 'env', config.lines)}: TRL requires a mapping of environment variables, got {type_name(env)} {short(env)}"
+            f"{where(config.path, 'env', config.lines)}: TRL requires a mapping of environment variables, got "
+            f"{type_name(env)} {short(env)}"
         )
     _read_checkpointing(config, reading)
     peft = trl_bool(config, "use_peft", reading)
@@ -232,7 +238,8 @@ def read(config: Config, ctx: Context) -> Reading:
     kind = ctx.trainer or "sft"
     if kind not in CLI_TRAINERS:
         raise ConfigError(
-            f"--trainer {kind}: TRL's CLI has no `trl {kind}` command ({', '.join(CLI_TRAINERS)}); a TRL config is for one of these"
+            f"--trainer {kind}: TRL's CLI has no `trl {kind}` command ({', '.join(CLI_TRAINERS)}); a TRL config is for "
+            "one of these"
         )
     set_trainer_kind(reading, kind, ctx, "`trl sft` (pass --trainer dpo|grpo|... for another command)", f"trl {kind}")
     return reading
@@ -352,13 +359,15 @@ def _read_accelerate_config(
     name = ctx.accelerate_config if ctx.accelerate_config is not None else config.get("accelerate_config")
     if ctx.accelerate_config is not None and config.get("accelerate_config") not in (None, ctx.accelerate_config):
         reading.notes.append(
-            f"--accelerate-config {ctx.accelerate_config} replaces the file's accelerate_config: {config.get('accelerate_config')}"
+            f"--accelerate-config {ctx.accelerate_config} replaces the file's accelerate_config: "
+            f"{config.get('accelerate_config')}"
         )
     if name is None:
         return None, ""
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(
-            f"{where(path, 'accelerate_config', lines)}: expected a path or the name of a config TRL ships, got {type_name(name)} {short(name)}"
+            f"{where(path, 'accelerate_config', lines)}: expected a path or the name of a config TRL ships, got "
+            f"{type_name(name)} {short(name)}"
         )
     file = name if os.path.isfile(name) else trl_bundled(name)
     if file is None:
@@ -420,7 +429,8 @@ def read_fsdp_config(config: Config) -> dict[str, Any]:
     parsed = string_to_bool(ac) if isinstance(ac, str) else bool(ac)
     if parsed is None:
         raise ConfigError(
-            f"{where(config.path, 'fsdp_config.activation_checkpointing', config.lines)}: expected true or false, got {short(ac)}"
+            f"{where(config.path, 'fsdp_config.activation_checkpointing', config.lines)}: expected true or false, got "
+            f"{short(ac)}"
         )
     out["activation_checkpointing"] = parsed
     return out
@@ -471,7 +481,8 @@ UNKNOWN_KEY_RULE = LauncherRule(
     change="remove the key(s), or rename them to the field of the installed transformers/TRL",
     evidence=(
         SOURCES["cli"],
-        "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/commands/launch.py (launch_command_parser)",
+        "https://github.com/huggingface/accelerate/blob/v1.15.0/src/accelerate/commands/launch.py "
+        "(launch_command_parser)",
     ),
     when=lambda v: True,
 )
@@ -490,7 +501,8 @@ def apply_native(config: Config, ctx: Context, reading: Reading, result: dict[st
             return
         if model.value != native or type(model.value) is not type(native):
             reading.notes.append(
-                f"the plugin's model of TRL read {name}={model.value!r}, TRL's own parser {native!r}: TRL's value is used"
+                f"the plugin's model of TRL read {name}={model.value!r}, TRL's own parser {native!r}: TRL's value is "
+                "used"
             )
             reading.set(name, native, model.origin, f"{model.detail} (read by TRL's parser)")
 
@@ -536,7 +548,10 @@ def apply_native(config: Config, ctx: Context, reading: Reading, result: dict[st
             rule = replace(
                 rule,
                 message=rule.message + f" ({where_known}.)",
-                change=f"pass --trainer {'|'.join(others)} if the file is for that command ({where_known}), or remove the key",
+                change=(
+                    f"pass --trainer {'|'.join(others)} if the file is for that command ({where_known}), or remove "
+                    "the key"
+                ),
             )
         reading.decisions.append(rule.decision(f"TRL {result.get('version', '?')}", before=unknown))
         reading.changes_for[rule.id] = rule.change
