@@ -256,7 +256,7 @@ def run_exact(ns: argparse.Namespace) -> dict:
 
 def run_layouts() -> list[dict]:
     from trl_gc_plugin import plan_cli
-    from trl_gc_plugin.core.settings import parse_size
+    from trl_gc_plugin.core.units import parse_size
     from trl_gc_plugin.planning import memory, planner
 
     rows = []

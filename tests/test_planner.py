@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from trl_gc_plugin.core.decisions import Decision
 from trl_gc_plugin.core.layout import Layout
-from trl_gc_plugin.core.settings import parse_size
+from trl_gc_plugin.core.units import parse_size
 from trl_gc_plugin.model import ckpt
 from trl_gc_plugin.planning import memory, planner
 from trl_gc_plugin.testing import make_config, make_model

@@ -17,7 +17,8 @@ from trainers import block_params, make_trainer, unchanged_block_params
 
 import trl_gc_plugin
 from trl_gc_plugin import GCConfigError, SafeGCCallback
-from trl_gc_plugin.core.settings import SETTINGS, GCSettings, markdown_table, unknown_checkpoint_keys
+from trl_gc_plugin.core.kwargs import unknown_checkpoint_keys
+from trl_gc_plugin.core.settings import SETTINGS, GCSettings, markdown_table
 from trl_gc_plugin.model import ckpt, probe
 from trl_gc_plugin.testing import make_model
 

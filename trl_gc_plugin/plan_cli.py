@@ -188,7 +188,7 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 def render(plan: Any, label: str, show_all: bool = False) -> str:
     """The candidate table and the pick, as text."""
-    from .core.settings import format_bytes
+    from .core.units import format_bytes
 
     e = plan.estimate
     head = (
@@ -310,7 +310,7 @@ def _deepspeed_sharding(ns: argparse.Namespace) -> tuple[str | None, int]:
 def run(argv: list[str] | None) -> tuple[int, str]:
     """Parse, estimate, plan. Returns (exit status, stdout text); raises `InputError` for exit status 2."""
     ns = _parser().parse_args(argv)
-    from .core.settings import parse_size
+    from .core.units import parse_size
     from .planning.memory import _dtype_of, config_dtype, estimate
     from .planning.planner import layout_gathered, plan
 
@@ -380,7 +380,7 @@ def run(argv: list[str] | None) -> tuple[int, str]:
 
 def render_throughput(options: list[Any], effective: int, batch_size: int) -> str:
     """The (micro-batch, accumulation, plan) options, fastest first, and the advice."""
-    from .core.settings import format_bytes
+    from .core.units import format_bytes
 
     lines = [f"effective batch {effective} rows per device, ranked by predicted tokens/s (relative to the fastest):"]
     rows = [("micro-batch", "accumulation", "plan", "peak", "speed")]

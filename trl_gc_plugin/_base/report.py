@@ -28,6 +28,12 @@ _seen: set[str] = set()
 SAID_ENV = "_TRL_GC_PLUGIN_SAID"
 
 
+def short(value: Any, limit: int = 60) -> str:
+    """`repr(value)`, cut to `limit` characters (error messages quote what they found, never a whole file)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _said(pid: int) -> frozenset[str]:
     """The digests `SAID_ENV` holds for process `pid` (none when it names another process)."""
     owner, _, digests = os.environ.get(SAID_ENV, "").partition(":")

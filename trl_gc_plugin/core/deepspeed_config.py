@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._base.flags import pydantic_bool
-from .errors import short, type_name
+from .._base.report import short
+from .errors import type_name
 
 ACTIVATION_CHECKPOINTING_KEYS = (
     "partition_activations",

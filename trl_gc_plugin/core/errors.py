@@ -1,6 +1,6 @@
 """The one deliberate error of trl_gc_plugin, `GCConfigError`, and its message (what to change, and why); the one
-rule for every other error (`contained`: a plugin bug never stops training); how every message quotes a value it
-found (`short`, `type_name`)."""
+rule for every other error (`contained`: a plugin bug never stops training); how a message names the type of a value
+it found (`type_name`; `_base.report.short` quotes the value)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,6 @@ from .._base import report
 
 if TYPE_CHECKING:
     from .decisions import Decision
-
-
-def short(value: Any, limit: int = 60) -> str:
-    """`repr(value)`, cut to `limit` characters (error messages quote what they found, never a whole file)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def type_name(value: Any) -> str:

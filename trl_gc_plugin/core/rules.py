@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from .decisions import Action, Decision, Level, level_of
 from .facts import Facts
+from .kwargs import LAYER_KWARGS
 
 RuleKind = Literal["require", "prefer", "repair", "check", "verify", "plan", "state"]
 
@@ -96,10 +97,6 @@ class Rule:
         """The rule as plain data (the predicate is represented by its `condition` text)."""
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("when", "detail")}
         return {**data, "evidence": list(self.evidence), "stages": list(self.stages)}
-
-
-LAYER_KWARGS = ("every_n_layers", "offload")
-"""Checkpointing kwargs that transformers reads itself where it can (5.16: every_n_layers; 5.17: offload too)."""
 
 
 def unread_layer_kwargs(f: Facts) -> tuple[str, ...]:

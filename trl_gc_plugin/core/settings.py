@@ -1,26 +1,23 @@
 """The plugin's own settings (`SafeGCCallback(...)`, `install(...)`, `TRL_GC_PLUGIN_*`), one row of `SETTINGS` each,
 resolved with one precedence (argument > `install()` > environment > default) and one policy for a bad value: a line
 naming the setting, the value and what is accepted; `GCConfigError` in strict mode, else a warning and the default.
-Booleans take `transformers.hf_argparser.string_to_bool`'s forms plus `on`/`off`, a bool, 0 and 1. The Trainer's
-checkpointing kwargs are turned into facts here (`checkpoint_kwargs_problem`, `unknown_checkpoint_keys`) for the
-rules. `docs/settings.md` holds `markdown_table()`.
+Booleans take `transformers.hf_argparser.string_to_bool`'s forms plus `on`/`off`, a bool, 0 and 1; sizes
+`units.parse_size`'s. `docs/settings.md` holds `markdown_table()`. (The Trainer's checkpointing kwargs: `kwargs`.)
 """
 
 from __future__ import annotations
 
-import difflib
-import math
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from .._base import report
 from .._base.flags import FORMS, launcher_main_process, parse_flag
-from .capabilities import torch_checkpoint_keywords
-from .errors import GCConfigError, short
+from .._base.report import short
+from .errors import GCConfigError
 from .modes import MODES, Mode
+from .units import BUDGET_FORMS, parse_size
 
 BOOL_FORMS = FORMS
 
@@ -36,41 +33,6 @@ def parse_mode(value: Any) -> Mode:
     if isinstance(value, str) and value.strip().lower() in MODES:
         return value.strip().lower()  # type: ignore[return-value]
     raise ValueError(f"expected one of {', '.join(MODES)} (any case)")
-
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-_UNITS.update({f"{u}ib": size for u, size in list(_UNITS.items()) if u in "kmgt" and u})
-_UNITS.update({f"{u}b": 10 ** (3 * (i + 1)) for i, u in enumerate("kmgt")})
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-BUDGET_FORMS = (
-    "a whole number of bytes or a size such as 40GiB, 512MiB, 1.5GB, 800M (KiB/MiB/GiB/TiB, KB/MB/GB/TB; K/M/G/T = "
-    "KiB/MiB/GiB/TiB)"
-)
-
-
-def parse_size(text: str | int | float) -> int:
-    """Bytes from a size (`40GiB`, `1.5GB`, `800M`, an int or float of bytes; K/M/G/T binary, KB..TB decimal); a
-    number of bytes must be whole. `ValueError` naming the accepted forms for anything else."""
-    match = _SIZE.match(text) if isinstance(text, str) else None
-    if isinstance(text, int | float) and not isinstance(text, bool):
-        value, unit = float(text), ""
-    elif match is not None and match.group(2).lower() in _UNITS:
-        value, unit = float(match.group(1)), match.group(2).lower()
-    else:
-        raise ValueError(f"memory budget: expected {BUDGET_FORMS}; got {text!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"memory budget: must be a positive size ({BUDGET_FORMS}); got {text!r}")
-    if _UNITS[unit] == 1 and not value.is_integer():
-        raise ValueError(f"memory budget: a number of bytes must be whole ({BUDGET_FORMS}); got {text!r}")
-    return max(round(value * _UNITS[unit]), 1)
-
-
-def format_bytes(n: float) -> str:
-    """`12.3 GiB`, `512.0 MiB`, ... (binary units)."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def parse_budget(value: Any) -> int | str:
@@ -240,44 +202,6 @@ class GCSettings:
 
 INSTALLED: dict[str, Any] = {}
 """What `install()` was given (`mode`, `memory_budget`) while it is installed: the second place `resolve` looks."""
-
-
-# --- the Trainer's checkpointing kwargs ---------------------------------------------------------------------------
-
-
-LAYER_KWARGS = ("every_n_layers", "offload")  # as `rules.LAYER_KWARGS` (importing it would make an import cycle)
-
-
-def known_checkpoint_keys() -> frozenset[str]:
-    """Every key of the checkpointing kwargs that something reads: torch, transformers (`LAYER_KWARGS`), the plugin
-    (TRL's `selective: true`)."""
-    return torch_checkpoint_keywords() | frozenset(LAYER_KWARGS) | {"selective"}
-
-
-def unknown_checkpoint_names(keys: Any) -> tuple[str, ...]:
-    """The keys nothing reads, as written."""
-    known = known_checkpoint_keys()
-    return tuple(sorted(str(key) for key in keys if str(key) not in known))
-
-
-def unknown_checkpoint_keys(keys: Any) -> tuple[str, ...]:
-    """The keys nothing reads, each with the nearest known key when one is close (`use_reentrent (did you mean
-    use_reentrant?)`)."""
-    known = sorted(known_checkpoint_keys())
-    out = []
-    for name in unknown_checkpoint_names(keys):
-        near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        out.append(f"{name} (did you mean {near[0]}?)" if near else name)
-    return tuple(sorted(out))
-
-
-def checkpoint_kwargs_problem(value: Any) -> str | None:
-    """What is wrong with the checkpointing kwargs as a container (None: a dict, or unset); e.g.
-    `str 'use_reentrant=True'`. transformers parses a JSON string itself in `__post_init__`; what is left a string
-    here is not JSON."""
-    if value is None or isinstance(value, dict):
-        return None
-    return f"{type(value).__name__} {short(value)}"
 
 
 def markdown_table() -> str:

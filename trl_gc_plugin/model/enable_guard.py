@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable, Collection
 from typing import Any
 
-from ..core.settings import LAYER_KWARGS
+from ..core.kwargs import LAYER_KWARGS
 from . import ckpt, probe
 from .hooks import Hooks
 

@@ -14,11 +14,12 @@ from typing import Any
 
 from .._base.flags import parse_flag
 from .._base.weak import WeakIdMap
-from ..core import capabilities, settings
+from ..core import capabilities
 from ..core.context_parallel import cp_size_from_args
 from ..core.deepspeed_config import ACCELERATE_DEFAULT_STAGE, DeepSpeedFacts
 from ..core.deepspeed_config import deepspeed_facts as read_deepspeed_config
 from ..core.facts import GENERATING_TRAINERS, RL_TRAINERS, Facts, Source
+from ..core.kwargs import checkpoint_kwargs_problem, unknown_checkpoint_keys
 from . import ckpt
 
 logger = logging.getLogger("trl_gc_plugin")
@@ -278,8 +279,8 @@ def facts_from_args(args: Any, stage: str = "post_init") -> Facts:
         cp_size=cp_size_from_args(args),
         gc_flag_source=_flag_source(args),
         kwargs_keys=tuple(sorted(str(k) for k in given if k != "use_reentrant")),
-        kwargs_problem=settings.checkpoint_kwargs_problem(kwargs),
-        kwargs_unknown=settings.unknown_checkpoint_keys(given),
+        kwargs_problem=checkpoint_kwargs_problem(kwargs),
+        kwargs_unknown=unknown_checkpoint_keys(given),
         every_n_layers=every if isinstance(every, int) and not isinstance(every, bool) else None,
         offload=bool(parse_flag(given.get("offload", False))),
         preserve_rng_state=parse_flag(given["preserve_rng_state"]) if "preserve_rng_state" in given else None,

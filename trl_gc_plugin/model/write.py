@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..core.decisions import Decision
-from ..core.settings import unknown_checkpoint_names
+from ..core.kwargs import unknown_checkpoint_names
 from ..core.targets import TARGETS, writes
 from . import ckpt, probe
 

@@ -108,7 +108,7 @@ def held_miss(predicted: int, record: dict[str, Any]) -> str | None:
     measured = int(record["max"])
     if measured <= predicted * (1 + TOLERANCE):
         return None
-    from ..core.settings import format_bytes
+    from ..core.units import format_bytes
 
     return (
         f"The memory plan counted {format_bytes(predicted)} ({predicted} bytes) of sharded parameters held whole while "

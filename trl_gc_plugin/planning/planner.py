@@ -18,7 +18,7 @@ from typing import Any
 
 from ..core.decisions import Decision
 from ..core.layout import SELECTIVE, Kind, Layout
-from ..core.settings import format_bytes
+from ..core.units import format_bytes
 from ..model import ckpt
 from .memory import ActivationEstimate
 

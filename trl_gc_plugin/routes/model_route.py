@@ -18,7 +18,8 @@ from .._base import report
 from .._base.weak import WeakIdMap
 from ..core.decisions import Decision
 from ..core.errors import contained
-from ..core.settings import LAYER_KWARGS, GCSettings
+from ..core.kwargs import LAYER_KWARGS
+from ..core.settings import GCSettings
 from ..model import ckpt, probe
 from ..model.hooks import Handle
 from ..runtime.run import Run

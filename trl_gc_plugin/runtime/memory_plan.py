@@ -10,7 +10,7 @@ from .._base import report
 from ..core.decisions import Decision, first_sentence
 from ..core.errors import GCConfigError, contained
 from ..core.rules import get_rule
-from ..core.settings import format_bytes
+from ..core.units import format_bytes
 from ..model import ckpt, probe, verify
 from ..planning import sharding
 from .record import Check, Record, names_of, runtime_decision

@@ -9,8 +9,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..._base.report import short
 from ...core.decisions import Action, Decision, Level
-from ...core.errors import short, type_name
+from ...core.errors import type_name
 from ...core.facts import GENERATING_TRAINERS, RL_TRAINERS
 
 Origin = Literal[

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ...core.capabilities import installed_versions
-from ...core.settings import unknown_checkpoint_keys
+from ...core.kwargs import unknown_checkpoint_keys
 from .accelerate import (
     AccelerateConfig,
     read_accelerate,
