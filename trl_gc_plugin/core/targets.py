@@ -1,6 +1,7 @@
 """What the rules decide about: each setting a `Decision` names, in one table. For each: how its value and who set it
-are read off the `Facts` (the engine), how a refusal says what to change (`errors.raise_for_errors`), and how a
-decision on it is carried out on the arguments and the model (`model.write` registers that part, `writes`)."""
+are read off the `Facts` (the engine) and how a refusal says what to change (`errors.raise_for_errors`). How a
+decision on it is carried out on the arguments and the live model is `model.write`'s (`WRITERS`, `UNDO`: they touch
+torch and transformers objects, which `core` does not import)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from .facts import Facts
 from .rules import unread_layer_kwargs
 
 
-@dataclass
+@dataclass(frozen=True)
 class Target:
     """One setting the rules decide about.
 
@@ -22,18 +23,11 @@ class Target:
             own repairs) and for what only the runtime sees.
         change: the line a refusal shows to say what to change, `{value}` the value to set; None: the rule's
             message says it.
-        write: carries out an applied decision on the arguments and the live model (or None when there is none);
-            returns whether it did. Registered by `model.write`; None: nothing to write (a check, or what the callback
-            does step by step).
-        undo: takes an applied write back off the live model (`undo(model_ref)`) when the run ends; registered by
-            `model.write`.
     """
 
     name: str
     read: Callable[[Facts], tuple[Any, str]] | None = None
     change: str | None = None
-    write: Callable[[Any, Any, Any], bool] | None = None
-    undo: Callable[[Any], None] | None = None
 
 
 def _fact(field: str, source: str) -> Callable[[Facts], tuple[Any, str]]:
@@ -71,17 +65,6 @@ TARGETS: dict[str, Target] = {
         Target("first_step_checks", lambda facts: (None, "plugin")),  # the plugin's own
     )
 }
-
-
-def writes(*names: str) -> Callable[[Callable[[Any, Any, Any], bool]], Callable[[Any, Any, Any], bool]]:
-    """Register the function that carries out a decision on the targets `names`: `write(decision, args, model)`."""
-
-    def register(write: Callable[[Any, Any, Any], bool]) -> Callable[[Any, Any, Any], bool]:
-        for name in names:
-            TARGETS[name].write = write
-        return write
-
-    return register
 
 
 def current(facts: Facts, setting: str, *fallback: Any) -> tuple[Any, str]:

@@ -1,15 +1,16 @@
 """Carry out the decisions with `applied=True`: into the arguments (both field names, one dict object) and the live
-model."""
+model. `WRITERS` holds the writer of each setting of `core.targets.TARGETS` that has one, `UNDO` what takes a write
+back off the live model when the run ends."""
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..core.decisions import Decision
 from ..core.kwargs import unknown_checkpoint_names
-from ..core.targets import TARGETS, writes
+from ..core.targets import TARGETS
 from . import ckpt, probe
 
 
@@ -59,21 +60,21 @@ def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[D
     """Carry out the applicable decisions through their targets' writers; returns those carried out."""
     done = []
     for d in decisions:
-        target = TARGETS.get(d.setting) if d.applied else None
-        if d.applied and target is None:
+        if not d.applied:
+            continue
+        if d.setting not in TARGETS:
             raise KeyError(f"no way to apply a decision on {d.setting!r}")
-        if target is not None and target.write is not None and target.write(d, args, model):
+        write = WRITERS.get(d.setting)
+        if write is not None and write(d, args, model):
             done.append(d)
     return done
 
 
-@writes("use_reentrant")
 def _use_reentrant(d: Decision, args: Any, model: Any) -> bool:
     set_args_kwarg(args, "use_reentrant", d.after)
     return True
 
 
-@writes(probe.NEW_KWARGS)
 def _legacy_kwargs_won(d: Decision, args: Any, model: Any) -> bool:
     """The deprecated name was written last: it wins, both names hold it."""
     old = getattr(args, probe.OLD_KWARGS, None)
@@ -81,7 +82,6 @@ def _legacy_kwargs_won(d: Decision, args: Any, model: Any) -> bool:
     return True
 
 
-@writes(probe.OLD_KWARGS)
 def _new_kwargs_won(d: Decision, args: Any, model: Any) -> bool:
     """The new name was written last: the old names mirror it."""
     write_kwargs(args, probe.read_kwargs(args))
@@ -89,18 +89,15 @@ def _new_kwargs_won(d: Decision, args: Any, model: Any) -> bool:
     return True
 
 
-@writes(probe.NEW_FLAG)
 def _flag(d: Decision, args: Any, model: Any) -> bool:
     write_flag(args, bool(d.after))
     return True
 
 
-@writes("model.use_reentrant")
 def _model_use_reentrant(d: Decision, args: Any, model: Any) -> bool:
     return model is not None and ckpt.set_keyword(model, "use_reentrant", bool(d.after)) >= 0
 
 
-@writes("preserve_rng_state", "offload")
 def _torch_keyword(d: Decision, args: Any, model: Any) -> bool:
     value = None if d.setting == "offload" else d.after  # offload=False: the key goes
     set_args_kwarg(args, d.setting, value)
@@ -109,14 +106,12 @@ def _torch_keyword(d: Decision, args: Any, model: Any) -> bool:
     return True
 
 
-@writes("activation_offloading")
 def _trl_offloading_off(d: Decision, args: Any, model: Any) -> bool:
     """TRL's offloading, on a machine without an accelerator."""
     args.activation_offloading = False
     return True
 
 
-@writes("fsdp_activation_checkpointing")
 def _fsdp_checkpointing_off(d: Decision, args: Any, model: Any) -> bool:
     """Replace FSDP's own activation checkpointing with the Trainer's, non-reentrant: in the arguments, and in
     accelerate's FSDP plugin when the Trainer already built it (it is read when the model is prepared, in train())."""
@@ -136,14 +131,12 @@ def _fsdp_checkpointing_off(d: Decision, args: Any, model: Any) -> bool:
     return True
 
 
-@writes("checkpointing_kwargs.container")
 def _kwargs_as_dict(d: Decision, args: Any, model: Any) -> bool:
     """Not a dict: a dict (with `use_reentrant` once decided)."""
     write_kwargs(args, probe.read_kwargs(args) or {})
     return True
 
 
-@writes("checkpointing_kwargs")
 def _layer_kwargs_out(d: Decision, args: Any, model: Any) -> bool:
     """Layer kwargs this transformers cannot read: torch must not get them."""
     for key in d.before or ():
@@ -151,7 +144,6 @@ def _layer_kwargs_out(d: Decision, args: Any, model: Any) -> bool:
     return True
 
 
-@writes("checkpointing_kwargs.unknown")
 def _unknown_keys_out(d: Decision, args: Any, model: Any) -> bool:
     """Keys nothing reads (reentrant torch raises on them)."""
     for key in unknown_checkpoint_names(probe.read_kwargs(args) or {}):
@@ -161,7 +153,6 @@ def _unknown_keys_out(d: Decision, args: Any, model: Any) -> bool:
     return True
 
 
-@writes("inputs_require_grad")
 def _input_hook(d: Decision, args: Any, model: Any) -> bool:
     """transformers' own hook on the input embeddings."""
     if model is None:
@@ -182,4 +173,24 @@ def remove_input_hook(model: Any) -> None:
     base.__dict__.pop("_require_grads_hook", None)
 
 
-TARGETS["inputs_require_grad"].undo = remove_input_hook
+WRITERS: dict[str, Callable[[Decision, Any, Any], bool]] = {
+    "use_reentrant": _use_reentrant,
+    probe.NEW_KWARGS: _legacy_kwargs_won,
+    probe.OLD_KWARGS: _new_kwargs_won,
+    probe.NEW_FLAG: _flag,
+    "model.use_reentrant": _model_use_reentrant,
+    "preserve_rng_state": _torch_keyword,
+    "offload": _torch_keyword,
+    "activation_offloading": _trl_offloading_off,
+    "fsdp_activation_checkpointing": _fsdp_checkpointing_off,
+    "checkpointing_kwargs.container": _kwargs_as_dict,
+    "checkpointing_kwargs": _layer_kwargs_out,
+    "checkpointing_kwargs.unknown": _unknown_keys_out,
+    "inputs_require_grad": _input_hook,
+}
+"""The writer of each setting of `TARGETS` that has one: `write(decision, args, model)` carries out an applied decision
+on the arguments and the live model and returns whether it did. A setting without one: nothing to write (a check, or
+what the callback does step by step, `model.config.use_cache`)."""
+
+UNDO: dict[str, Callable[[Any], None]] = {"inputs_require_grad": remove_input_hook}
+"""What takes an applied write back off the live model when the run ends: `undo(model_ref)`."""

@@ -17,10 +17,9 @@ from ..core.facts import Facts
 from ..core.layout import Layout, every_n_pattern
 from ..core.rules import get_rule
 from ..core.settings import GCSettings
-from ..core.targets import TARGETS
 from ..model import ckpt, probe
 from ..model.verify import Watch
-from ..model.write import CacheSwitch, apply, set_args_kwarg
+from ..model.write import UNDO, CacheSwitch, apply, set_args_kwarg
 from . import drift, first_step
 from .first_forward import FirstForward, TwoForwards, not_running
 from .first_step import Parity
@@ -84,7 +83,7 @@ class Run(Record):
         self.decisions.extend(decisions)
         self.refuse(decisions)
         for d in apply(decisions, self.args, model):
-            undo = TARGETS[d.setting].undo
+            undo = UNDO.get(d.setting)
             if undo is not None and model is not None:
                 self.hooks.undo(functools.partial(undo, weakref.ref(model)), repair=True)
         if isinstance(decisions, Decisions) and decisions.in_force is not None:
