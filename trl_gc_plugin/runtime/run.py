@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from .._base import report
@@ -27,6 +28,13 @@ from .first_step import Parity
 from .memory_plan import MemoryPlan, no_plan
 from .record import Record, runtime_decision
 from .replay import Replay
+
+
+@dataclass
+class Kept:
+    """What a copy of a run keeps of its memory plan: the comparison with the first forward."""
+
+    comparison: Any = None
 
 
 class Run(Record):
@@ -56,6 +64,20 @@ class Run(Record):
         self.ddp_needs_every_gradient = False
         self.offloader = offloader
         self.route_facts = dict(route_facts or {})
+
+    LIVE = (*Record.LIVE, "first_forward", "replay", "parity", "memory_plan", "first_step_checks")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What was decided and observed; no check, hook or model (see `Record.LIVE`)."""
+        state = super().__getstate__()
+        state.update(first_step_checks=[], audit_pending=False, ddp_needs_every_gradient=False)
+        if self.first_forward is not None:  # what the first forward showed (`SafeGCCallback.observed`)
+            seen = FirstForward(self)
+            seen.observed = dict(self.first_forward.observed)
+            state["first_forward"] = seen
+        if self.memory_plan is not None:  # the plan's check against the first forward (`plan_check`)
+            state["memory_plan"] = Kept(self.memory_plan.comparison)
+        return state
 
     def decide(
         self, args: Any, model: Any, previous: list[Decision] | None = None, stage: str = "init_end"
