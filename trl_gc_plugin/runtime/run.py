@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -94,9 +95,10 @@ class Run(Record):
         self.cache_off = any(d.applied and d.setting == "model.config.use_cache" for d in decisions)
         if any(d.applied and d.setting == "checkpointing_kwargs" for d in decisions):
             self.every_n = facts.every_n_layers  # transformers < 5.23: the plugin applies it itself
-        if self.is_main():
+        if self.is_main():  # checkpointing off: nothing to say at the default level
             line = report.summary_line(self.decisions, self.mode, self.use_reentrant, self.source, self.json_path)
-            report.logger.info(line)
+            off = any(d.rule_id == "checkpointing-off" for d in self.decisions)
+            report.logger.log(logging.DEBUG if off else logging.INFO, line)
         return decisions
 
     def take(self, decisions: list[Decision], model: Any) -> None:
@@ -243,15 +245,33 @@ class Run(Record):
         """The run is over: say what was repeated and why its first step went unchecked if it did; remove it all."""
         if self.first_step_pending and not self.stopped:
             report.note(f"the first-step checks did not run: {why_unchecked}.", "info", self.is_main())
-        repeats = {k: n for k, n in self.reported.items() if n > 1}
-        if repeats:
-            report.note(f"repeated during training (first occurrence logged above): {repeats}", "info", self.is_main())
+        for key, times in self.reported.items():  # routine: said once, in words, at DEBUG
+            if times > 1:
+                report.note(_repeated(key, times, self.mode), "debug", self.is_main())
         self.stop()
 
     def fail(self, exc: Exception, where: str) -> None:
         """A plugin bug in `where`: said; training goes on without the run's hooks."""
         report.note(internal_error(where, exc), "warning")
         self.stop()
+
+
+def _repeated(key: str, times: int, mode: str) -> str:
+    """What the run met `times` times during training (`Record.count`), in words; only the first was a decision."""
+    done = "left as they were (warn mode)" if mode == "warn" else "removed"
+    if key == "hooks":
+        return (
+            f"checkpointing was re-enabled during training and added a duplicate input-require-grad hook {times} "
+            f"times (TRL's DPO, KTO, GRPO and RLOO trainers re-enable it every step); the duplicates were {done}."
+        )
+    if key.startswith("drift:"):
+        done = "reported" if mode == "warn" else "restored"
+        return f"{key.partition(':')[2]} drifted from the decision {times} times during training; {done} each time."
+    what = {
+        "frozen-inputs": "a reentrant checkpointed block ran with inputs that do not require grad",
+        "keyword-inputs": "a reentrant checkpointed block got a keyword input that requires grad",
+    }.get(key, key)
+    return f"{what}: {times} times during training (the first one is in the decisions)."
 
 
 def _asked_vs_running(run: Run, asked: bool, model: Any) -> None:
