@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = (ROOT / "startup" / "trl_gc_plugin.pth").read_text()
-PACKAGE_FILES = ("__init__.py", "_startup.py", "_flags.py")  # what start-up may import; stdlib only
+PACKAGE_FILES = ("__init__.py", "_startup.py", "_base/__init__.py", "_base/flags.py")  # start-up's; stdlib only
 
 PREVIOUS = ('import os; os.environ.get("TRL_GC_PLUGIN", "").strip().lower() not in ("", "0", "false", "no", "off") '
             'and __import__("trl_gc_plugin._startup")._startup.run()\n')
@@ -87,6 +87,7 @@ def make_venv(python: str, path: Path, files: dict[str, str]) -> Path:
                                   check=True, capture_output=True, text=True).stdout.strip())
     (purelib / "trl_gc_plugin").mkdir()
     for name in PACKAGE_FILES:
+        (purelib / "trl_gc_plugin" / name).parent.mkdir(exist_ok=True)
         shutil.copyfile(ROOT / "trl_gc_plugin" / name, purelib / "trl_gc_plugin" / name)
     for name, text in files.items():
         (purelib / name).write_text(text)
