@@ -4,6 +4,7 @@ what was decided and carries no hook (the plugin's hooks are registered by ident
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import pytest
@@ -62,11 +63,13 @@ def test_the_callback_handler_pickles_before_and_after_training_as_without_the_p
     callback = ours[0]
     assert pickles(callback) is None  # the callback itself pickles after training on every line
     waiting = _hooks.waiting()
-    copy = pickle.loads(pickle.dumps(callback))
-    assert [d.line() for d in copy.decisions] == [d.line() for d in callback.decisions]
-    assert copy.decisions and copy._run.use_reentrant is callback._run.use_reentrant
-    assert len(copy._run.hooks) == 0 and copy._run.model is None and copy._run.stopped
+    restored = pickle.loads(pickle.dumps(callback))
+    assert [d.line() for d in restored.decisions] == [d.line() for d in callback.decisions]
+    assert restored.decisions and restored._run.use_reentrant is callback._run.use_reentrant
+    assert len(restored._run.hooks) == 0 and restored._run.model is None and restored._run.stopped
     assert _hooks.waiting() == waiting
+    twin = copy.deepcopy(callback)  # a deep copy goes through the same state: no hook either
+    assert len(twin._run.hooks) == 0 and twin._run.model is None and twin.decisions == callback.decisions
 
 
 def test_a_callback_pickles_while_its_run_is_live():
@@ -90,8 +93,8 @@ def test_a_callback_pickles_while_its_run_is_live():
     run.arm_first_step(facts, model)
     held = len(run.hooks)
     assert held and run.first_step_pending
-    copy = pickle.loads(pickle.dumps(callback))
-    assert len(copy._run.hooks) == 0 and not copy._run.first_step_pending and copy._run.model is None
+    restored = pickle.loads(pickle.dumps(callback))
+    assert len(restored._run.hooks) == 0 and not restored._run.first_step_pending and restored._run.model is None
     assert len(run.hooks) == held
     ids = torch.randint(3, 64, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
