@@ -73,6 +73,15 @@ CANDIDATES: list[tuple[str, str, dict[str, str], tuple[str, ...]]] = [
      {"p.pth": 'import os;"' + "x" * 120 + '"\n'}, ()),
     ("import os + unexecuted expression", "tokens the parser and compiler handle but nothing runs",
      {"p.pth": 'import os;0 and __import__("x").a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p\n'}, ()),
+    # what each part of the shipped line costs (issue 46: is +1.0% reachable?)
+    ("import os + a second statement", "`;0`: the least a test of anything adds", {"p.pth": "import os;0\n"}, ()),
+    ("import os + `0 and x`", "a short-circuit with nothing run after it", {"p.pth": "import os;0 and x\n"}, ()),
+    ("import os + the import, never run", "the shipped line with a constant false test",
+     {"p.pth": 'import os;0 and __import__("trl_gc_plugin._startup")\n'}, ()),
+    ("os.environ._data", "the bytes-keyed dict under os.environ (POSIX; never true on Windows, whose keys are str)",
+     {"p.pth": 'import os;b"TRL_GC_PLUGIN"in os.environ._data and __import__("trl_gc_plugin._startup")\n'}, ()),
+    ("posix.environ", "the C-level environment dict (no `posix` module on Windows: an error every start-up there)",
+     {"p.pth": 'import posix;b"TRL_GC_PLUGIN"in posix.environ and __import__("trl_gc_plugin._startup")\n'}, ()),
 ]
 
 BASELINE, FLOOR = "no .pth", "import os"
