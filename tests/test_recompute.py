@@ -332,3 +332,32 @@ def test_the_meter_counts_selective_blocks_without_a_future_warning():
         ckpt.set_flag(ckpt.blocks(model)[0], False)
         model(**batch).loss.backward()
     assert off.selective[0] == saved.selective[0]
+
+
+FAMILIES = {
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=32)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2)),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                                     layer_types=["full_attention"] * 2)),
+    "granitemoe": ("GraniteMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "glm4_moe": ("Glm4MoeConfig", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       first_k_dense_replace=0, n_group=1, topk_group=1, head_dim=8)),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_router_is_found_in_every_moe_family_and_the_step_runs(name):
+    config, extra = FAMILIES[name]
+    model = _causal(config, **extra, **LLAMA_LIKE)()
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert ckpt.faithful_blocks(model) == (2, 2, 0)
+    reference = _causal(config, **extra, **LLAMA_LIKE)()
+    reference.train()
+    batch = lm_batch(0)
+    model(**batch).loss.backward()
+    reference(**batch).loss.backward()
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    want = torch.cat([p.grad.reshape(-1) for p in reference.parameters() if p.grad is not None])
+    assert rel(got, want) < 1e-5
