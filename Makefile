@@ -26,11 +26,12 @@ SLICE ?= tests/test_capabilities.py tests/test_engine.py tests/test_rules_v2.py 
 	tests/test_check_cli.py tests/test_cli.py tests/test_no_trace.py tests/test_copies.py tests/test_settings.py \
 	tests/test_policy.py tests/test_ckpt.py tests/test_moe_router.py tests/test_model_cannot_checkpoint.py \
 	tests/test_loop.py tests/test_lean_selective.py
-# What the newest torch changes most (FSDP2's internals, selective checkpointing, offloading, the planner's figures):
+# What the newest torch changes most (FSDP2's internals, selective checkpointing, offloading, the planner's figures, the
+# recompute's context_fn: SAC modes and the SDPA backend switches):
 # run beside SLICE in the `latest` environment, whose torch is the newest the registry serves (a CUDA build: what GPU
 # users install, run here on the CPU).
 TORCH_SLICE ?= tests/test_fsdp.py tests/test_planner.py tests/test_planner_mixed.py tests/test_plan_check.py \
-	tests/test_plan_integration.py tests/test_selective_peft.py tests/test_activation_offloading.py
+	tests/test_plan_integration.py tests/test_selective_peft.py tests/test_activation_offloading.py tests/test_recompute.py
 # An empty TF / TRL / PEFT / BNB / TORCH installs the latest release the registry offers (the `latest` CI environment).
 pin = $(if $(2),"$(1)==$(2)","$(1)")
 PY := $(VENV)/bin/python

@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = (ROOT / "startup" / "trl_gc_plugin.pth").read_text()
-PACKAGE_FILES = ("__init__.py", "_startup.py", "_flags.py")  # what start-up may import; stdlib only
+PACKAGE_FILES = ("__init__.py", "_startup.py", "_base/__init__.py", "_base/flags.py")  # start-up's; stdlib only
 
 PREVIOUS = ('import os; os.environ.get("TRL_GC_PLUGIN", "").strip().lower() not in ("", "0", "false", "no", "off") '
             'and __import__("trl_gc_plugin._startup")._startup.run()\n')
@@ -73,6 +73,15 @@ CANDIDATES: list[tuple[str, str, dict[str, str], tuple[str, ...]]] = [
      {"p.pth": 'import os;"' + "x" * 120 + '"\n'}, ()),
     ("import os + unexecuted expression", "tokens the parser and compiler handle but nothing runs",
      {"p.pth": 'import os;0 and __import__("x").a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p\n'}, ()),
+    # what each part of the shipped line costs (issue 46: is +1.0% reachable?)
+    ("import os + a second statement", "`;0`: the least a test of anything adds", {"p.pth": "import os;0\n"}, ()),
+    ("import os + `0 and x`", "a short-circuit with nothing run after it", {"p.pth": "import os;0 and x\n"}, ()),
+    ("import os + the import, never run", "the shipped line with a constant false test",
+     {"p.pth": 'import os;0 and __import__("trl_gc_plugin._startup")\n'}, ()),
+    ("os.environ._data", "the bytes-keyed dict under os.environ (POSIX; never true on Windows, whose keys are str)",
+     {"p.pth": 'import os;b"TRL_GC_PLUGIN"in os.environ._data and __import__("trl_gc_plugin._startup")\n'}, ()),
+    ("posix.environ", "the C-level environment dict (no `posix` module on Windows: an error every start-up there)",
+     {"p.pth": 'import posix;b"TRL_GC_PLUGIN"in posix.environ and __import__("trl_gc_plugin._startup")\n'}, ()),
 ]
 
 BASELINE, FLOOR = "no .pth", "import os"
@@ -87,6 +96,7 @@ def make_venv(python: str, path: Path, files: dict[str, str]) -> Path:
                                   check=True, capture_output=True, text=True).stdout.strip())
     (purelib / "trl_gc_plugin").mkdir()
     for name in PACKAGE_FILES:
+        (purelib / "trl_gc_plugin" / name).parent.mkdir(exist_ok=True)
         shutil.copyfile(ROOT / "trl_gc_plugin" / name, purelib / "trl_gc_plugin" / name)
     for name, text in files.items():
         (purelib / name).write_text(text)

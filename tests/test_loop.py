@@ -425,3 +425,93 @@ def test_a_refused_loop_leaves_no_optimizer_hook():
         model(input_ids=ids, labels=ids)
     assert dict(torch_optimizer._global_optimizer_pre_hooks) == pre
     assert dict(torch_optimizer._global_optimizer_post_hooks) == post
+
+
+# --- issue 46: a route that never sees an optimizer step leaves no hook, and says once the checks did not run ------
+
+
+def optimizer_pre_hooks() -> int:
+    from torch.optim import optimizer as torch_optimizer
+
+    return len(torch_optimizer._global_optimizer_pre_hooks)
+
+
+def not_run_lines(plugin_log) -> list[str]:
+    return [r.getMessage() for r in plugin_log.records if "first-step checks did not run" in r.getMessage()]
+
+
+def test_an_update_by_hand_ends_the_route_at_the_next_forward(plugin_log):
+    """A loop that updates through `p.data` (no optimizer, no version-counter bump): the next forward ends the route,
+    its optimizer pre-hook goes, and it says once that the first-step checks did not run."""
+    before = optimizer_pre_hooks()
+    ids = torch.randint(3, 64, (2, 8))
+    with trl_gc_plugin.installed(mode="fix"):
+        model = make_model()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        for _ in range(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-0.1)
+                    p.grad = None
+        assert optimizer_pre_hooks() == before and _hooks.waiting() == 0
+        assert len(not_run_lines(plugin_log)) == 1 and "without a torch optimizer step" in not_run_lines(plugin_log)[0]
+
+
+def test_gradient_accumulation_keeps_the_route_until_the_step(plugin_log):
+    """Several forwards and backwards before the first optimizer step change no parameter: the route waits, and the
+    step runs the checks."""
+    ids = torch.randint(3, 64, (2, 8))
+    with trl_gc_plugin.installed(mode="fix"):
+        model = make_model()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert loop._ROUTES.get(model).state == "first step"
+        opt.step()
+        assert loop._ROUTES.get(model).state == "done"
+    assert not_run_lines(plugin_log) == []
+
+
+def test_a_frozen_reference_model_in_train_mode_arms_nothing(plugin_log):
+    """A reference model (`requires_grad_(False)`, checkpointing on, train mode, grad enabled): no optimizer step
+    will ever come for it; its route ends at its first forward, says so once, and registers no hook."""
+    before = optimizer_pre_hooks()
+    ids = torch.randint(3, 64, (2, 8))
+    with trl_gc_plugin.installed(mode="fix"):
+        ref = make_model()
+        ref.requires_grad_(False)
+        ref.gradient_checkpointing_enable()
+        ref.train()
+        for _ in range(2):
+            ref(input_ids=ids, labels=ids)
+            assert optimizer_pre_hooks() == before and _hooks.waiting() == 0
+        assert len(not_run_lines(plugin_log)) == 1 and "no trainable parameter" in not_run_lines(plugin_log)[0]
+
+
+def test_a_lora_loop_that_crashes_in_warn_mode_leaves_no_hook(plugin_log):
+    """PEFT LoRA, reentrant, no input hook, warn mode: transformers 4.57 fails at the first backward, plugin or not
+    (warn changes nothing); the forward whose logits cannot require grad ends the route there. Transformers 5 trains."""
+    from peft import LoraConfig, get_peft_model
+
+    before = optimizer_pre_hooks()
+    ids = torch.randint(3, 64, (2, 8))
+    with trl_gc_plugin.installed(mode="warn"):
+        model = get_peft_model(make_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        error = None
+        try:
+            for _ in range(2):
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+        except RuntimeError as exc:
+            error = exc
+        assert (error is None) is TF5
+        assert optimizer_pre_hooks() == before and _hooks.waiting() == 0
+        if not TF5:
+            assert len(not_run_lines(plugin_log)) == 1 and "do not require grad" in not_run_lines(plugin_log)[0]

@@ -45,3 +45,40 @@ def test_the_demo_shows_a_failure_without_the_plugin_and_none_with_it(tmp_path):
     assert "0 of 18 layer parameters trained" in without or "wrong gradients" in without
     assert "refused before any update" in next(line for line in lines if "strict" in line)
     assert "updates equal to no checkpointing" in next(line for line in lines if "fix" in line)
+
+
+def test_the_readme_is_read_in_five_minutes():
+    """At most 250 lines (issue 46): what it does, the two commands, the routes, where the rest is."""
+    lines = README.splitlines()
+    assert len(lines) <= 250, len(lines)
+    assert "make demo" in README and "make test" in README
+    for route in ("SafeGCCallback()", "installed(", "TRL_GC_PLUGIN=1", "guard(model"):
+        assert route in README, route
+
+
+def test_every_section_the_readme_moved_is_in_docs():
+    docs = {p.name: p.read_text() for p in (ROOT / "docs").glob("*.md")}
+    moved = {
+        "compatibility.md": ["## Supported versions", "| capability | first transformers |", "`.venv-floor`"],
+        "routes.md": ["## No code change: `TRL_GC_PLUGIN=1`", "## Where you launch", "## Axolotl", "## LLaMA-Factory",
+                      "## Without a Trainer", "Start-up cost with the variable unset"],
+        "how-it-works.md": ["### What it does, in short", "### Decisions", "### Modes"],
+        "check.md": ["## In short (from the README)", "Exit status: 0 every file fine"],
+        "memory-planning.md": ["**Candidates**", "**Micro-batch or checkpointing?**", "| llama3-70b, 8 grad shards |"],
+        "troubleshooting.md": ["[frozen-inputs-need-non-reentrant]", "**Two registrations**"],
+        "development.md": ["make matrix", "Layout: packages by concern"],
+        "rules.md": ["Precedence: repairs first", "## At a glance", "## Every rule"],
+    }
+    for name, marks in moved.items():
+        for mark in marks:
+            assert mark in docs[name], (name, mark)
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://", "mailto:")) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert broken == []

@@ -251,9 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("plan", help="plan how much to checkpoint within a memory budget (also trl-gc-plan; see plan -h)")
     rules = sub.add_parser("rules", help="print the rule table")
     fmt = rules.add_mutually_exclusive_group()
-    fmt.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
+    fmt.add_argument("--markdown", action="store_true", help="as the Markdown table of docs/rules.md")
     fmt.add_argument("--json", action="store_true", help="as JSON")
-    fmt.add_argument("--update-readme", metavar="PATH", help="rewrite the generated rule table in this README")
+    fmt.add_argument(
+        "--update-readme",
+        metavar="PATH",
+        help="rewrite docs/rules.md beside this README (and its generated block, if any)",
+    )
     chk = sub.add_parser(
         "check",
         help="check training configs (TRL, Axolotl, LLaMA-Factory, TrainingArguments JSON) before launching",

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -57,6 +58,23 @@ def _said_by_parent(decision: Any) -> bool:
     return False
 
 
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """stderr, as transformers' own handler; a line written while a tqdm progress bar is live on the same stream (the
+    Trainer's, until `on_train_end` has closed it) goes between the bar's redraws, never onto the bar's line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        bar_class = getattr(sys.modules.get("tqdm"), "tqdm", None)  # never imported for this: only live bars matter
+        write_mode = getattr(bar_class, "external_write_mode", None)
+        if not getattr(bar_class, "_instances", None) or write_mode is None:
+            super().emit(record)
+            return
+        try:
+            with write_mode(file=self.stream):
+                super().emit(record)
+        except Exception:  # never let a log line fail the run
+            self.handleError(record)
+
+
 def setup() -> None:
     """Give `trl_gc_plugin` a handler and default levels, once, unless the application configured it already."""
     if _state["handler"] is not None:
@@ -64,7 +82,7 @@ def setup() -> None:
     if logger.handlers or logger.level != logging.NOTSET or details.level != logging.NOTSET:
         _state["handler"] = False  # configured by the application: leave it alone
         return
-    handler = logging.StreamHandler()
+    handler = _Handler()
     handler.setFormatter(logging.Formatter("[%(name)s] %(levelname)s: %(message)s"))
     logger.addHandler(handler)
     logger.propagate = False

@@ -1,4 +1,4 @@
-"""The rule table: every rule the plugin applies, as data (the README's table and `python -m trl_gc_plugin rules` are
+"""The rule table: every rule the plugin applies, as data (`docs/rules.md` and `python -m trl_gc_plugin rules` are
 generated from it; `remove_when` says when a rule is dead weight, as TRL's `trl/_compat.py` does for its patches).
 
 Kinds: `require` (unset -> filled; an explicit other value -> `error` in strict, `override` in fix, `warn` in warn

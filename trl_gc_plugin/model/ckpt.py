@@ -116,7 +116,7 @@ def is_selective(func: Any) -> bool:
 def is_lean(func: Any) -> bool:
     from .policies import lean_context
 
-    return keywords(func).get("context_fn") == lean_context
+    return keywords(func).get("context_fn") is lean_context
 
 
 def layout_of(model: Any) -> Layout:
@@ -417,7 +417,7 @@ def faithful_blocks(model: Any) -> tuple[int, int, int]:
     router's logits kept where the block has one, the forward's attention backend replayed in the recompute. Returns
     (blocks changed, blocks with a router found, non-reentrant blocks whose routing stays recomputed: a user's
     `context_fn` or no router found in a model that has one)."""
-    from .policies import Faithful, is_ours
+    from .policies import Faithful, faithful_of, is_ours
 
     base = unwrap(model)
     shapes = router_shapes(base)
@@ -433,7 +433,7 @@ def faithful_blocks(model: Any) -> tuple[int, int, int]:
         if current is not None and not is_ours(current):
             unrouted += bool(shapes)
             continue
-        if is_ours(current) and current.keep != "full":  # the planner's selective / lean: they keep the router
+        if current is not None and faithful_of(current).keep != "full":  # the planner's selective / lean keep it
             continue
         router = router_of(block, shapes)
         routed += router is not None

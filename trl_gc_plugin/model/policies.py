@@ -246,16 +246,37 @@ def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 _NULL = contextlib.nullcontext()
 
 
-selective_context = Faithful("selective")
-"""The planner's selective blocks' `context_fn` (a module-level value: a partial holding it pickles)."""
-lean_context = Faithful("lean")
+_SELECTIVE, _LEAN = Faithful("selective"), Faithful("lean")
+
+
+def selective_context() -> tuple[Any, Any]:
+    """The planner's selective blocks' `context_fn`: a plain module-level function (a partial holding it pickles, and
+    dynamo accepts it under `torch.compile`, where it refuses a dataclass instance: `checkpoint not implemented for
+    FrozenDataClassVariable context_fn`, torch 2.13)."""
+    return _SELECTIVE()
+
+
+def lean_context() -> tuple[Any, Any]:
+    return _LEAN()
+
+
 full_context = Faithful()
-"""A fully checkpointed block without a router: the attention backend replayed, nothing kept."""
+"""A fully checkpointed block without a router: the attention backend replayed, nothing kept (never written under
+`torch.compile`)."""
+
+
+def faithful_of(context_fn: Any) -> Faithful | None:
+    """The plugin's `Faithful` behind a `context_fn` it writes; None for a user's own (or none)."""
+    if context_fn is selective_context:
+        return _SELECTIVE
+    if context_fn is lean_context:
+        return _LEAN
+    return context_fn if isinstance(context_fn, Faithful) else None
 
 
 def is_ours(context_fn: Any) -> bool:
     """Whether a `context_fn` is one the plugin writes (a user's own is kept as it is)."""
-    return isinstance(context_fn, Faithful)
+    return faithful_of(context_fn) is not None
 
 
 def _say_unreplayed(forward: tuple[Any, ...], recompute: tuple[Any, ...]) -> None:

@@ -318,7 +318,7 @@ def meter(model: Any, *, would_keep: bool = False, through: bool = False) -> Ite
         handles.append(block.register_forward_hook(functools.partial(counter.leave, name), always_call=True))
     for block in selective:
         func = getattr(block, ckpt.FUNC)
-        context = ckpt.keywords(func)["context_fn"]
+        context = policies.faithful_of(ckpt.keywords(func)["context_fn"])
         ckpt.set_function(block, ckpt.with_keywords(func, context_fn=_counting_context(counter, context)))
     mode = _would_keep_mode(counter) if would_keep else contextlib.nullcontext()
     pack, unpack = _saved_tensor_hooks(counter.pack, through)
@@ -334,7 +334,8 @@ def meter(model: Any, *, would_keep: bool = False, through: bool = False) -> Ite
 
 def _keeps(func: Any) -> bool:
     context = ckpt.keywords(func).get("context_fn") if func is not None else None
-    return policies.is_ours(context) and context.policy() is not None
+    faithful = policies.faithful_of(context)
+    return faithful is not None and faithful.policy() is not None
 
 
 def _saved_tensor_hooks(count: Any, through: bool) -> tuple[Any, Any]:

@@ -87,6 +87,11 @@ class SafeGCCallback(TrainerCallback):
         self._reset_run()
         report.setup()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickle or copy of the callback (the Trainer's `CallbackHandler` pickles with it) keeps the settings and
+        what was decided, and acts for no Trainer: its run carries no hook (`Record.__getstate__`)."""
+        return {**self.__dict__, "_active": False}
+
     def register(self, cfg: Any = None) -> None:
         """Axolotl calls `register` on what its `plugins:` list names: say which line to write."""
         raise GCConfigError(

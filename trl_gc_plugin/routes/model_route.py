@@ -102,7 +102,7 @@ class ModelRoute:
         self.state = "new"  # then `decided`, `first step` (its checks armed), `done` (first step checked), `ended`;
         # `standing back`: the loop checkpoints by its own means, only its first step's gradients are looked at
         self._calls: list[Any] = []
-        self._tracked: tuple[weakref.ref[Any], int] | None = None
+        self._tracked: Tracked | None = None
 
     def decide(self) -> list[Decision]:
         model = self.model_ref()
@@ -158,8 +158,7 @@ class ModelRoute:
         if not (torch.is_grad_enabled() and ckpt.unwrap(model).training):
             return
         if self.state == "first step":
-            param = self._tracked[0]() if self._tracked is not None else None  # changed in place, yet no step seen
-            if param is not None and param._version != self._tracked[1]:
+            if self._tracked is not None and self._tracked.changed():  # updated, yet no optimizer step seen
                 self.end("the model's parameters changed without a torch optimizer step (an update by hand?)")
             return
         if not probe.checkpointing_on(model):  # turned off again before training: nothing to guard
@@ -169,12 +168,18 @@ class ModelRoute:
             else:
                 self.end()
             return
+        if not any(p.requires_grad for p in model.parameters()):  # a frozen (reference) model: no step will come
+            self.end("it has no trainable parameter (a frozen reference model?)")
+            return
         if self.state == "new":
             self.decide()
         facts = self.run.begin(self.run.args, model, asked=True)
         self.run.arm_first_step(facts, model)
         self.run.hooks.optimizer_step(self._on_step)
-        self._tracked = _version_of(model)
+        head = getattr(ckpt.unwrap(model), "get_output_embeddings", lambda: None)()
+        if head is not None:  # a training forward no backward can reach ends the route there (`_see_output`)
+            self.run.hooks.forward(head, self._see_output)
+        self._tracked = Tracked.of(model)
         self.state = "first step"
 
     def _stand_back(self, model: Any) -> bool:
@@ -216,6 +221,20 @@ class ModelRoute:
                 )
             self.end()
 
+    def _see_output(self, module: Any, args: Any, output: Any) -> None:
+        """The output embeddings' result in a training forward of the first step: when it does not require grad, no
+        backward reaches the model's parameters (its backward fails, or nothing trains them): no step will check."""
+        import torch
+
+        with contained("the model route", self._fail):
+            if self.state != "first step" or not (torch.is_grad_enabled() and module.training):
+                return
+            if isinstance(output, torch.Tensor) and not output.requires_grad:
+                self.end(
+                    "its training forward returned logits that do not require grad, so no backward reaches its "
+                    "trainable parameters (frozen or cut off by reentrant checkpointing; the backward fails)"
+                )
+
     def _on_step(self, optimizer: Any) -> None:
         model = self.model_ref()
         if self.state != "first step" or self.run.stopped or model is None or not _steps(optimizer, model):
@@ -223,7 +242,7 @@ class ModelRoute:
         with contained("the model route", self._fail):
             self.run.before_optimizer_step(model)
             self.run.step_end(asked=True)
-            self.state = "done"
+            self.state, self._tracked = "done", None
             self.run.hooks.remove(keep_lasting=True)  # the enable guard stays; `__call__` goes at the next forward
 
     def end(self, why: str | None = None) -> None:
@@ -232,7 +251,7 @@ class ModelRoute:
             model = self.model_ref()
             name = type(ckpt.unwrap(model)).__name__ if model is not None else "a collected model"
             report.note(f"{name}: the first-step checks did not run: {why}.", "info")
-        self.state = "ended"
+        self.state, self._tracked = "ended", None
         self._calls = []
         self.run.stop(keep_repairs=True)
 
@@ -266,12 +285,30 @@ def _steps(optimizer: Any, model: Any) -> bool:
     return held or any(p.grad is not None for p in trainable)
 
 
-def _version_of(model: Any) -> tuple[weakref.ref[Any], int] | None:
-    """The first trainable parameter and its version counter (only an update bumps it); None under ZeRO-3."""
-    for param in model.parameters():
-        if param.requires_grad:
-            return None if hasattr(param, "ds_id") else (weakref.ref(param), param._version)
-    return None
+class Tracked:
+    """The smallest trainable parameter, its version counter and a copy of its values at the first training forward:
+    an update changes them, with or without an optimizer (`p.data.add_` bumps no version counter)."""
+
+    def __init__(self, param: Any) -> None:
+        self.ref = weakref.ref(param)
+        self.version = param._version
+        self.values = param.detach().clone()
+
+    @classmethod
+    def of(cls, model: Any) -> Tracked | None:
+        """None under ZeRO-3 (partitions) or without a trainable parameter."""
+        trainable = [p for p in model.parameters() if p.requires_grad and p.numel() > 0]
+        if not trainable or any(hasattr(p, "ds_id") for p in trainable[:1]):
+            return None
+        return cls(min(trainable, key=lambda p: p.numel()))
+
+    def changed(self) -> bool:
+        import torch
+
+        param = self.ref()
+        if param is None:
+            return False
+        return param._version != self.version or not torch.equal(param.detach(), self.values)
 
 
 def _zero3_partitions(model: Any) -> dict[str, Any] | None:

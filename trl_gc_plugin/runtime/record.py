@@ -37,6 +37,22 @@ def names_of(found: list[str], limit: int = 6) -> str:
     return ", ".join(found[:limit]) + (" ..." if len(found) > limit else "")
 
 
+def _no_model() -> Any:
+    return None
+
+
+class _Strong:
+    """A model that cannot be weakly referred to, held as `weakref.ref` would give it."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self) -> Any:
+        return self.model
+
+
 class Record:
     """What the plugin knows and did about one run, on any route."""
 
@@ -46,7 +62,7 @@ class Record:
         self.main_process = main_process  # given where the arguments must not be asked (`__post_init__`)
         self.write_json = write_json and settings.write_json
         self.args: Any = None
-        self._model: Callable[[], Any] = lambda: None
+        self._model: Callable[[], Any] = _no_model
         self.decisions: list[Decision] = []
         self.use_reentrant: Any = None  # the one holder of the value in force
         self.source = "unset"  # who set it: `user`, `plugin`, `trainer`, a launcher, `unknown` or `unset`
@@ -58,6 +74,23 @@ class Record:
         self.cache: CacheSwitch | None = None
         self.stopped = False
 
+    # What lives only as long as the run does (the model, its hooks and checks): a pickle or a copy of the record
+    # (the Trainer's callbacks are pickled with its `CallbackHandler`) carries what was decided, and no hook: hooks
+    # are registered by identity in `model.hooks`' tables, so a copy of one would belong to no registry.
+    LIVE: tuple[str, ...] = ("args", "_model", "hooks", "watch", "guard", "cache")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in self.LIVE:
+            state[name] = None
+        state["stopped"] = True  # a copy drives nothing: a new run starts from a new record
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._model = _no_model
+        self.hooks = Hooks()
+
     @property
     def model(self) -> Any:
         return self._model()
@@ -65,9 +98,9 @@ class Record:
     @model.setter
     def model(self, model: Any) -> None:
         try:
-            self._model = weakref.ref(model) if model is not None else lambda: None
+            self._model = weakref.ref(model) if model is not None else _no_model
         except TypeError:  # not weakly referable
-            self._model = lambda: model
+            self._model = _Strong(model)
 
     def stands_back(self) -> bool:
         """Another library or the model's own code owns checkpointing: the plugin decides nothing, only reports."""

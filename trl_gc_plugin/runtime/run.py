@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from .._base import report
@@ -26,6 +28,13 @@ from .first_step import Parity
 from .memory_plan import MemoryPlan, no_plan
 from .record import Record, runtime_decision
 from .replay import Replay
+
+
+@dataclass
+class Kept:
+    """What a copy of a run keeps of its memory plan: the comparison with the first forward."""
+
+    comparison: Any = None
 
 
 class Run(Record):
@@ -58,6 +67,20 @@ class Run(Record):
         self.faithful_undo: Any = None
         self.faithful_said: set[str] = set()
 
+    LIVE = (*Record.LIVE, "first_forward", "replay", "parity", "memory_plan", "first_step_checks")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What was decided and observed; no check, hook or model (see `Record.LIVE`)."""
+        state = super().__getstate__()
+        state.update(first_step_checks=[], audit_pending=False, ddp_needs_every_gradient=False, faithful_undo=None)
+        if self.first_forward is not None:  # what the first forward showed (`SafeGCCallback.observed`)
+            seen = FirstForward(self)
+            seen.observed = dict(self.first_forward.observed)
+            state["first_forward"] = seen
+        if self.memory_plan is not None:  # the plan's check against the first forward (`plan_check`)
+            state["memory_plan"] = Kept(self.memory_plan.comparison)
+        return state
+
     def decide(
         self, args: Any, model: Any, previous: list[Decision] | None = None, stage: str = "init_end"
     ) -> Decisions:
@@ -73,9 +96,10 @@ class Run(Record):
         self.cache_off = any(d.applied and d.setting == "model.config.use_cache" for d in decisions)
         if any(d.applied and d.setting == "checkpointing_kwargs" for d in decisions):
             self.every_n = facts.every_n_layers  # transformers < 5.23: the plugin applies it itself
-        if self.is_main():
+        if self.is_main():  # checkpointing off: nothing to say at the default level
             line = report.summary_line(self.decisions, self.mode, self.use_reentrant, self.source, self.json_path)
-            report.logger.info(line)
+            off = any(d.rule_id == "checkpointing-off" for d in self.decisions)
+            report.logger.log(logging.DEBUG if off else logging.INFO, line)
         return decisions
 
     def take(self, decisions: list[Decision], model: Any) -> None:
@@ -261,9 +285,9 @@ class Run(Record):
         """The run is over: say what was repeated and why its first step went unchecked if it did; remove it all."""
         if self.first_step_pending and not self.stopped:
             report.note(f"the first-step checks did not run: {why_unchecked}.", "info", self.is_main())
-        repeats = {k: n for k, n in self.reported.items() if n > 1}
-        if repeats:
-            report.note(f"repeated during training (first occurrence logged above): {repeats}", "info", self.is_main())
+        for key, times in self.reported.items():  # routine: said once, in words, at DEBUG
+            if times > 1:
+                report.note(_repeated(key, times, self.mode), "debug", self.is_main())
         self.stop()
 
     def fail(self, exc: Exception, where: str) -> None:
@@ -275,6 +299,24 @@ class Run(Record):
 def _unfaithful(model: weakref.ref[Any]) -> None:
     if (alive := model()) is not None:
         ckpt.unfaithful_blocks(alive)
+
+
+def _repeated(key: str, times: int, mode: str) -> str:
+    """What the run met `times` times during training (`Record.count`), in words; only the first was a decision."""
+    done = "left as they were (warn mode)" if mode == "warn" else "removed"
+    if key == "hooks":
+        return (
+            f"checkpointing was re-enabled during training and added a duplicate input-require-grad hook {times} "
+            f"times (TRL's DPO, KTO, GRPO and RLOO trainers re-enable it every step); the duplicates were {done}."
+        )
+    if key.startswith("drift:"):
+        done = "reported" if mode == "warn" else "restored"
+        return f"{key.partition(':')[2]} drifted from the decision {times} times during training; {done} each time."
+    what = {
+        "frozen-inputs": "a reentrant checkpointed block ran with inputs that do not require grad",
+        "keyword-inputs": "a reentrant checkpointed block got a keyword input that requires grad",
+    }.get(key, key)
+    return f"{what}: {times} times during training (the first one is in the decisions)."
 
 
 def _asked_vs_running(run: Run, asked: bool, model: Any) -> None:

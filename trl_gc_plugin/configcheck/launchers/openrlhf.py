@@ -211,7 +211,7 @@ def read(config: Config, ctx: Context) -> Reading:
     reading.set_trainer(kind, "file", f"openrlhf.cli.{entry}", rl=kind in RL, generates=kind in GENERATING)
     reading.notes.append(
         "OpenRLHF trains without a Trainer: the plugin acts through the model route (TRL_GC_PLUGIN=1 patches "
-        'gradient_checkpointing_enable; see the README\'s "Without a Trainer")'
+        'gradient_checkpointing_enable; see docs/routes.md, "Without a Trainer")'
     )
     return reading
 
