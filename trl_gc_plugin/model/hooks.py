@@ -82,6 +82,8 @@ _HOOKS: dict[str, tuple[Table, Callable[..., None]]] = {
 def _sync() -> None:
     """Register the process-wide module hooks while a callback waits, remove them when none does (later when torch
     is handling an exception raised in a forward: it is iterating its process-wide post-hooks itself)."""
+    if "torch.nn.modules.module" not in sys.modules:  # torch never imported: nothing registered (nor to import at exit)
+        return
     from torch.nn.modules import module as torch_module
 
     for name, (table, hook) in _HOOKS.items():
