@@ -500,4 +500,11 @@ def compiled_choice(plan: Plan) -> CompiledChoice:
         + ("the partitioner's activation_memory_budget" if way == "partitioner" else "the plan's layout, compiled,")
         + " gave the faster step at no more saved bytes"
     )
+    if way == "plan" and any(k in SELECTIVE for k in chosen.layout.kinds):
+        way = "partitioner"
+        why += (
+            ", but the plan's selective blocks do not compile: dynamo takes a function or a functools.partial as "
+            "checkpoint's context_fn and refuses the plugin's (policies.Faithful, a dataclass instance: 'checkpoint "
+            "not implemented for FrozenDataClassVariable context_fn', torch 2.13)"
+        )
     return CompiledChoice(way, min(fraction, 1.0) if way == "partitioner" else None, why)
