@@ -42,6 +42,7 @@ SHAPE = {"hidden": 256, "intermediate": 688, "layers": 2, "heads": 4, "vocab": 2
 QUICK = {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 2, "vocab": 128, "batch": 1, "seq": 32}
 FRACTIONS = (0.25, 0.5, 0.75)
 SWEEP_STEPS = 5
+PLAN_GRID = 24
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -166,25 +167,34 @@ def run(shape: dict, rounds: int) -> dict:
     table = planner.candidates(est, allow_selective=True, allow_offload=False)
     by = {c.name: c for c in table}
     p_full, p_none = by["full"].peak_bytes, by["none"].peak_bytes
-    plans = {}
-    for f in FRACTIONS:
-        chosen = planner.plan(est, round(p_full + f * (p_none - p_full)), allow_selective=True,
-                              allow_offload=False, device="cpu").chosen
-        plans[f] = chosen
-        print(f"plan at {f}: {chosen.summary()} (predicted saved {chosen.saved_bytes})", flush=True)
+    offset = p_full - by["full"].saved_bytes  # what the predicted peak holds besides the saved bytes
 
-    # eager arms
+    def plan_for(saved_target: int):
+        """The planner's pick for a budget whose saved activations are `saved_target` (the rest of its predicted
+        peak as under full checkpointing)."""
+        return planner.plan(est, round(saved_target + offset), allow_selective=True, allow_offload=False,
+                            device="cpu").chosen
+
+    # eager arms: the ends first (they set the eager budgets), then the plugin's plan at each
     arms: dict[str, dict] = {}
-    eager = {"eager none": fresh("none"), "eager full": fresh(by["full"])}
-    for f, c in plans.items():
-        eager[f"eager plan@{f}"] = fresh(c)
-    for name, model in eager.items():
+
+    def eager_arm(name: str, layout) -> None:
+        model = fresh(layout)
         fn = loss_fn(model, name)
         fn(ids).backward()  # warm-up
+        model.zero_grad(set_to_none=True)
         arms[name] = {"fn": fn, "model": model, "saved": saved_bytes(fn, model, ids)}
         print(f"{name}: saved {arms[name]['saved']}", flush=True)
+
+    eager_arm("eager none", "none")
+    eager_arm("eager full", by["full"])
     e_full, e_none = arms["eager full"]["saved"], arms["eager none"]["saved"]
     eager_budgets = {f: round(e_full + f * (e_none - e_full)) for f in FRACTIONS}
+    plans = {}
+    for f in FRACTIONS:
+        plans[f] = plan_for(eager_budgets[f])
+        print(f"plan at {f}: {plans[f].summary()} (predicted saved {plans[f].saved_bytes})", flush=True)
+        eager_arm(f"eager plan@{f}", plans[f])
 
     compiled: dict[tuple, str] = {}  # (layout, partitioner budget) -> the arm that runs it (one compile each)
 
@@ -234,9 +244,28 @@ def run(shape: dict, rounds: int) -> dict:
         chosen_budget[f] = lo
         print(f"budget {f}: {target} bytes -> activation_memory_budget {lo} (saves {points.get(lo)})", flush=True)
 
+    # the plugin's plans for the compiled model: every distinct pick over the planner's range, each compiled
+    # (no code generation) and measured; per budget the one of least predicted recompute that fits it
+    picks = {}
+    for i in range(PLAN_GRID + 1):
+        c = plan_for(round(by["full"].saved_bytes + i / PLAN_GRID * (by["none"].saved_bytes - by["full"].saved_bytes)))
+        if c is not None:
+            picks.setdefault(str(c.layout), c)
+    plan_points = {}
+    for key, c in picks.items():
+        model = compilable(fresh(c))
+        fn, took = compile_arm(model, f"plans {len(plan_points)}", None, backend="aot_eager_decomp_partition")
+        plan_points[key] = saved_bytes(fn, model, ids)
+        print(f"plan sweep: {c.summary()} saves {plan_points[key]} compiled ({took:.1f} s)", flush=True)
+    compiled_plans = {}
+    for f, target in budgets.items():
+        fitting = [c for k, c in picks.items() if plan_points[k] <= target]
+        compiled_plans[f] = min(fitting, key=lambda c: c.recompute) if fitting else by["full"]
+        print(f"compiled plan at {f}: {compiled_plans[f].summary()}", flush=True)
+
     for f in FRACTIONS:
         compiled_arm(f"compiled budget@{f}", "none", chosen_budget[f])
-        compiled_arm(f"compiled plan@{f}", plans[f], None)
+        compiled_arm(f"compiled plan@{f}", compiled_plans[f], None)
 
     # gradients against eager full checkpointing
     def grads(name):
@@ -296,6 +325,7 @@ def run(shape: dict, rounds: int) -> dict:
             "budget_saved_bytes_eager": eager_budgets[f],
             "plan": plans[f].summary(),
             "plan_predicted_saved_bytes": plans[f].saved_bytes,
+            "compiled_plan": compiled_plans[f].summary(),
             "activation_memory_budget": chosen_budget[f],
             "arms": {k: f"{k}@{f}" for k in ("eager plan", "compiled budget", "compiled plan")},
         }
@@ -305,6 +335,7 @@ def run(shape: dict, rounds: int) -> dict:
             row[f"{k} fits"] = arms[arm]["saved"] <= limit
     return {"budgets": table_rows, "arms": out_arms,
             "sweep": {str(b): s for b, s in sorted(points.items())},
+            "plan_sweep": {picks[k].summary(): v for k, v in plan_points.items()},
             "planner_predicted": {"full_peak": p_full, "none_peak": p_none,
                                   "full_saved": by["full"].saved_bytes, "none_saved": by["none"].saved_bytes}}
 
@@ -344,14 +375,14 @@ def table(result: dict) -> str:
             f"{row['budget_saved_bytes_compiled'] / 2**20:.1f} MiB | {cell(a['eager plan'], row['eager plan fits'])} "
             f"{row['plan']} | {cell(a['compiled budget'], row['compiled budget fits'])}, "
             f"activation_memory_budget {row['activation_memory_budget']:.3f} | "
-            f"{cell(a['compiled plan'], row['compiled plan fits'])} |")
+            f"{cell(a['compiled plan'], row['compiled plan fits'])} {row.get('compiled_plan', row['plan'])} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model and two rounds: does it run")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (5; 2 with --quick)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (30; 2 with --quick)")
     parser.add_argument("--out", default=None, help="results file name under results/")
     parser.add_argument("--table", default=None, help="print the Markdown table of a results file and exit")
     ns = parser.parse_args()
@@ -361,7 +392,7 @@ def main() -> None:
     # a cache of its own: compile times are not another run's cache hits (within the run, identical graphs hit)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="vs_compile_inductor_"))
     shape = dict(QUICK if ns.quick else SHAPE)
-    rounds = ns.rounds or (2 if ns.quick else 5)
+    rounds = ns.rounds or (2 if ns.quick else 30)
     import torch
     import transformers
 
