@@ -186,13 +186,21 @@ def run(shape: dict, rounds: int) -> dict:
         arms[name] = {"fn": fn, "model": model, "saved": saved_bytes(fn, model, ids)}
         print(f"{name}: saved {arms[name]['saved']}", flush=True)
 
+    # every distinct pick of the planner over its range (the frontier of predicted recompute against saved bytes)
+    picks = {}
+    for i in range(PLAN_GRID + 1):
+        c = plan_for(round(by["full"].saved_bytes + i / PLAN_GRID * (by["none"].saved_bytes - by["full"].saved_bytes)))
+        if c is not None:
+            picks.setdefault(str(c.layout), c)
+
     eager_arm("eager none", "none")
     eager_arm("eager full", by["full"])
     e_full, e_none = arms["eager full"]["saved"], arms["eager none"]["saved"]
     eager_budgets = {f: round(e_full + f * (e_none - e_full)) for f in FRACTIONS}
     plans = {}
-    for f in FRACTIONS:
-        plans[f] = plan_for(eager_budgets[f])
+    for f in FRACTIONS:  # the least predicted recompute whose predicted saved bytes fit (the planner's own figures)
+        plans[f] = min((c for c in picks.values() if c.saved_bytes <= eager_budgets[f]), key=lambda c: c.recompute,
+                       default=by["full"])
         print(f"plan at {f}: {plans[f].summary()} (predicted saved {plans[f].saved_bytes})", flush=True)
         eager_arm(f"eager plan@{f}", plans[f])
 
@@ -246,11 +254,6 @@ def run(shape: dict, rounds: int) -> dict:
 
     # the plugin's plans for the compiled model: every distinct pick over the planner's range, each compiled
     # (no code generation) and measured; per budget the one of least predicted recompute that fits it
-    picks = {}
-    for i in range(PLAN_GRID + 1):
-        c = plan_for(round(by["full"].saved_bytes + i / PLAN_GRID * (by["none"].saved_bytes - by["full"].saved_bytes)))
-        if c is not None:
-            picks.setdefault(str(c.layout), c)
     plan_points = {}
     for key, c in picks.items():
         model = compilable(fresh(c))
