@@ -457,6 +457,10 @@ def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
 # (benchmarks/vs_compile.py, results/vs_compile.json), by the budget's fraction of the way from full checkpointing's
 # saved bytes to none's: "partitioner" (no checkpointing, AOTAutograd's min-cut partitioner under
 # `torch._functorch.config.activation_memory_budget`) or "plan" (the plan's layout inside the compiled model).
+# Measured (Llama-shaped, 2 layers, hidden 256, 2 x 256 tokens, torch 2.13 CPU, min of 30 rounds): 130 vs 136 ms
+# (the plan there is full checkpointing), 128 vs 130 ms, 116 vs 120 ms, both fitting; margins of 2-4%, inside the
+# noise of that busy machine (two arms of the same layout differed by 9%): the partitioner is not slower, and it fits
+# any fraction where a plan of two blocks has few steps.
 COMPILED_FASTER: tuple[tuple[float, str], ...] = ((0.25, "partitioner"), (0.5, "partitioner"), (0.75, "partitioner"))
 
 
