@@ -127,7 +127,8 @@ class MemoryPlan(Check):
             reason = (
                 f"Under {compiled}: checkpointing off and torch's activation_memory_budget set to {choice.fraction} "
                 f"(the partitioner recomputes op by op to fit it) instead of the plan {plan.chosen.summary()}: "
-                f"{choice.why}. Set back to its value at the run's end."
+                f"{choice.why}. Set back to its value at the run's end. Read by the backends that partition with "
+                "AOTAutograd's min-cut partitioner (inductor, aot_eager); the eager backend ignores it."
             )
         else:
             reason = (
