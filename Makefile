@@ -40,7 +40,7 @@ PY := $(VENV)/bin/python
 PIP = $(if $(UNCAPPED),PIP_CONFIG_FILE=/dev/null )$(PY) -m pip
 STAMP := $(VENV)/.installed-torch$(TORCH)-tf$(TF)-trl$(TRL)-peft$(PEFT)$(if $(EXTRA),-$(subst =,,$(EXTRA)))
 
-.PHONY: venv demo test test-slice test-launchers lint matrix clean bench-startup bench-pth bench-overhead bench-parity bench-modes bench-zero3 readme gpu-evidence
+.PHONY: venv demo test test-slice test-launchers lint matrix clean bench-startup bench-pth bench-overhead bench-parity bench-modes bench-zero3 bench-vs-compile bench-planner readme gpu-evidence
 
 venv: $(STAMP)
 
@@ -147,6 +147,14 @@ bench-parity: venv
 
 bench-zero3: venv
 	$(PY) benchmarks/zero3_old_deepspeed.py
+
+# The planner against torch.compile's own activation_memory_budget (docs/benchmarks.md): under 15 minutes on 2 cores
+bench-vs-compile: venv
+	$(PY) benchmarks/vs_compile.py
+
+# Per-block mixed plans against the uniform candidates: the share of full checkpointing's overhead removed
+bench-planner: venv
+	$(PY) benchmarks/planner_mixed.py
 
 # The GPU-only figures (benchmarks/gpu_evidence.py), on a machine with a CUDA device, in its own Python (the lent GPU
 # machines hold torch and transformers and reach no registry: no venv is built): under 8 minutes on one H100 / H200.

@@ -1446,7 +1446,11 @@ RULES: tuple[Rule, ...] = (
             "checkpointing fewer blocks (or keeping the matmul outputs) is faster and gives the same gradients "
             "(non-reentrant checkpointing recomputes exactly). Only candidates the other rules allow are considered "
             "(selective needs non-reentrant, offloading an accelerator and transformers >= 5.23). A budget nothing "
-            "fits is refused in strict mode; fix mode takes the lowest-memory plan with a warning."
+            "fits is refused in strict mode; fix mode takes the lowest-memory plan with a warning. Under torch.compile "
+            "the plan is made before the first forward from the arguments' batch shape (max_length, "
+            "per_device_train_batch_size), and either its layout is compiled with the model or checkpointing is turned "
+            "off and torch's activation_memory_budget is set (AOTAutograd's min-cut partitioner recomputes op by op; "
+            "set back at the run's end), whichever benchmarks/vs_compile.py measured faster at that budget on the CPU."
         ),
         evidence=(
             "https://arxiv.org/abs/2205.05198 (Korthikanti et al. 2022, Reducing Activation Recomputation in Large "

@@ -252,12 +252,19 @@ _SELECTIVE, _LEAN = Faithful("selective"), Faithful("lean")
 def selective_context() -> tuple[Any, Any]:
     """The planner's selective blocks' `context_fn`: a plain module-level function (a partial holding it pickles, and
     dynamo accepts it under `torch.compile`, where it refuses a dataclass instance: `checkpoint not implemented for
-    FrozenDataClassVariable context_fn`, torch 2.13)."""
-    return _SELECTIVE()
+    FrozenDataClassVariable context_fn`, torch 2.13); what it returns there is SAC's two modes, as torch requires."""
+    return _compiled(selective_policy) or _SELECTIVE()
 
 
 def lean_context() -> tuple[Any, Any]:
-    return _LEAN()
+    return _compiled(lean_policy) or _LEAN()
+
+
+def _compiled(policy: Any) -> tuple[Any, Any] | None:
+    import torch
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(policy) if torch.compiler.is_compiling() else None
 
 
 full_context = Faithful()

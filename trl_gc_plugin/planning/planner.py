@@ -454,3 +454,57 @@ def apply_plan(model: Any, candidate: Candidate, use_reentrant: bool) -> None:
     callable there breaks `to_json_string()`); transformers' own layer keys never reach torch's checkpoint."""
     keywords = {"every_n_layers": None, "offload": None}
     ckpt.apply(model, ckpt.Spec(layout=candidate.layout, use_reentrant=use_reentrant, keywords=keywords))
+
+
+# Under torch.compile, which of the two ways to fit a budget was faster on the CPU benchmark
+# (benchmarks/vs_compile.py, results/vs_compile.json), by the budget's fraction of the way from full checkpointing's
+# saved bytes to none's: "partitioner" (no checkpointing, AOTAutograd's min-cut partitioner under
+# `torch._functorch.config.activation_memory_budget`) or "plan" (the plan's layout inside the compiled model).
+# Measured (Llama-shaped, 2 layers, hidden 256, 2 x 256 tokens, torch 2.13 CPU, min of 30 rounds): 130 vs 136 ms
+# (the plan there is full checkpointing), 128 vs 130 ms, 116 vs 120 ms, both fitting; margins of 2-4%, inside the
+# noise of that busy machine (two arms of the same layout differed by 9%): the partitioner is not slower, and it fits
+# any fraction where a plan of two blocks has few steps.
+COMPILED_FASTER: tuple[tuple[float, str], ...] = ((0.25, "partitioner"), (0.5, "partitioner"), (0.75, "partitioner"))
+
+
+@dataclass(frozen=True)
+class CompiledChoice:
+    """Under torch.compile: `way` is `plan` (the plan's layout, compiled) or `partitioner` (checkpointing off, torch's
+    `activation_memory_budget` set to `fraction`); `why` says which measurement or condition decided."""
+
+    way: str
+    fraction: float | None
+    why: str
+
+
+def compiled_choice(plan: Plan) -> CompiledChoice:
+    """Choose between the plan's layout and the partitioner's memory budget for a compiled model. The partitioner's
+    budget is a fraction of what the compiled graph would save without checkpointing; it is set to the budget's room
+    for saved activations over what no checkpointing is predicted to save in eager mode (compiled graphs saved less
+    on the benchmark: the fraction errs towards less memory)."""
+    none = plan.get("none")
+    full = plan.get("full")
+    chosen = plan.chosen
+    if chosen is None:
+        return CompiledChoice("plan", None, "no plan fits the budget: the lowest-memory plan, compiled")
+    if chosen.name == "none":
+        return CompiledChoice("plan", None, "no checkpointing fits the budget: nothing to recompute")
+    room = plan.budget - (none.peak_bytes - none.saved_bytes)
+    fraction = round(room / none.saved_bytes, 3) if none.saved_bytes > 0 else 0.0
+    if fraction <= 0.0:
+        return CompiledChoice(
+            "plan",
+            None,
+            "the budget leaves no room for saved activations without checkpointing: the partitioner "
+            "would recompute everything",
+        )
+    span = none.peak_bytes - full.peak_bytes
+    way_along = (plan.budget - full.peak_bytes) / span if span > 0 else 1.0
+    nearest, way = min(COMPILED_FASTER, key=lambda fw: abs(fw[0] - way_along))
+    why = (
+        f"the budget is {way_along:.0%} of the way from full checkpointing's predicted peak to none's; on the CPU "
+        f"benchmark (benchmarks/vs_compile.py) at {nearest:.0%} of the way "
+        + ("the partitioner's activation_memory_budget" if way == "partitioner" else "the plan's layout, compiled,")
+        + " gave the faster step at no more saved bytes"
+    )
+    return CompiledChoice(way, min(fraction, 1.0) if way == "partitioner" else None, why)

@@ -95,6 +95,63 @@ class MemoryPlan(Check):
             return None
         return planned[0], planned[1]
 
+    def install_compiled(self, model: Any, compiled: str) -> None:
+        """Under `torch.compile` (`compiled`: why): plan from the arguments' batch shape before the first forward (a
+        hook in the forward would run inside dynamo's trace), then either apply the plan's layout (compiled with the
+        model) or turn checkpointing off and set torch's `activation_memory_budget` (AOTAutograd's min-cut
+        partitioner), set back at the run's end; which, and why, in a decision."""
+        from ..planning import planner
+
+        args = self.run.args
+        seq = planned_sequence_length(args)
+        batch = int(getattr(args, "per_device_train_batch_size", 0) or 0)
+        if not (seq and batch):
+            why = (
+                f"{compiled}, and the arguments give no sequence length (max_length) and batch size: the eager plan "
+                "reads the first forward's shape, which torch.compile traces"
+            )
+            self.run.record([no_plan(why)])
+            return
+        base = ckpt.unwrap(getattr(model, "_orig_mod", model))
+        planned = self._plan(base, batch, seq)
+        if planned is None:
+            return
+        _, plan = planned
+        choice = planner.compiled_choice(plan)
+        rule = get_rule("memory-plan")
+        if choice.way == "partitioner" and self.run.mode != "warn":
+            layout_none = plan.get("none")
+            planner.apply_plan(base, layout_none, bool(ckpt.model_use_reentrant(base)))
+            self.run.ensure_guard(probe.capabilities.installed().layer_kwargs()).record()  # kept across re-enables
+            _set_partitioner_budget(self.run, choice.fraction)
+            reason = (
+                f"Under {compiled}: checkpointing off and torch's activation_memory_budget set to {choice.fraction} "
+                f"(the partitioner recomputes op by op to fit it) instead of the plan {plan.chosen.summary()}: "
+                f"{choice.why}. Set back to its value at the run's end. Read by the backends that partition with "
+                "AOTAutograd's min-cut partitioner (inductor, aot_eager); the eager backend ignores it."
+            )
+        else:
+            reason = (
+                f"Under {compiled}: the plan's layout, compiled with the model "
+                "(torch's checkpoint is traced as a higher-order op whose regions the partitioner recomputes), "
+                f"not torch's activation_memory_budget: {choice.why}."
+                + (" Warn mode: nothing was changed." if self.run.mode == "warn" else "")
+            )
+        after = {
+            "way": choice.way,
+            "activation_memory_budget": choice.fraction,
+            "plan": plan.chosen.name if plan.chosen is not None else None,
+        }
+        decision = runtime_decision(
+            rule,
+            "none" if self.run.mode == "warn" else "default",
+            None,
+            None,
+            reason,
+            setting="torch_compile_memory_budget",
+        )
+        self.run.record([dataclasses.replace(decision, after=after)])
+
     def _advise_safely(self, model: Any, estimate: Any, plan: Any) -> None:
         from ..planning import throughput
 
@@ -264,6 +321,15 @@ class MemoryPlan(Check):
             )
             self.run.record([runtime_decision(get_rule("memory-plan"), "none", None, None, why, level="info")])
         return not unsafe
+
+
+def _set_partitioner_budget(run: Record, fraction: float | None) -> None:
+    """Set `torch._functorch.config.activation_memory_budget`; the run's end sets back the value it found."""
+    from torch._functorch import config
+
+    before = config.activation_memory_budget
+    config.activation_memory_budget = fraction
+    run.hooks.undo(lambda: setattr(config, "activation_memory_budget", before))
 
 
 def budget_bytes(budget: str | int, model: Any) -> int:

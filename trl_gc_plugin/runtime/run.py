@@ -154,8 +154,9 @@ class Run(Record):
         settings, args = self.settings, self.args
         compiled = facts.compiled  # said at init_end by rule `torch-compile-first-step`
         if settings.memory_budget is not None and not self.stands_back():
-            if compiled:
-                self.record([no_plan(f"{compiled}, and the estimate runs the eager forward")])
+            if compiled:  # planned before the first forward, from the arguments' shape (it would be traced)
+                self.memory_plan = MemoryPlan(self, settings.memory_budget)
+                self.memory_plan.install_compiled(model, compiled)
             elif facts.fp8:  # rule `fp8-checkpointing`: what FP8 blocks keep is not what the estimate counts
                 self.record(
                     [no_plan(f"the model trains in FP8 ({facts.fp8}), whose activations the planner cannot price")]
