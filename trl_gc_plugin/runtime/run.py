@@ -66,6 +66,7 @@ class Run(Record):
         self.route_facts = dict(route_facts or {})
         self.faithful_undo: Any = None
         self.faithful_said: set[str] = set()
+        self.faithful_off = False
 
     LIVE = (*Record.LIVE, "first_forward", "replay", "parity", "memory_plan", "first_step_checks")
 
@@ -207,30 +208,41 @@ class Run(Record):
     def keep_recompute_faithful(self, model: Any, facts: Facts | None = None) -> None:
         """Every non-reentrant block recomputes as its forward ran (`ckpt.faithful_blocks`): the MoE router's logits
         kept, the attention backend replayed; said once where the routing stays recomputed. Not under `torch.compile`
-        (nothing is hooked into a compiled forward) nor where another library owns checkpointing."""
-        if model is None or self.stands_back() or self.stopped or (facts is not None and facts.compiled):
+        (dynamo takes only a plain function as `context_fn`; `facts` of the train stage tell, and are remembered for
+        the re-enables) nor where another library owns checkpointing."""
+        if facts is not None:
+            self.faithful_off = bool(facts.compiled)
+        if model is None or self.stands_back() or self.stopped or self.faithful_off:
             return
         changed, routed, unrouted = ckpt.faithful_blocks(model)
         if changed and self.faithful_undo is None:
             self.faithful_undo = self.hooks.undo(functools.partial(_unfaithful, weakref.ref(model)), repair=True)
-        said = self.faithful_said
-        if routed and "kept" not in said:
-            said.add("kept")
-            rule = get_rule("moe-routing-recomputed")
-            reason = (
-                f"{routed} checkpointed block(s) keep their MoE router's logits from the forward (tokens x experts "
-                "values each), so the recompute routes every token to the experts the forward chose."
+        if routed:
+            self._say_routing(
+                "kept",
+                "repair",
+                "info",
+                f"{routed} checkpointed block(s) keep their MoE router's logits from the "
+                "forward (tokens x experts values each), so the recompute routes every token to the experts the "
+                "forward chose.",
             )
-            self.record([runtime_decision(rule, "repair", None, "router logits kept", reason, level="info")])
-        if unrouted and "recomputed" not in said:
-            said.add("recomputed")
-            rule = get_rule("moe-routing-recomputed")
-            reason = (
-                f"{unrouted} non-reentrant checkpointed block(s) of this MoE model recompute their routing in the "
-                "backward (a context_fn of yours, or no router weight of shape (experts, hidden) found in the block). "
-                + rule.message
+        if unrouted:
+            self._say_routing(
+                "recomputed",
+                "warn",
+                "warning",
+                f"{unrouted} non-reentrant checkpointed block(s) of this MoE model "
+                "recompute their routing in the backward (a context_fn of yours, or no router weight of shape "
+                "(experts, hidden) found in the block). " + get_rule("moe-routing-recomputed").message,
             )
-            self.record([runtime_decision(rule, "warn", None, None, reason)])
+
+    def _say_routing(self, key: str, action: Any, level: Any, reason: str) -> None:
+        if key in self.faithful_said:
+            return
+        self.faithful_said.add(key)
+        after = "router logits kept" if key == "kept" else None
+        rule = get_rule("moe-routing-recomputed")
+        self.record([runtime_decision(rule, action, None, after, reason, level=level)])
 
     def step_begin(self) -> None:
         if self.cache is not None:
