@@ -361,3 +361,19 @@ def test_the_router_is_found_in_every_moe_family_and_the_step_runs(name):
     got = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
     want = torch.cat([p.grad.reshape(-1) for p in reference.parameters() if p.grad is not None])
     assert rel(got, want) < 1e-5
+
+
+def test_a_saved_model_carries_nothing_of_the_plugin():
+    import pickle
+
+    model = MOE["mixtral"]()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert ckpt.faithful_blocks(model)[0] == 2
+    # the blocks' checkpoint functions (transformers 5 leaves a local function on the embeddings: the whole model
+    # does not pickle there, with or without the plugin)
+    saved = pickle.dumps([ckpt.function_of(b) for b in ckpt.blocks(model)])
+    assert b"trl_gc_plugin" not in saved
+    from torch.utils.checkpoint import noop_context_fn
+
+    copies = pickle.loads(saved)  # they checkpoint as transformers' would without the plugin
+    assert {ckpt.keywords(f)["context_fn"] for f in copies} == {noop_context_fn}

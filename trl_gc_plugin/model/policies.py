@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -223,6 +224,17 @@ class Faithful:
             return functools.partial(_routing_policy, *self.router)
         return None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as torch's `noop_context_fn`: nothing of the plugin goes into a model users save; the copy
+        checkpoints as transformers would without the plugin."""
+        return (getattr, (_Import("torch.utils.checkpoint"), "noop_context_fn"))
+
+    def __copy__(self) -> Faithful:
+        return self  # immutable; a copy in memory (a deep-copied reference model) keeps it
+
+    def __deepcopy__(self, memo: Any) -> Faithful:
+        return self
+
     def __call__(self) -> tuple[Any, Any]:
         import torch
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -232,6 +244,16 @@ class Faithful:
             return create_selective_checkpoint_contexts(policy or _recompute_all)
         forward, recompute = create_selective_checkpoint_contexts(policy) if policy else (_NULL, None)
         return forward, _Replayed(recompute, attention_state(), watched_states())
+
+
+class _Import:
+    """Pickled as `importlib.import_module(name)` (only its reduction is ever written)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (importlib.import_module, (self.name,))
 
 
 def _routing_policy(experts: int, hidden: int, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
