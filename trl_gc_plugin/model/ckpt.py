@@ -412,15 +412,16 @@ def router_of(block: Any, shapes: Collection[tuple[int, int]]) -> tuple[int, int
     return None
 
 
-def faithful_blocks(model: Any) -> tuple[int, int, int]:
+def faithful_blocks(model: Any, shapes: Collection[tuple[int, int]] | None = None) -> tuple[int, int, int]:
     """Give every non-reentrant block whose function runs no `context_fn` of a user's the plugin's (`Faithful`): the
     router's logits kept where the block has one, the forward's attention backend replayed in the recompute. Returns
     (blocks changed, blocks with a router found, non-reentrant blocks whose routing stays recomputed: a user's
-    `context_fn` or no router found in a model that has one)."""
+    `context_fn` or no router found in a model that has one). `shapes`: `router_shapes(model)`, read once by a caller
+    that repeats this at every re-enable (TRL's trainers re-enable every step)."""
     from .policies import Faithful, faithful_of, is_ours
 
     base = unwrap(model)
-    shapes = router_shapes(base)
+    shapes = router_shapes(base) if shapes is None else shapes
     changed = routed = unrouted = 0
     for block in blocks(base):
         func = function_of(block)

@@ -67,6 +67,7 @@ class Run(Record):
         self.faithful_undo: Any = None
         self.faithful_said: set[str] = set()
         self.faithful_off = False
+        self.router_shapes: frozenset[tuple[int, int]] | None = None
 
     LIVE = (*Record.LIVE, "first_forward", "replay", "parity", "memory_plan", "first_step_checks")
 
@@ -214,7 +215,9 @@ class Run(Record):
             self.faithful_off = bool(facts.compiled)
         if model is None or self.stands_back() or self.stopped or self.faithful_off:
             return
-        changed, routed, unrouted = ckpt.faithful_blocks(model)
+        if self.router_shapes is None:  # once per run: the re-enables of every step walk only the blocks
+            self.router_shapes = ckpt.router_shapes(model)
+        changed, routed, unrouted = ckpt.faithful_blocks(model, self.router_shapes)
         if changed and self.faithful_undo is None:
             self.faithful_undo = self.hooks.undo(functools.partial(_unfaithful, weakref.ref(model)), repair=True)
         if routed:
