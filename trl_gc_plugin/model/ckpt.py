@@ -412,12 +412,18 @@ def router_of(block: Any, shapes: Collection[tuple[int, int]]) -> tuple[int, int
     return None
 
 
-def faithful_blocks(model: Any, shapes: Collection[tuple[int, int]] | None = None) -> tuple[int, int, int]:
+def faithful_blocks(
+    model: Any,
+    shapes: Collection[tuple[int, int]] | None = None,
+    before: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] | None = None,
+) -> tuple[int, int, int]:
     """Give every non-reentrant block whose function runs no `context_fn` of a user's the plugin's (`Faithful`): the
     router's logits kept where the block has one, the forward's attention backend replayed in the recompute. Returns
     (blocks changed, blocks with a router found, non-reentrant blocks whose routing stays recomputed: a user's
     `context_fn` or no router found in a model that has one). `shapes`: `router_shapes(model)`, read once by a caller
-    that repeats this at every re-enable (TRL's trainers re-enable every step)."""
+    that repeats this at every re-enable (TRL's trainers re-enable every step). `before`: each changed block's
+    (function before, function written), so that `unfaithful_blocks` gives back the very object the user or launcher
+    set (an identity check of a launcher's wrapper holds after the run)."""
     from .policies import Faithful, faithful_of, is_ours
 
     base = unwrap(model)
@@ -445,17 +451,26 @@ def faithful_blocks(model: Any, shapes: Collection[tuple[int, int]] | None = Non
         extra: dict[str, Any] = {"context_fn": want}
         if router is not None and "respect_saved_tensors_hooks" in torch_checkpoint_keywords():
             extra.setdefault("respect_saved_tensors_hooks", kw.get("respect_saved_tensors_hooks", False))
-        set_function(block, with_keywords(real(func), **extra), behind_observer=True)
+        written = with_keywords(real(func), **extra)
+        set_function(block, written, behind_observer=True)
+        if before is not None:
+            before[block] = (real(func), written)
         changed += 1
     return changed, routed, unrouted
 
 
-def unfaithful_blocks(model: Any) -> None:
-    """Take the plugin's full-block `context_fn` back out (a run's end: the model runs as the user enabled it)."""
+def unfaithful_blocks(model: Any, before: Mapping[Any, tuple[Any, Any]] | None = None) -> None:
+    """Take the plugin's full-block `context_fn` back out (a run's end: the model runs as the user enabled it): the
+    function `faithful_blocks` found goes back where the plugin's is still in place, else the plugin's is rebuilt
+    without its `context_fn`."""
     from .policies import Faithful
 
     for block in blocks(unwrap(model)):
         func = function_of(block)
+        found, written = (before or {}).get(block, (None, None))
+        if func is not None and written is not None and real(func) is written:
+            set_function(block, found, behind_observer=True)
+            continue
         current = keywords(func).get("context_fn") if func is not None else None
         if isinstance(current, Faithful) and current.keep == "full":
             extra: dict[str, Any] = {"context_fn": None}

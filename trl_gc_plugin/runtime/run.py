@@ -9,6 +9,7 @@ import functools
 import logging
 import weakref
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from .._base import report
@@ -68,6 +69,7 @@ class Run(Record):
         self.faithful_said: set[str] = set()
         self.faithful_off = False
         self.router_shapes: frozenset[tuple[int, int]] | None = None
+        self.faithful_before: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] | None = None
 
     LIVE = (*Record.LIVE, "first_forward", "replay", "parity", "memory_plan", "first_step_checks")
 
@@ -75,6 +77,7 @@ class Run(Record):
         """What was decided and observed; no check, hook or model (see `Record.LIVE`)."""
         state = super().__getstate__()
         state.update(first_step_checks=[], audit_pending=False, ddp_needs_every_gradient=False, faithful_undo=None)
+        state["faithful_before"] = None
         if self.first_forward is not None:  # what the first forward showed (`SafeGCCallback.observed`)
             seen = FirstForward(self)
             seen.observed = dict(self.first_forward.observed)
@@ -217,9 +220,12 @@ class Run(Record):
             return
         if self.router_shapes is None:  # once per run: the re-enables of every step walk only the blocks
             self.router_shapes = ckpt.router_shapes(model)
-        changed, routed, unrouted = ckpt.faithful_blocks(model, self.router_shapes)
+        if self.faithful_before is None:
+            self.faithful_before = weakref.WeakKeyDictionary()
+        changed, routed, unrouted = ckpt.faithful_blocks(model, self.router_shapes, self.faithful_before)
         if changed and self.faithful_undo is None:
-            self.faithful_undo = self.hooks.undo(functools.partial(_unfaithful, weakref.ref(model)), repair=True)
+            undo = functools.partial(_unfaithful, weakref.ref(model), self.faithful_before)
+            self.faithful_undo = self.hooks.undo(undo, repair=True)
         if routed:
             self._say_routing(
                 "kept",
@@ -293,6 +299,7 @@ class Run(Record):
         self._remove_checks()  # what a check put in place for one forward (the observer) goes back first
         super().stop(keep_repairs)
         self.faithful_undo = None
+        self.faithful_before = None
         self.parity = None
         self.replay = None
         self.audit_pending = False
@@ -312,9 +319,9 @@ class Run(Record):
         self.stop()
 
 
-def _unfaithful(model: weakref.ref[Any]) -> None:
+def _unfaithful(model: weakref.ref[Any], before: Mapping[Any, tuple[Any, Any]]) -> None:
     if (alive := model()) is not None:
-        ckpt.unfaithful_blocks(alive)
+        ckpt.unfaithful_blocks(alive, before)
 
 
 def _repeated(key: str, times: int, mode: str) -> str:
