@@ -5,7 +5,8 @@ Runs, in a child process with `TRL_GC_PLUGIN=1` (so the `.pth` line imports `trl
 under `sys.setprofile`. It prints whether the start-up hook ran from the `.pth`, the plugin's modules in the order
 they first ran, and the call stack (plugin and transformers frames) at the moment `use_reentrant` first appears in
 the arguments' checkpointing kwargs: the module that decides it and the one that writes it. Issue 45 asks that a
-newcomer follow this path in at most 6 modules; the output says how many it takes today.
+newcomer follow this path in at most 6 modules; the output says how many it takes today (the decision's path: the
+start-up hook, the modules on the stack that writes it, the modules whose `use_reentrant` functions ran before).
 
     TRL_GC_PLUGIN is set for the child; run with the interpreter whose site-packages hold the plugin's `.pth`:
     python benchmarks/trace_use_reentrant.py [--json]
@@ -138,6 +139,14 @@ def render(result: dict) -> str:
             f"- functions named for `use_reentrant` that had run before it: "
             f"{', '.join(f'`{c}`' for c in write['reentrant_calls'])}",
         ]
+        path = (["trl_gc_plugin._startup"] if result["startup_from_pth"] else []) + modules
+        path += [c.split(":")[0] for c in write["reentrant_calls"]]
+        path = list(dict.fromkeys(path))
+        lines.append(
+            f"- the decision's path, the modules a reader opens to follow it (the start-up hook, the modules on the "
+            f"writing stack, the modules whose functions for `use_reentrant` ran): {len(path)} "
+            f"({' -> '.join(f'`{m}`' for m in path)})"
+        )
     else:
         lines.append("- `use_reentrant` never appeared in the arguments' checkpointing kwargs")
     lines.append(

@@ -29,6 +29,18 @@ def write_flag(args: Any, value: bool) -> None:
     _write_fields(args, (probe.NEW_FLAG, probe.OLD_FLAG), value)
 
 
+def write_use_reentrant(args: Any, model: Any, value: bool | None) -> None:
+    """The one writer of `use_reentrant`: into the arguments' checkpointing kwargs (both field names, one dict; `None`
+    removes the key: a default withdrawn) where `args` is given, into every checkpointed block of the live `model`
+    where it is given. Every write goes through here: a decision's (`apply`: settings `use_reentrant` and
+    `model.use_reentrant`), the run's switch at runtime (`Record.switch`), the withdrawal under a launcher. The value in
+    force and who chose it are held by the run (`Record.set_use_reentrant`); `tests/test_one_writer.py` keeps it so."""
+    if args is not None:
+        set_args_kwarg(args, "use_reentrant", value)
+    if model is not None and value is not None:
+        ckpt.set_keyword(model, "use_reentrant", value)
+
+
 def set_args_kwarg(args: Any, key: str, value: Any) -> None:
     """Set `key` in the kwargs the Trainer reads (`None` removes it), keeping every other key."""
     kwargs = dict(probe.read_kwargs(args) or {})
@@ -71,7 +83,7 @@ def apply(decisions: Iterable[Decision], args: Any, model: Any = None) -> list[D
 
 
 def _use_reentrant(d: Decision, args: Any, model: Any) -> bool:
-    set_args_kwarg(args, "use_reentrant", d.after)
+    write_use_reentrant(args, None, d.after)
     return True
 
 
@@ -95,7 +107,10 @@ def _flag(d: Decision, args: Any, model: Any) -> bool:
 
 
 def _model_use_reentrant(d: Decision, args: Any, model: Any) -> bool:
-    return model is not None and ckpt.set_keyword(model, "use_reentrant", bool(d.after)) >= 0
+    if model is None:
+        return False
+    write_use_reentrant(None, model, bool(d.after))
+    return True
 
 
 def _torch_keyword(d: Decision, args: Any, model: Any) -> bool:
@@ -127,7 +142,7 @@ def _fsdp_checkpointing_off(d: Decision, args: Any, model: Any) -> bool:
     except ImportError:
         pass
     write_flag(args, True)
-    set_args_kwarg(args, "use_reentrant", False)
+    write_use_reentrant(args, None, False)
     return True
 
 

@@ -118,7 +118,8 @@ class ModelRoute:
             running = ckpt.keywords(funcs[0][1]) if funcs else {}
             args.gradient_checkpointing_kwargs = dict(running) if running else None
             if "use_reentrant" in running:
-                probe.remember(args, running["use_reentrant"], "unknown")
+                self.run.args = args
+                self.run.set_use_reentrant(running["use_reentrant"], "unknown")
         before = dict(args.gradient_checkpointing_kwargs or {})
         self.state = "decided"
         decisions = self.run.decide(args, model)

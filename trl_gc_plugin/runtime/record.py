@@ -12,11 +12,11 @@ from ..core.decisions import Action, Decision, Level, write_decisions
 from ..core.errors import GCConfigError, raise_for_errors
 from ..core.rules import RULES, Rule
 from ..core.settings import GCSettings
-from ..model import ckpt, probe
+from ..model import probe
 from ..model.enable_guard import EnableGuard
 from ..model.hooks import Hooks
 from ..model.verify import Watch
-from ..model.write import CacheSwitch, set_args_kwarg
+from ..model.write import CacheSwitch, write_use_reentrant
 
 STAND_BACK = frozenset(r.id for r in RULES if r.stand_back)
 
@@ -115,6 +115,8 @@ class Record:
         return self.reported[key]
 
     def set_use_reentrant(self, value: Any, source: str) -> None:
+        """The one holder of the `use_reentrant` in force and who chose it: the run, and (`probe.remember`) the record
+        the arguments carry from `__post_init__` to the Trainer's stages."""
         self.use_reentrant, self.source = value, source
         if self.args is not None:
             probe.remember(self.args, value, source)
@@ -162,9 +164,8 @@ class Record:
             )
 
     def switch(self, value: bool) -> None:
-        set_args_kwarg(self.args, "use_reentrant", value)
-        if self.model is not None:
-            ckpt.set_keyword(self.model, "use_reentrant", value)
+        """A check's decision at runtime (first forward, first step, drift): the arguments and the live model."""
+        write_use_reentrant(self.args, self.model, value)
         if self.watch is not None:
             self.watch.args_value = value
         self.set_use_reentrant(value, "plugin")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .._base import report
@@ -22,7 +22,7 @@ from ..core.rules import get_rule
 from ..core.settings import GCSettings
 from ..model import ckpt, probe
 from ..model.verify import Watch
-from ..model.write import UNDO, CacheSwitch, apply, set_args_kwarg
+from ..model.write import UNDO, CacheSwitch, apply, write_use_reentrant
 from . import drift, first_step
 from .first_forward import FirstForward, TwoForwards, not_running
 from .first_step import Parity
@@ -91,7 +91,11 @@ class Run(Record):
     ) -> Decisions:
         """Decide after `previous` decisions of the run (`__post_init__`'s; no model there); refuse or apply."""
         self.args = args
-        self.decisions = _withdraw_default_under_launcher(args, model, list(previous or []))  # no model at post_init
+        self.decisions = list(previous or [])
+        if _launcher_default_to_withdraw(args, model):  # no model at post_init
+            write_use_reentrant(args, None, None)
+            self.set_use_reentrant(None, "unset")
+            self.decisions = [d for d in self.decisions if not (d.setting == "use_reentrant" and d.applied)]
         facts = self._facts(args, model, stage)
         self.set_use_reentrant(facts.use_reentrant, facts.use_reentrant_source)
         decisions = decide(facts, self.mode)
@@ -364,18 +368,14 @@ def _asked_vs_running(run: Run, asked: bool, model: Any) -> None:
         run.record([runtime_decision(rule, "warn", False, True, reason, level="info")])
 
 
-def _withdraw_default_under_launcher(args: Any, model: Any, previous: list[Decision]) -> list[Decision]:
+def _launcher_default_to_withdraw(args: Any, model: Any) -> bool:
     """A launcher (LLaMA-Factory) checkpoints through its own function and its own enable: the plugin's post-init
     default goes, so the launcher's `use_reentrant` is in force, as `trl-gc-check` reads it."""
     record = probe.get_record(args)
     if record is None or record.value_source != "plugin" or record.user_given or model is None:
-        return previous
+        return False
     # the launcher must have replaced the enable: the Trainer's re-enable skips it otherwise
-    if not _launcher_checkpoints(model) or "gradient_checkpointing_enable" not in vars(ckpt.unwrap(model)):
-        return previous
-    set_args_kwarg(args, "use_reentrant", None)
-    probe.remember(args, None, "unset")
-    return [d for d in previous if not (d.setting == "use_reentrant" and d.applied)]
+    return _launcher_checkpoints(model) and "gradient_checkpointing_enable" in vars(ckpt.unwrap(model))
 
 
 def _key(d: Decision) -> tuple[Any, ...]:
