@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trl_gc_plugin.configcheck.check import Launch, check_files
-from trl_gc_plugin.configcheck.launchers.native import importable
+from trl_gc_plugin.configcheck.read.native import importable
 
 DATA = Path(__file__).with_name("data")
 LF = "model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct\nstage: sft\ndo_train: true\ndataset: alpaca_en_demo\ntemplate: qwen\noutput_dir: saves/x\n"

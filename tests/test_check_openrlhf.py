@@ -11,9 +11,9 @@ import torch
 
 import trl_gc_plugin
 from trl_gc_plugin.configcheck.check import Launch, check_files
-from trl_gc_plugin.configcheck.launchers.common import ConfigError
-from trl_gc_plugin.configcheck.launchers.load import load
 from trl_gc_plugin.configcheck.launchers.openrlhf import parse_command
+from trl_gc_plugin.configcheck.read.common import ConfigError
+from trl_gc_plugin.configcheck.read.load import load
 from trl_gc_plugin.testing import make_model
 
 SCRIPT = """\

@@ -12,7 +12,7 @@ import pytest
 from torchrun import free_port
 
 from trl_gc_plugin.configcheck.check import Launch, check_files
-from trl_gc_plugin.configcheck.launchers.accelerate import trl_bundled  # the same rule as the plugin's model of TRL
+from trl_gc_plugin.configcheck.read.accelerate import trl_bundled  # the same rule as the plugin's model of TRL
 
 CONFIGS = {
     "lora.yaml": "model_name_or_path: Qwen/Qwen2-0.5B\ndataset_name: trl-lib/Capybara\nuse_peft: true\n",

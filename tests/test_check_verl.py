@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trl_gc_plugin.configcheck.check import Launch, check_files
-from trl_gc_plugin.configcheck.launchers import shell
+from trl_gc_plugin.configcheck.read import shell
 
 DATA = Path(__file__).with_name("data")
 

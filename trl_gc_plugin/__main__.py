@@ -130,8 +130,8 @@ def _launch(ns: argparse.Namespace) -> tuple[Launch, Mode]:
     from packaging.version import InvalidVersion, Version
 
     from .configcheck.check import Launch
-    from .configcheck.launchers.accelerate import trl_bundled
-    from .configcheck.launchers.detect import FORMATS
+    from .configcheck.detect import FORMATS
+    from .configcheck.read.accelerate import trl_bundled
 
     nproc = None
     if ns.nproc is not None:

@@ -238,8 +238,8 @@ _FSDP_LAYOUTS = {
 def _accelerate_sharding(file: str) -> tuple[str | None, int | None, str]:
     """(layout, gradient shards or None when the file gives no process count, what it was read from) of an accelerate
     config, read as `trl-gc-check` reads it."""
-    from .configcheck.launchers.accelerate import read_accelerate
-    from .configcheck.launchers.common import ConfigError
+    from .configcheck.read.accelerate import read_accelerate
+    from .configcheck.read.common import ConfigError
 
     try:
         accel = read_accelerate(file)
