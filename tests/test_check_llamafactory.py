@@ -49,7 +49,7 @@ def test_qlora_with_the_example_zero3_config(tmp_path):
 
 @pytest.mark.parametrize("name", ["lf_inference.yaml", "lf_merge.yaml"])
 def test_chat_and_export_configs_train_nothing(name, capsys):
-    from trl_gc_plugin.__main__ import check_main
+    from trl_gc_plugin.cli.check import check_main
 
     (report,) = check_files([str(DATA / name)], Launch(parser="model"))
     assert report.status == "ok" and report.training is False and report.facts.gc_enabled is False

@@ -225,7 +225,7 @@ def test_a_command_inside_srun_bash_c(tmp_path):
 
 
 def test_check_help_names_openrlhf(capsys):
-    from trl_gc_plugin.__main__ import check_main
+    from trl_gc_plugin.cli.check import check_main
 
     with pytest.raises(SystemExit):
         check_main(["--help"])

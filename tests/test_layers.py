@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trl_gc_plugin"
 ORDER = ("routes", "runtime", "planning", "model", "core", "_base")
 """The layers, each importing only those after it."""
 ENTRY = frozenset(
-    {"__init__", "__main__", "plan_cli", "testing", "_startup", "integrations", "configcheck.read._worker"}
+    {"__init__", "__main__", "cli", "plan_cli", "testing", "_startup", "integrations", "configcheck.read._worker"}
 )
 """Entry points (the public names, the CLIs, the start-up hook, the Axolotl plugin, the check's worker process): they
 may import any layer."""
