@@ -1,7 +1,7 @@
 """Read a config file into a `Config`, or one `ConfigError` naming the file and line or key. YAML as the launchers
 read it (PyYAML's safe loader), building only the keys some reader needs (`_split_top_level`: a 5 MB `datasets:` list
-stays under a second); JSON with the standard library; an OpenRLHF or verl command line by the
-launchers' reader of commands (`launchers.parse_command`), which the caller passes.
+stays under a second); JSON with the standard library; an OpenRLHF or verl command line by the reader of commands the
+caller passes (`launchers.parse_command`: this package imports no launcher reader).
 """
 
 from __future__ import annotations
