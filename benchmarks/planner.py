@@ -255,7 +255,7 @@ def run_exact(ns: argparse.Namespace) -> dict:
 
 
 def run_layouts() -> list[dict]:
-    from trl_gc_plugin import plan_cli
+    from trl_gc_plugin.cli import plan as plan_cli
     from trl_gc_plugin.core.units import parse_size
     from trl_gc_plugin.planning import memory, planner
 
@@ -286,7 +286,7 @@ def run_cost() -> dict:
     then repeats; the RSS peak growth shows no tensor memory is allocated (two real bf16 blocks would be 0.8 GiB)."""
     import resource
 
-    from trl_gc_plugin import plan_cli
+    from trl_gc_plugin.cli import plan as plan_cli
     from trl_gc_plugin.planning import memory, planner
 
     config, _ = plan_cli.load_config("llama-7b")
@@ -303,7 +303,7 @@ def run_cost() -> dict:
 
 
 def run_korthikanti() -> dict:
-    from trl_gc_plugin import plan_cli
+    from trl_gc_plugin.cli import plan as plan_cli
     from trl_gc_plugin.planning import memory
 
     config, _ = plan_cli.load_config("llama-7b")

@@ -174,7 +174,7 @@ def plan_70b() -> dict:
     and the RSS peak growth (no tensor memory: two real bf16 blocks of this layout would be over 3 GiB)."""
     import resource
 
-    from trl_gc_plugin import plan_cli
+    from trl_gc_plugin.cli import plan as plan_cli
     from trl_gc_plugin.planning import memory, planner
 
     config, _ = plan_cli.load_config("llama3-70b")

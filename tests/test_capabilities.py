@@ -174,7 +174,7 @@ def test_detection_reads_a_package_directory(tmp_path):
 
 
 def _check(tmp_path, capsys, tf: str, kwargs: str) -> tuple[int, str]:
-    from trl_gc_plugin.__main__ import check_main
+    from trl_gc_plugin.cli.check import check_main
 
     path = tmp_path / "sft.yaml"
     path.write_text(
@@ -259,7 +259,7 @@ def test_trl_offloading_without_the_stream_fixes_is_said(trl, fires):
 
 
 def test_check_cli_reads_trls_activation_offloading(tmp_path, capsys):
-    from trl_gc_plugin.__main__ import check_main
+    from trl_gc_plugin.cli.check import check_main
 
     path = tmp_path / "sft.yaml"
     path.write_text("model_name_or_path: Qwen/Qwen2-0.5B\ndataset_name: trl-lib/Capybara\noutput_dir: out\nactivation_offloading: true\n")

@@ -1,6 +1,6 @@
 """Axolotl configs: the plugin's model of Axolotl main@067b021c (its defaults, rewrites and validators; Axolotl
 itself needs Python >= 3.12 and cannot be imported here). Each test names the Axolotl behaviour it pins down; the
-source lines are cited in `trl_gc_plugin/launchers/axolotl.py`."""
+source lines are cited in `trl_gc_plugin/configcheck/launchers/axolotl.py`."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from trl_gc_plugin.__main__ import check_main, main
+from trl_gc_plugin.cli.check import check_main
+from trl_gc_plugin.cli.main import main
 from trl_gc_plugin.core.decisions import Decision
 
 DATA = Path(__file__).with_name("data")
@@ -119,7 +120,7 @@ def test_unreadable_configs_exit_2_and_say_where(capsys, name, message):
 
 def test_console_script_is_declared():
     text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    assert 'trl-gc-check = "trl_gc_plugin.__main__:check_main"' in text
+    assert 'trl-gc-check = "trl_gc_plugin.cli.check:check_main"' in text
 
 
 def test_several_files_in_one_call_with_a_summary(capsys):

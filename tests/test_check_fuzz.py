@@ -11,7 +11,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trl_gc_plugin.__main__ import check_main
+from trl_gc_plugin.cli.check import check_main
 from trl_gc_plugin.configcheck.check import READ_KEYS, Launch, check_files
 from trl_gc_plugin.configcheck.launchers import axolotl, llamafactory, trl
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trl_gc_plugin.configcheck.check import Launch, check_files
-from trl_gc_plugin.configcheck.launchers.native import importable
+from trl_gc_plugin.configcheck.read.native import importable
 
 DATA = Path(__file__).with_name("data")
 LF = "model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct\nstage: sft\ndo_train: true\ndataset: alpaca_en_demo\ntemplate: qwen\noutput_dir: saves/x\n"
@@ -49,7 +49,7 @@ def test_qlora_with_the_example_zero3_config(tmp_path):
 
 @pytest.mark.parametrize("name", ["lf_inference.yaml", "lf_merge.yaml"])
 def test_chat_and_export_configs_train_nothing(name, capsys):
-    from trl_gc_plugin.__main__ import check_main
+    from trl_gc_plugin.cli.check import check_main
 
     (report,) = check_files([str(DATA / name)], Launch(parser="model"))
     assert report.status == "ok" and report.training is False and report.facts.gc_enabled is False

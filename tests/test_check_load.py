@@ -1,4 +1,4 @@
-"""Reading config files (`trl_gc_plugin.configcheck.launchers.load`): malformed input is one clear error, never a traceback;
+"""Reading config files (`trl_gc_plugin.configcheck.read.load`): malformed input is one clear error, never a traceback;
 the fast path (only the keys the check reads are built) reads exactly what a full safe load reads; 5 MB is fast."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trl_gc_plugin.configcheck.check import READ_KEYS, Launch, check_files
-from trl_gc_plugin.configcheck.launchers.common import ConfigError
-from trl_gc_plugin.configcheck.launchers.load import load
+from trl_gc_plugin.configcheck.read.common import ConfigError
+from trl_gc_plugin.configcheck.read.load import load
 
 WANTED = READ_KEYS
 

@@ -11,9 +11,9 @@ import torch
 
 import trl_gc_plugin
 from trl_gc_plugin.configcheck.check import Launch, check_files
-from trl_gc_plugin.configcheck.launchers.common import ConfigError
-from trl_gc_plugin.configcheck.launchers.load import load
 from trl_gc_plugin.configcheck.launchers.openrlhf import parse_command
+from trl_gc_plugin.configcheck.read.common import ConfigError
+from trl_gc_plugin.configcheck.read.load import load
 from trl_gc_plugin.testing import make_model
 
 SCRIPT = """\
@@ -225,7 +225,7 @@ def test_a_command_inside_srun_bash_c(tmp_path):
 
 
 def test_check_help_names_openrlhf(capsys):
-    from trl_gc_plugin.__main__ import check_main
+    from trl_gc_plugin.cli.check import check_main
 
     with pytest.raises(SystemExit):
         check_main(["--help"])

@@ -12,7 +12,7 @@ import pytest
 from torchrun import free_port
 
 from trl_gc_plugin.configcheck.check import Launch, check_files
-from trl_gc_plugin.configcheck.launchers.accelerate import trl_bundled  # the same rule as the plugin's model of TRL
+from trl_gc_plugin.configcheck.read.accelerate import trl_bundled  # the same rule as the plugin's model of TRL
 
 CONFIGS = {
     "lora.yaml": "model_name_or_path: Qwen/Qwen2-0.5B\ndataset_name: trl-lib/Capybara\nuse_peft: true\n",
@@ -251,7 +251,7 @@ def test_a_parser_that_runs_out_of_time_falls_back_to_the_model_and_says_so(tmp_
 
 
 def test_json_lists_the_trl_parser_used(tmp_path, capsys):
-    from trl_gc_plugin.__main__ import check_main
+    from trl_gc_plugin.cli.check import check_main
 
     (path,) = write_all(tmp_path, {"lora.yaml": CONFIGS["lora.yaml"]})
     assert check_main([path, "--parser", "model", "--json"]) == 0

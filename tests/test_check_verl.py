@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trl_gc_plugin.configcheck.check import Launch, check_files
-from trl_gc_plugin.configcheck.launchers import shell
+from trl_gc_plugin.configcheck.read import shell
 
 DATA = Path(__file__).with_name("data")
 
@@ -290,7 +290,7 @@ def test_no_script_args_reads_a_scripts_arguments_as_none_for_openrlhf_too(tmp_p
 
 
 def test_the_command_line_option(capsys):
-    from trl_gc_plugin.__main__ import check_main
+    from trl_gc_plugin.cli.check import check_main
 
     path = str(DATA / "verl_grpo_arrays.sh")
     assert check_main(["--parser", "model", "--brief", path]) == 2

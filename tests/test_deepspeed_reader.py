@@ -1,6 +1,6 @@
 """One reading of a DeepSpeed config (`trl_gc_plugin.core.deepspeed_config`) for the running plugin and `trl-gc-check` (issue
 19): each tricky config goes through both real paths (`probe` on arguments naming the JSON file, and the check's
-`launchers.deepspeed.read_deepspeed` on the same file), which must agree, and the values are DeepSpeed's own where
+`read.deepspeed.read_deepspeed` on the same file), which must agree, and the values are DeepSpeed's own where
 DeepSpeed can tell (its config classes, when installed)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from trl_gc_plugin.configcheck.launchers.common import ConfigError
-from trl_gc_plugin.configcheck.launchers.deepspeed import read_deepspeed
+from trl_gc_plugin.configcheck.read.common import ConfigError
+from trl_gc_plugin.configcheck.read.deepspeed import read_deepspeed
 from trl_gc_plugin.core.deepspeed_config import ACTIVATION_CHECKPOINTING_KEYS, deepspeed_facts
 from trl_gc_plugin.model import probe
 

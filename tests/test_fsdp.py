@@ -298,7 +298,7 @@ def test_trl_gc_plan_counts_what_shard_grad_op_held(results, tmp_path, capsys, s
     """`trl-gc-plan --sharded-params fsdp1-shard-grad-op / fsdp2-no-reshard`, on the config of the 4-layer model these
     ranks trained, counts as held whole what the run measured on each rank (the whole model), where the fully sharded
     layout counts less."""
-    from trl_gc_plugin import plan_cli
+    from trl_gc_plugin.cli import plan as plan_cli
     from trl_gc_plugin.testing import make_config
 
     make_config(num_hidden_layers=4).to_json_file(tmp_path / "config.json")

@@ -15,11 +15,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trl_gc_plugin"
 ORDER = ("routes", "runtime", "planning", "model", "core", "_base")
 """The layers, each importing only those after it."""
 ENTRY = frozenset(
-    {"__init__", "__main__", "plan_cli", "testing", "_startup", "integrations", "configcheck.launchers._worker"}
+    {"__init__", "__main__", "cli", "plan_cli", "testing", "_startup", "integrations", "configcheck.read._worker"}
 )
 """Entry points (the public names, the CLIs, the start-up hook, the Axolotl plugin, the check's worker process): they
 may import any layer."""
 CONFIGCHECK_MAY_IMPORT = frozenset({"configcheck", "core", "_base"})
+CONFIGCHECK_ORDER = ("configcheck", "configcheck.launchers", "configcheck.read")
+"""`configcheck`'s own packages, each importing only those after it: the check (`check`, `detect`), the launcher
+readers, what they share (loading, the shell, side files, the launchers' own parsers)."""
 HEAVY = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed")
 
 
@@ -118,6 +121,26 @@ def test_no_import_cycle():
         if v not in index:
             visit(v)
     assert not cycles, cycles
+
+
+def configcheck_part(name: str) -> str:
+    return next(part for part in reversed(CONFIGCHECK_ORDER) if name == part or name.startswith(part + "."))
+
+
+def test_configcheck_imports_run_one_way():
+    """The launcher readers import `read`, never the check; `read` imports no launcher reader (issue 45)."""
+    against = []
+    for name in MODULES:
+        if layer(name) != "configcheck":
+            continue
+        mine = configcheck_part(name)
+        for target, line in imports(name):
+            if layer(target) != "configcheck" or target == name:
+                continue
+            theirs = configcheck_part(target)
+            if CONFIGCHECK_ORDER.index(theirs) < CONFIGCHECK_ORDER.index(mine):
+                against.append(f"{name}:{line} imports {target} ({mine} -> {theirs})")
+    assert not against, "\n".join(against)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if layer(n) in ("core", "_base")))

@@ -1,4 +1,4 @@
-"""`trl-gc-plan` (`trl_gc_plugin.plan_cli.main`) on real config files (tests/data/plan_*) and named layouts; malformed
+"""`trl-gc-plan` (`trl_gc_plugin.cli.plan.main`) on real config files (tests/data/plan_*) and named layouts; malformed
 input exits 2 with one line on stderr and never a traceback, including for generated input."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trl_gc_plugin import plan_cli
+from trl_gc_plugin.cli import plan as plan_cli
 
 DATA = Path(__file__).with_name("data")
 TINY = str(DATA / "plan_tiny.json")
@@ -132,7 +132,7 @@ def test_help_exits_0(capsys):
 def test_the_module_runs_as_a_command():
     """Through a real interpreter: the exit status and stderr a shell sees."""
     proc = subprocess.run(
-        [sys.executable, "-m", "trl_gc_plugin.plan_cli", str(DATA / "plan_malformed.json"), "--batch-size", "1",
+        [sys.executable, "-m", "trl_gc_plugin.cli.plan", str(DATA / "plan_malformed.json"), "--batch-size", "1",
          "--seq-len", "8", "--budget", "1GiB"],
         capture_output=True,
         text=True,

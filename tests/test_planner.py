@@ -373,7 +373,7 @@ def test_an_impossible_budget_is_refused_in_strict_and_falls_back_in_fix():
 
 def test_importing_the_planner_imports_neither_torch_nor_transformers():
     code = (
-        "import sys, trl_gc_plugin.planning.planner, trl_gc_plugin.planning.memory, trl_gc_plugin.plan_cli; "
+        "import sys, trl_gc_plugin.planning.planner, trl_gc_plugin.planning.memory, trl_gc_plugin.cli.plan; "
         "print([m for m in ('torch', 'transformers') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -333,7 +333,7 @@ def test_the_check_reports_an_unknown_key_with_the_same_rule_and_message(tmp_pat
 def test_the_check_takes_its_mode_as_the_run_does(tmp_path, monkeypatch, capsys):
     """`trl-gc-check` without --mode decides for the mode the run will have ($TRL_GC_PLUGIN_MODE), read by the same
     layer: a setup strict refuses passes the check under TRL_GC_PLUGIN_MODE=warn, as the run would."""
-    from trl_gc_plugin.__main__ import check_main as main
+    from trl_gc_plugin.cli.check import check_main as main
 
     path = tmp_path / "sft.yaml"
     path.write_text("model_name_or_path: m\ndataset_name: d\ngradient_checkpointing: true\n"

@@ -9,7 +9,7 @@ import pytest
 import torch
 import zoo
 
-from trl_gc_plugin import plan_cli
+from trl_gc_plugin.cli import plan as plan_cli
 from trl_gc_plugin.core.layout import Layout
 from trl_gc_plugin.planning import memory, planner, throughput
 from trl_gc_plugin.testing import make_config

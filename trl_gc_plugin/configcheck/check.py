@@ -19,11 +19,12 @@ from ..core.decisions import Decision, first_sentence
 from ..core.engine import applicable, decide
 from ..core.facts import Facts
 from ..core.modes import Mode
-from .launchers import detect, llamafactory, native, trl
-from .launchers.common import ConfigError, Context, Fact, NotTrainingConfig, Reading, yaml_bool
-from .launchers.load import Config
-from .launchers.load import load as load_config
-from .launchers.registry import LAUNCHERS, NAMES
+from . import detect
+from .launchers import LAUNCHERS, parse_command
+from .read import native
+from .read.common import ConfigError, Context, Fact, NotTrainingConfig, Reading, yaml_bool
+from .read.load import Config
+from .read.load import load as load_config
 
 __all__ = ["ConfigError", "Launch", "Report", "check_files", "render", "render_json", "summary"]
 
@@ -37,9 +38,9 @@ ASSUMED_VERSIONS = {
 COMPILE_KEY = "torch_compile"
 """The `TrainingArguments` field (TRL, LLaMA-Factory and Axolotl configs pass it through) that compiles the model."""
 PRECISION_KEYS = ("bf16", "fp16")
-LAUNCHER_RULES = {rule.id: rule for module in LAUNCHERS.values() for rule in getattr(module, "RULES", ())}
-READ_KEYS = frozenset().union(*(module.READ_KEYS for module in LAUNCHERS.values()), {COMPILE_KEY})
-"""Every top-level key some launcher module reads: only these values are built from a YAML file."""
+LAUNCHER_RULES = {rule.id: rule for launcher in LAUNCHERS.values() for rule in launcher.rules}
+READ_KEYS = frozenset().union(*(launcher.read_keys for launcher in LAUNCHERS.values()), {COMPILE_KEY})
+"""Every top-level key some launcher reads: only these values are built from a YAML file."""
 
 FACT_FIELDS = frozenset(f.name for f in dataclasses.fields(Facts))
 Status = Literal["ok", "refused", "incomplete", "error"]
@@ -200,11 +201,9 @@ def _native_jobs(pending: list[_Read], launch: Launch) -> list[dict[str, Any]]:
         return []
     jobs: list[dict[str, Any]] = []
     for p in pending:
-        job = {"id": p.index, "launcher": p.format, "path": os.path.abspath(p.config.path)}
-        if p.format == "trl" and native.importable("trl") and (launch.trainer or "sft") in trl.CLI_TRAINERS:
-            jobs.append({**job, "trainer": launch.trainer or "sft"})
-        elif p.format == "llamafactory" and native.importable("llamafactory"):
-            jobs.append({**job, "training": llamafactory.is_training_config(p.config)})
+        fields = LAUNCHERS[p.format].native_job(p.config, p.ctx)
+        if fields is not None:
+            jobs.append({"id": p.index, "launcher": p.format, "path": os.path.abspath(p.config.path), **fields})
     return jobs
 
 
@@ -249,26 +248,13 @@ def _internal_error(path: str, exc: BaseException) -> Report:
     )
 
 
-NO_NATIVE = {
-    "axolotl": "the check does not run Axolotl's own validation, whether Axolotl is installed or not: it imports what "
-    "the config names (its `plugins:`, custom dataset and prompt-strategy modules, remote model code), code from the "
-    "file, which a check before launch must not run; the file is read by the plugin's model of Axolotl main@067b021c",
-    "openrlhf": "OpenRLHF has no parser of its own to run on a command line (its flags are read by argparse inside "
-    "the training script, which needs flash-attn and CUDA); the command is read by the plugin's model of OpenRLHF "
-    "0.11.2",
-}
-"""Why `--parser launcher` is refused for these formats."""
-
-
 def _first_read(index: int, path: str, launch: Launch) -> _Read:
-    config = load_config(path, READ_KEYS)
+    config = load_config(path, READ_KEYS, parse_command)
     fmt, why = detect.detect(config, launch.format)
-    if fmt in ("axolotl", "openrlhf") and launch.parser == "launcher":
-        raise ConfigError(f"{path}: --parser launcher: {NO_NATIVE[fmt]}; use --parser auto or model")
-    if launch.parser == "launcher" and fmt == "llamafactory" and not native.importable("llamafactory"):
-        raise ConfigError(
-            f"{path}: --parser launcher: LLaMA-Factory is not importable here; use --parser auto or model"
-        )
+    launcher = LAUNCHERS[fmt]
+    refusal = launcher.no_own_parser() if launch.parser == "launcher" else None
+    if refusal is not None:
+        raise ConfigError(f"{path}: --parser launcher: {refusal}; use --parser auto or model")
     uses_deepspeed = (
         "deepspeed" in config.values or launch.accelerate_config is not None or "accelerate_config" in config.values
     )
@@ -281,20 +267,19 @@ def _first_read(index: int, path: str, launch: Launch) -> _Read:
         versions={k: v.value for k, v in versions.items()},
         version_origins={k: v.origin for k, v in versions.items()},
     )
-    return _Read(index, config, fmt, why, ctx, LAUNCHERS[fmt].read(config, ctx))
+    return _Read(index, config, fmt, why, ctx, launcher.read(config, ctx))
 
 
 def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None) -> Report:
     config, fmt, ctx, reading = p.config, p.format, p.ctx, p.reading
+    launcher = LAUNCHERS[fmt]
     notes: list[str] = []
     parsed = result is not None and result.get("ok")
-    if fmt == "llamafactory" and parsed:
-        reading = llamafactory.read_native(config, ctx, result)
-    if fmt == "trl" and parsed:
-        trl.apply_native(config, ctx, reading, result)
+    if result is not None and parsed:
+        reading = launcher.with_native(config, ctx, reading, result)
     if result is not None and not parsed:
         kind, message = result.get("kind"), result.get("message", "")
-        launcher_name = NAMES.get(fmt, fmt)
+        launcher_name = launcher.title
         if kind == "usage":
             raise ConfigError(f"{config.path}: {launcher_name}'s own parser refuses it: {message}")
         if kind == "refused":
@@ -321,8 +306,7 @@ def _finish(p: _Read, launch: Launch, mode: Mode, result: dict[str, Any] | None)
             reading.parser += f" ({launcher_name}'s own parser could not run here: {first_sentence(message, 160)})"
     elif result is None and launch.parser == "launcher":
         raise ConfigError(f"{config.path}: --parser launcher: {fmt}'s own code is not importable here")
-    if fmt == "trl":
-        trl.finish(config, ctx, reading)
+    launcher.finish(config, ctx, reading)
 
     # versions: now that the stage is known, DeepSpeed is assumed only where the config uses it
     versions = version_facts(launch, uses_deepspeed=reading.value("zero_stage") is not None)

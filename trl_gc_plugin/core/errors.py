@@ -1,4 +1,5 @@
-"""The one deliberate error of trl_gc_plugin, `GCConfigError`, and its message (what to change, and why); the one
+"""The one deliberate error of trl_gc_plugin, `GCConfigError`, and its message (what to change, and why); the CLIs'
+`UsageError` (exit status 2); the one
 rule for every other error (`contained`: a plugin bug never stops training); how a message names the type of a value
 it found (`type_name`; `_base.report.short` quotes the value)."""
 
@@ -17,6 +18,12 @@ if TYPE_CHECKING:
 def type_name(value: Any) -> str:
     names = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+class UsageError(ValueError):
+    """Input a command line cannot use: an invalid option, or a file it reads that is unreadable, malformed or of no
+    known format. The one exception for exit status 2: `trl-gc-check` and `trl-gc-plan` print its message (one line)
+    and return 2 (`configcheck`'s `ConfigError` is this class; a file's becomes that file's error)."""
 
 
 class GCConfigError(ValueError):

@@ -11,7 +11,7 @@ from typing import Any
 from ..._base.flags import pydantic_bool
 from ...core.context_parallel import KEY as CP_KEY
 from ...core.context_parallel import cp_size_of
-from .common import (
+from ..read.common import (
     KWARGS_CHANGES,
     ConfigError,
     Context,
@@ -26,9 +26,10 @@ from .common import (
     type_name,
     where,
 )
-from .deepspeed import read_deepspeed
-from .load import Config
-from .model_config import local_model_config, read_model_facts
+from ..read.deepspeed import read_deepspeed
+from ..read.load import Config
+from ..read.model_config import local_model_config, read_model_facts
+from .base import Launcher
 from .trl import read_kwargs_keys
 
 COMMIT = "067b021c8b87a9e5e380b9173c704cf7340e30f5"
@@ -913,3 +914,27 @@ def _model_type(base_model: str, reading: Reading) -> str | None:
         )
         return "gemma4"
     return None
+
+
+NO_OWN_PARSER = (
+    "the check does not run Axolotl's own validation, whether Axolotl is installed or not: it imports what the config "
+    "names (its `plugins:`, custom dataset and prompt-strategy modules, remote model code), code from the file, which "
+    "a check before launch must not run; the file is read by the plugin's model of Axolotl main@067b021c"
+)
+"""Why `--parser launcher` is refused for Axolotl configs."""
+
+
+class AxolotlLauncher(Launcher):
+    """Axolotl's configs, read by the plugin's model only (`NO_OWN_PARSER`)."""
+
+    name, title = "axolotl", "Axolotl"
+    markers, strong_markers, read_keys, rules = MARKERS, STRONG_MARKERS, READ_KEYS, RULES
+
+    def read(self, config: Config, ctx: Context) -> Reading:
+        return read(config, ctx)
+
+    def no_own_parser(self) -> str | None:
+        return NO_OWN_PARSER
+
+
+LAUNCHER = AxolotlLauncher()

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .accelerate import read_accelerate, set_accelerate_facts
-from .common import (
+from ..read.accelerate import read_accelerate, set_accelerate_facts
+from ..read.common import (
     ConfigError,
     Context,
     Fact,
@@ -25,9 +25,11 @@ from .common import (
     type_name,
     where,
 )
-from .deepspeed import read_deepspeed
-from .load import Config, load_json_file
-from .model_config import read_model_facts
+from ..read.deepspeed import read_deepspeed
+from ..read.load import Config, load_json_file
+from ..read.model_config import read_model_facts
+from ..read.native import importable
+from .base import Launcher
 from .trl import read_fsdp_config, set_fsdp_facts
 
 COMMIT = "ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30"
@@ -640,3 +642,25 @@ def read_native(config: Config, ctx: Context, result: dict[str, Any]) -> Reading
     reading.parser = f"LLaMA-Factory {result.get('version', '?')}'s own {function}, in a clean subprocess"
     reading.notes.extend(notes)
     return reading
+
+
+class LlamaFactoryLauncher(Launcher):
+    """LLaMA-Factory's v0 configs: its own `read_args` / `get_train_args` in the worker where it is installed."""
+
+    name, title = "llamafactory", "LLaMA-Factory"
+    markers, strong_markers, read_keys, rules = MARKERS, STRONG_MARKERS, READ_KEYS, RULES
+
+    def read(self, config: Config, ctx: Context) -> Reading:
+        return read(config, ctx)
+
+    def no_own_parser(self) -> str | None:
+        return None if importable("llamafactory") else "LLaMA-Factory is not importable here"
+
+    def native_job(self, config: Config, ctx: Context) -> dict[str, Any] | None:
+        return {"training": is_training_config(config)} if importable("llamafactory") else None
+
+    def with_native(self, config: Config, ctx: Context, reading: Reading, result: dict[str, Any]) -> Reading:
+        return read_native(config, ctx, result)
+
+
+LAUNCHER = LlamaFactoryLauncher()

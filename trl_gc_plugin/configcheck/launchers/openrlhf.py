@@ -9,9 +9,10 @@ import os
 import re
 from typing import Any
 
-from . import shell
-from .common import Config, ConfigError, Context, Fact, NotTrainingConfig, Origin, Reading
-from .model_config import read_model_facts
+from ..read import shell
+from ..read.common import Config, ConfigError, Context, Fact, NotTrainingConfig, Origin, Reading
+from ..read.model_config import read_model_facts
+from .base import Launcher
 
 VERSION_MODELLED = "OpenRLHF 0.11.2 (and the flat flags of <= 0.9)"
 SRC = "https://github.com/OpenRLHF/OpenRLHF/blob/v0.11.2/openrlhf/"
@@ -284,3 +285,26 @@ def _model(config: Config, reading: Reading, prefix: str, flags: Flags) -> None:
         "model.model_name_or_path", config.values.get(f"{prefix}model_name_or_path", config.values.get("pretrain"))
     )
     read_model_facts(name, "--model.model_name_or_path", reading)  # nothing unless a local model directory
+
+
+NO_OWN_PARSER = (
+    "OpenRLHF has no parser of its own to run on a command line (its flags are read by argparse inside the training "
+    "script, which needs flash-attn and CUDA); the command is read by the plugin's model of OpenRLHF 0.11.2"
+)
+"""Why `--parser launcher` is refused for OpenRLHF command lines."""
+
+
+class OpenRLHFLauncher(Launcher):
+    """OpenRLHF command lines (`parse_command`), read by the plugin's model only (`NO_OWN_PARSER`)."""
+
+    name, title = "openrlhf", "OpenRLHF"
+    markers, strong_markers, read_keys = MARKERS, STRONG_MARKERS, READ_KEYS
+
+    def read(self, config: Config, ctx: Context) -> Reading:
+        return read(config, ctx)
+
+    def no_own_parser(self) -> str | None:
+        return NO_OWN_PARSER
+
+
+LAUNCHER = OpenRLHFLauncher()

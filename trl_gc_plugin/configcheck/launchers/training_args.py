@@ -5,8 +5,9 @@ model: PEFT, quantization and frozen layers stay unknown (the callback decides t
 
 from __future__ import annotations
 
-from .common import Context, LauncherRule, Reading
-from .load import Config
+from ..read.common import Context, LauncherRule, Reading
+from ..read.load import Config
+from .base import Launcher
 from .trl import read_kwargs_key, read_launch, set_trainer_kind
 
 SOURCES = {
@@ -95,3 +96,16 @@ def read(config: Config, ctx: Context) -> Reading:
     string_bools = [k for k in BOOL_KEYS if isinstance(raw.get(k), str)]
     reading.apply(RULES, string_bools, "transformers", raw, {"gradient_checkpointing": string_bools})
     return reading
+
+
+class TrainingArgsLauncher(Launcher):
+    """A plain `TrainingArguments` JSON file: no marker key (`detect` tells it by its fields, `KEYS`)."""
+
+    name, title = "training-args", "training-args"
+    read_keys, rules = READ_KEYS, RULES
+
+    def read(self, config: Config, ctx: Context) -> Reading:
+        return read(config, ctx)
+
+
+LAUNCHER = TrainingArgsLauncher()

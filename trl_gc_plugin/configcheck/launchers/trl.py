@@ -11,7 +11,7 @@ from typing import Any
 
 from ...core.capabilities import installed_versions
 from ...core.kwargs import unknown_checkpoint_keys
-from .accelerate import (
+from ..read.accelerate import (
     AccelerateConfig,
     read_accelerate,
     set_accelerate_facts,
@@ -19,7 +19,7 @@ from .accelerate import (
     trl_bundled_names,
     whole_number,
 )
-from .common import (
+from ..read.common import (
     KWARGS_CHANGES,
     ConfigError,
     Context,
@@ -35,9 +35,11 @@ from .common import (
     type_name,
     where,
 )
-from .deepspeed import read_deepspeed
-from .load import Config, load_json_file
-from .model_config import read_model_facts
+from ..read.deepspeed import read_deepspeed
+from ..read.load import Config, load_json_file
+from ..read.model_config import read_model_facts
+from ..read.native import importable
+from .base import Launcher
 
 VERSION_MODELLED = "1.16.0"
 SRC = f"https://github.com/huggingface/trl/blob/v{VERSION_MODELLED}/trl/"
@@ -555,3 +557,28 @@ def apply_native(config: Config, ctx: Context, reading: Reading, result: dict[st
             )
         reading.decisions.append(rule.decision(f"TRL {result.get('version', '?')}", before=unknown))
         reading.changes_for[rule.id] = rule.change
+
+
+class TrlLauncher(Launcher):
+    """TRL's CLI configs: TRL's own `TrlParser` in the worker where TRL is installed and the trainer is one of its
+    commands; what TRL's trainers write themselves, after either reading (`finish`)."""
+
+    name, title = "trl", "TRL"
+    markers, strong_markers, read_keys, rules = MARKERS, STRONG_MARKERS, READ_KEYS, RULES
+
+    def read(self, config: Config, ctx: Context) -> Reading:
+        return read(config, ctx)
+
+    def native_job(self, config: Config, ctx: Context) -> dict[str, Any] | None:
+        trainer = ctx.trainer or "sft"
+        return {"trainer": trainer} if importable("trl") and trainer in CLI_TRAINERS else None
+
+    def with_native(self, config: Config, ctx: Context, reading: Reading, result: dict[str, Any]) -> Reading:
+        apply_native(config, ctx, reading, result)
+        return reading
+
+    def finish(self, config: Config, ctx: Context, reading: Reading) -> None:
+        finish(config, ctx, reading)
+
+
+LAUNCHER = TrlLauncher()

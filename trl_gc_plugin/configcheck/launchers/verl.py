@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from . import shell
-from .common import (
+from ..read import shell
+from ..read.common import (
     Config,
     ConfigError,
     Context,
@@ -29,7 +29,8 @@ from .common import (
     Reading,
     expect_mapping,
 )
-from .model_config import local_model_config, read_model_facts
+from ..read.model_config import local_model_config, read_model_facts
+from .base import Launcher
 
 COMMIT = "1dda039b9c6311889a9c9a26040677e1254814f9"
 VERSION_MODELLED = "verl 1dda039 (main, 2026-08-22)"
@@ -893,3 +894,16 @@ def _unread(v: _Values, reading: Reading, ctx: Context, keys: _Keys, hf_gc: bool
             reading.notes.append(f"{key}: its value is known only when the script runs ({said}); no rule reads it")
     if ctx.nproc is None:
         reading.notes += [f"the process count: {shell.readable(w)} (or pass --nproc N)" for w in v.launch]
+
+
+class VerlLauncher(Launcher):
+    """verl's command lines (`parse_command`) and YAML configs, read by the plugin's model (verl is not imported)."""
+
+    name, title = "verl", "verl"
+    markers, strong_markers, read_keys, rules = MARKERS, STRONG_MARKERS, READ_KEYS, RULES
+
+    def read(self, config: Config, ctx: Context) -> Reading:
+        return read(config, ctx)
+
+
+LAUNCHER = VerlLauncher()

@@ -6,14 +6,12 @@ always says why: the format is never guessed silently.
 
 from __future__ import annotations
 
-from . import training_args
-from .common import ConfigError, NotTrainingConfig
-from .load import Config
-from .registry import LAUNCHERS, NAMES
+from .launchers import LAUNCHERS, training_args
+from .read.common import Config, ConfigError, NotTrainingConfig
 
 FORMATS = tuple(LAUNCHERS)
-MARKERS = {name: LAUNCHERS[name].MARKERS for name in NAMES}
-STRONG = {name: LAUNCHERS[name].STRONG_MARKERS for name in NAMES}
+MARKERS = {name: launcher.markers for name, launcher in LAUNCHERS.items() if launcher.markers}
+STRONG = {name: launcher.strong_markers for name, launcher in LAUNCHERS.items() if launcher.markers}
 ACCELERATE_KEYS = frozenset({"distributed_type", "compute_environment"})
 DEEPSPEED_KEYS = frozenset({"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size"})
 LLAMAFACTORY_V1_KEYS = frozenset({"model_class", "dist_config", "peft_config", "train_dataset"})
@@ -29,7 +27,7 @@ def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
     command = "verl" if "verl_entry" in config.values else "openrlhf"
     if forced != "auto" and config.kind == "command" and forced != command:
         raise ConfigError(
-            f"{config.path}: --format {forced}: the script runs a {NAMES[command]} command, not a {forced} config"
+            f"{config.path}: --format {forced}: the script runs a {LAUNCHERS[command].title} command, not a {forced} config"
         )
     if forced != "auto":
         return forced, "--format"

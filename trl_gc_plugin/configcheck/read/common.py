@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from ..._base.report import short
 from ...core.decisions import Action, Decision, Level
-from ...core.errors import type_name
+from ...core.errors import UsageError, type_name
 from ...core.facts import GENERATING_TRAINERS, RL_TRAINERS
 
 Origin = Literal[
@@ -35,8 +35,9 @@ def release(version: str | None) -> tuple[int, int]:
     return major, minor
 
 
-class ConfigError(ValueError):
-    """A config (or a file it names, or an option) is invalid: one line naming the file and key or line; exit 2."""
+ConfigError = UsageError
+"""A config (or a file it names, or an option) is invalid: one line naming the file and key or line; exit 2 (the CLIs'
+one `UsageError`, under the name the check uses)."""
 
 
 class NotTrainingConfig(ConfigError):

@@ -70,7 +70,7 @@ def run(jobs: list[dict[str, Any]], timeout: float) -> dict[int, dict[str, Any]]
     reason = ""
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trl_gc_plugin.configcheck.launchers._worker"],
+            [sys.executable, "-m", "trl_gc_plugin.configcheck.read._worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

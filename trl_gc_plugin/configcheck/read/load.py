@@ -1,6 +1,7 @@
 """Read a config file into a `Config`, or one `ConfigError` naming the file and line or key. YAML as the launchers
 read it (PyYAML's safe loader), building only the keys some reader needs (`_split_top_level`: a 5 MB `datasets:` list
-stays under a second); JSON with the standard library; an OpenRLHF command line as its flags (`openrlhf`).
+stays under a second); JSON with the standard library; an OpenRLHF or verl command line by the reader of commands the
+caller passes (`launchers.parse_command`: this package imports no launcher reader).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import functools
 import json
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from .common import Config, ConfigError, NotTrainingConfig, short, type_name
@@ -46,25 +48,20 @@ def read_text(path: str, what: str = "") -> str:
         ) from None
 
 
-def load(path: str, wanted: frozenset[str] | None = None) -> Config:
-    """The config at `path`, with the values of the top-level keys in `wanted` (all when None)."""
+def load(
+    path: str, wanted: frozenset[str] | None = None, commands: Callable[[str, str], Config] | None = None
+) -> Config:
+    """The config at `path`, with the values of the top-level keys in `wanted` (all when None); a shell script or a
+    command line is read by `commands(path, text)` (the launchers', `launchers.parse_command`)."""
     text = read_text(path)
     if not text.strip():
         raise ConfigError(f"{path}: the file is empty; a config is a mapping of keys")
     if path.lower().endswith(".json"):
         return _whole(path, _json(text, path), wanted, "json")
     if _is_command(path, text):
-        from . import openrlhf, verl
-
-        if "openrlhf.cli." in text or not verl.mentions(text):
-            return openrlhf.parse_command(path, text)
-        try:
-            return verl.parse_command(path, text)
-        except NotTrainingConfig as exc:  # no verl command: an OpenRLHF one may come from a sourced file
-            try:
-                return openrlhf.parse_command(path, text)
-            except NotTrainingConfig:
-                raise exc from None
+        if commands is None:
+            raise ConfigError(f"{path}: a command line, and no reader of commands was given")
+        return commands(path, text)
     _check_nesting(text, path)
     return _load_yaml(path, text, wanted)
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.errors import UsageError
+
 GIB = 2**30
 
 
-class PlotUnavailable(RuntimeError):
-    """matplotlib is not installed."""
+class PlotUnavailable(UsageError):
+    """matplotlib is not installed (`trl-gc-plan` exits 2 with this line)."""
 
 
 def plot(plan: Any, label: str, path: str) -> None:

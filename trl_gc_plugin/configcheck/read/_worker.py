@@ -53,7 +53,7 @@ def _check_accelerate_config(value: str) -> None:
     try:
         from trl.cli.accelerate_config import resolve_accelerate_config_argument
     except ImportError:  # TRL 0.x resolves it inside trl/cli.py's main()
-        from trl_gc_plugin.configcheck.launchers.accelerate import trl_bundled
+        from trl_gc_plugin.configcheck.read.accelerate import trl_bundled
 
         if not os.path.isfile(value) and trl_bundled(value) is None:
             raise ValueError(
