@@ -57,7 +57,8 @@ def clean_environment() -> dict[str, str]:
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["HF_HUB_OFFLINE"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # the folder that holds the `trl_gc_plugin` package, so the worker imports this copy (a checkout included)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
 
