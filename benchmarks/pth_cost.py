@@ -89,8 +89,8 @@ ENV = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"}
 IMPORTED = "import sys; print(sorted(m for m in sys.modules if m.startswith('trl_gc_plugin')))"
 
 
-def make_venv(python: str, path: Path, files: dict[str, str]) -> Path:
-    subprocess.run([python, "-m", "venv", "--without-pip", str(path)], check=True)
+def make_venv(python: str, path: Path, files: dict[str, str], bare: bool = True) -> Path:
+    subprocess.run([python, "-m", "venv", *(["--without-pip"] if bare else []), str(path)], check=True)
     venv_python = path / "bin" / "python"
     purelib = Path(subprocess.run([str(venv_python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                   check=True, capture_output=True, text=True).stdout.strip())
@@ -113,12 +113,20 @@ def count(python: Path, env: dict[str, str], cwd: str) -> int:
     return int(match.group(1))
 
 
-def measure(python: str, runs: int, tmp: Path) -> dict[str, object]:
+DEFAULT_VENV_CASES = ("no .pth", "import os", "check only", "shipped")
+"""`--venv default`: the cases measured in venvs as `python -m venv` builds them (pip, and on Python <= 3.11
+setuptools, whose `distutils-precedence.pth` runs its own line at every start-up): the baseline a user's environment
+starts from, against the bare venv's strictest one."""
+
+
+def measure(python: str, runs: int, tmp: Path, bare: bool = True) -> dict[str, object]:
     version = subprocess.run([python, "-c", "import platform; print(platform.python_version())"], check=True,
                              capture_output=True, text=True).stdout.strip()
     cases = []
     for i, (name, shows, files, envs) in enumerate(CANDIDATES):
-        venv_python = make_venv(python, tmp / f"v{version}" / f"c{i:02d}", files)  # same-length paths
+        if not bare and name not in DEFAULT_VENV_CASES:
+            continue
+        venv_python = make_venv(python, tmp / f"v{version}" / f"c{i:02d}", files, bare)  # same-length paths
         for value in (None, *envs):
             env = dict(ENV) if value is None else {**ENV, "TRL_GC_PLUGIN": value}
             counts = [count(venv_python, env, str(tmp)) for _ in range(runs)]
@@ -135,24 +143,31 @@ def measure(python: str, runs: int, tmp: Path) -> dict[str, object]:
         case["added"] = case["median"] - base
         case["added_percent"] = round(100 * (case["median"] - base) / base, 3)
         case["above_import_os"] = case["median"] - floor
-    return {"python": version, "executable": python, "python_c_pass_instructions": base, "cases": cases}
+    return {"python": version, "executable": python, "venv": "bare" if bare else "default",
+            "python_c_pass_instructions": base, "cases": cases}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--python", action="append", help="interpreter(s) to build the venvs with (default: this one)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "pth_cost.json"))
+    parser.add_argument("--venv", choices=("bare", "default"), default="bare",
+                        help="bare: `--without-pip` (no other .pth file; the target's measure); default: as `python -m "
+                        "venv` builds it (pth_cost_default_venv.json)")
+    parser.add_argument("--out", default=None)
     ns = parser.parse_args()
+    bare = ns.venv == "bare"
+    ns.out = ns.out or str(Path(__file__).parent / "results" / ("pth_cost.json" if bare else "pth_cost_default_venv.json"))
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed")
     valgrind = subprocess.run(["valgrind", "--version"], check=True, capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
-        interpreters = [measure(python, ns.runs, Path(tmp)) for python in ns.python or [sys.executable]]
+        interpreters = [measure(python, ns.runs, Path(tmp), bare) for python in ns.python or [sys.executable]]
     result = {
         "method": (
-            "valgrind --tool=callgrind instruction counts ('Collected') of `python -c pass`, whole process, in bare "
-            "venvs (python -m venv --without-pip) that differ only by the candidate's start-up files; environment "
+            "valgrind --tool=callgrind instruction counts ('Collected') of `python -c pass`, whole process, in "
+            + ("bare venvs (python -m venv --without-pip)" if bare else "venvs as `python -m venv` builds them")
+            + " that differ only by the candidate's start-up files; environment "
             "PATH=/usr/bin:/bin PYTHONHASHSEED=0 (+ TRL_GC_PLUGIN where given); median of `runs` counts; added = "
             "median - the venv without a .pth; above_import_os = median - the `import os` line's"
         ),
