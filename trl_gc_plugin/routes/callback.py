@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from transformers import TrainerCallback
 
-from .._base import report, tracker
+from .._base import report
 from .._base.weak import WeakIdMap
 from ..core.decisions import Decision
 from ..core.errors import GCConfigError, contained
@@ -16,7 +16,7 @@ from ..core.modes import Mode
 from ..core.settings import GCSettings
 from ..model import probe
 from ..model.observe import Call
-from ..runtime import hosts
+from ..runtime import hosts, tracker
 from ..runtime.run import Run
 from . import model_route
 
