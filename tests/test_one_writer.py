@@ -65,7 +65,7 @@ def test_the_value_in_force_is_held_in_one_place():
     remembered = _functions_with(lambda call: _name(call) == "remember")
     # the run's holder; and the label of a value Axolotl wrote before the plugin ran (who set it, no value written)
     assert sorted(set(remembered)) == [
-        ("routes/hosts.py", "label_axolotl_value"),
+        ("runtime/hosts.py", "label_axolotl_value"),
         ("runtime/record.py", "Record.set_use_reentrant"),
     ]
 

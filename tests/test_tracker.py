@@ -11,7 +11,7 @@ from trainers import make_trainer
 
 import trl_gc_plugin
 from trl_gc_plugin import SafeGCCallback
-from trl_gc_plugin.routes import tracker
+from trl_gc_plugin.runtime import tracker
 from trl_gc_plugin.testing import make_model
 
 pytest.importorskip("tensorboard")

@@ -15,8 +15,8 @@ try:
 
     from .._base import report
     from ..core.settings import CALLBACK_SETTINGS, GCSettings
-    from ..routes import hosts
     from ..routes.callback import SafeGCCallback
+    from ..runtime import hosts
 except ImportError as exc:  # PluginManager only logs an ImportError and trains on without the plugin
     raise RuntimeError(
         f"trl_gc_plugin's Axolotl plugin could not be loaded ({exc}); training without it would run unchecked. "

@@ -16,8 +16,9 @@ from ..core.modes import Mode
 from ..core.settings import GCSettings
 from ..model import probe
 from ..model.observe import Call
+from ..runtime import hosts, tracker
 from ..runtime.run import Run
-from . import hosts, model_route, tracker
+from . import model_route
 
 _OWNERS: WeakIdMap[SafeGCCallback] = WeakIdMap()  # the callback acting for a Trainer, by its `TrainerState`
 

@@ -20,8 +20,9 @@ from ..core.errors import GCConfigError, contained
 from ..core.modes import Mode
 from ..core.settings import BOOL_FORMS, BY_NAME, INSTALLED, GCSettings, parse_bool
 from ..model import hooks, probe
+from ..runtime import hosts
 from ..runtime.run import Run
-from . import hosts, model_route
+from . import model_route
 
 _MARK = "__trl_gc_plugin_wrapper__"
 _lock = threading.RLock()
