@@ -52,12 +52,14 @@ def read_keys(config: Config, keys: Iterable[Key], absent: Iterable[str] = (), *
 class Step:
     """One rung of a launcher's use_reentrant ladder: where `when(values, reentrant)` holds, use_reentrant becomes
     `value` (a constant, or a function of the values) with `origin`, and `why` (a `str.format_map` template over the
-    values). The steps apply in order, a later one over an earlier one."""
+    values). `kwargs`: the step writes use_reentrant into the kwargs too (a validator's rewrite of the config, not
+    only the value a trainer passes). The steps apply in order, a later one over an earlier one."""
 
-    when: Callable[[Values, Reentrant], bool]
+    when: Callable[[Values, Reentrant], Any]
     value: Any
     why: str
     origin: Origin = "launcher rewrite"
+    kwargs: bool = False
 
 
 def rewrite(steps: Iterable[Step], values: Values, reentrant: Reentrant) -> Reentrant:
@@ -66,4 +68,6 @@ def rewrite(steps: Iterable[Step], values: Values, reentrant: Reentrant) -> Reen
         if step.when(values, reentrant):
             value = step.value(values) if callable(step.value) else step.value
             reentrant.rewrite(value, step.why.format_map(values), step.origin)
+            if step.kwargs:
+                reentrant.kwargs = {**(reentrant.kwargs or {}), "use_reentrant": value}
     return reentrant
