@@ -708,7 +708,9 @@ WRITTEN = (  # normalize_config's rewrites of the kwargs, then the use_reentrant
         "activation_offloading: legacy runs Axolotl's CPU-offloading checkpoint, reentrant-style ({src[offload_cpu]})",
     ),
     Step(
-        lambda v, kw: v.adapter and v.activation_offloading not in LADDER_OFF and kw.value is None,
+        lambda v, kw: (
+            v.adapter and v.activation_offloading not in (None, False, "hidden_states", "legacy") and kw.value is None
+        ),
         lambda v: v.tf_below_5,
         "adapter + activation_offloading: the load-time checkpointing without use_reentrant takes transformers' "
         "default",
@@ -725,8 +727,8 @@ WRITTEN = (  # normalize_config's rewrites of the kwargs, then the use_reentrant
         "selective_checkpointing patches the model to non-reentrant ({src[sac]})",
     ),
 )
-LADDER_OFF = (None, False, "hidden_states", "legacy")
-"""`activation_offloading` values without the adapter's load-time checkpointing step."""
+GEMMA4 = ("gemma4", "gemma4_unified")
+"""The `model_type`s of Axolotl's Gemma 4 rewrites."""
 
 
 def _validators(s: View, kw: Reentrant, reading: Reading) -> View:
@@ -751,8 +753,8 @@ def _normalize(v: View, model_type: str | None, reading: Reading) -> tuple[bool,
     """Phase 3: normalize_config's `cfg.ddp` (every multi-process run) and `ddp_find_unused_parameters` (its
     use_reentrant rewrites are `WRITTEN`'s)."""
     ddp = v.ddp_flag if v.ddp_flag is not None else v.n_gpu != 1
-    find_unused, gemma4 = v.find_unused, model_type in ("gemma4", "gemma4_unified")
-    if gemma4 and ddp and find_unused is None and v.activation_offloading is not True:
+    find_unused = v.find_unused
+    if model_type in GEMMA4 and ddp and find_unused is None and v.activation_offloading is not True:
         find_unused = True
         reading.notes.append(f"Gemma 4 under DDP: Axolotl sets ddp_find_unused_parameters: true ({SOURCES['gemma4']})")
     return ddp, find_unused
@@ -763,14 +765,8 @@ def _builders(v: View, kw: Reentrant, model_type: str | None, ctx: Context, read
     set."""
     tf = ctx.versions.get("transformers") or "5"
     wrapped = bool(v.activation_offloading and v.activation_offloading != "hidden_states" and not v.adapter)
-    values = Values(
-        vars(v),
-        gemma4=model_type in ("gemma4", "gemma4_unified"),
-        wrapped=wrapped,
-        tf_below_5=tf.split(".")[0].isdigit() and int(tf.split(".")[0]) < 5,
-        src=SOURCES,
-    )
-    rewrite(WRITTEN, values, kw)
+    below_5, gemma4 = tf.split(".")[0].isdigit() and int(tf.split(".")[0]) < 5, model_type in GEMMA4
+    rewrite(WRITTEN, Values(vars(v), gemma4=gemma4, wrapped=wrapped, tf_below_5=below_5, src=SOURCES), kw)
     if wrapped:
         reading.set("checkpoint_wrapped", True, "launcher rewrite", f"ac_wrap_hf_model ({SOURCES['ac_wrap']})")
     if v.selective is not None and v.gc:
