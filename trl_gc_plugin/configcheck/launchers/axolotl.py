@@ -1,6 +1,7 @@
 """Axolotl YAML configs (`axolotl train cfg.yml`): the plugin's model of Axolotl main@067b021c before the Trainer runs
 (`SOURCES`); Axolotl cannot be imported here (its wheels need Python >= 3.12 and pin other transformers/TRL). Its
-phases in order: the schema (`_schema`), the validators (`RULES`, `_validators`), `_normalize`, `_builders`.
+phases in order: the schema (`_schema`), the validators (`RULES`, `_validators`), `_normalize`, `_builders`; the
+use_reentrant each phase writes is a ladder of `schema.Step`s (`VALIDATED`, then `WRITTEN`).
 """
 
 from __future__ import annotations
