@@ -1,6 +1,7 @@
 """Axolotl YAML configs (`axolotl train cfg.yml`): the plugin's model of Axolotl main@067b021c before the Trainer runs
 (`SOURCES`); Axolotl cannot be imported here (its wheels need Python >= 3.12 and pin other transformers/TRL). Its
-phases in order: the schema (`_schema`), the validators (`RULES`, `_validators`), `_normalize`, `_builders`.
+phases in order: the schema (`_schema`), the validators (`RULES`, `_validators`), `_normalize`, `_builders`; the
+use_reentrant each phase writes is a ladder of `schema.Step`s (`VALIDATED`, then `WRITTEN`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..read.deepspeed import read_deepspeed
 from ..read.load import Config
 from ..read.model_config import local_model_config, read_model_facts
 from .base import Launcher
+from .schema import Step, Values, rewrite
 from .trl import read_kwargs_keys
 
 COMMIT = "067b021c8b87a9e5e380b9173c704cf7340e30f5"
@@ -667,6 +669,69 @@ def _schema(config: Config, world: int) -> View:
     )
 
 
+VALIDATED = (  # the validators' rewrites (mode="after") of the kwargs: what `RULES` see
+    Step(
+        lambda v, kw: v.activation_offloading == "hidden_states" and "use_reentrant" not in (kw.kwargs or {}),
+        False,
+        "activation_offloading: hidden_states defaults use_reentrant to false ({src[hidden_states]})",
+        kwargs=True,
+    ),
+    Step(
+        lambda v, kw: v.ebft_strided_flex and v.gc and not (kw.kwargs or {}).get("use_reentrant"),
+        True,
+        "EBFT strided + flex_attention forces use_reentrant: true ({src[ebft_reentrant]})",
+        kwargs=True,
+    ),
+)
+
+WRITTEN = (  # normalize_config's rewrites of the kwargs, then the use_reentrant the trainer builders pass
+    Step(
+        lambda v, kw: v.gc and v.unfrozen is None and kw.kwargs is None and v.rl is None,
+        True,
+        "Axolotl normalize_config writes {{use_reentrant: true}} ({src[normalize]})",
+        kwargs=True,
+    ),
+    Step(
+        lambda v, kw: v.gemma4 and v.gc and (kw.kwargs or {}).get("use_reentrant") is not False,
+        False,
+        "Gemma 4: Axolotl forces use_reentrant false ({src[gemma4]})",
+        kwargs=True,
+    ),
+    Step(
+        lambda v, _: v.wrapped,
+        False,
+        "activation_offloading {activation_offloading!r} on a full fine-tune: torch checkpoint_wrapper, "
+        "non-reentrant ({src[ac_wrap]})",
+    ),
+    Step(
+        lambda v, _: v.adapter and v.activation_offloading == "legacy",
+        True,
+        "activation_offloading: legacy runs Axolotl's CPU-offloading checkpoint, reentrant-style ({src[offload_cpu]})",
+    ),
+    Step(
+        lambda v, kw: (
+            v.adapter and v.activation_offloading not in (None, False, "hidden_states", "legacy") and kw.value is None
+        ),
+        lambda v: v.tf_below_5,
+        "adapter + activation_offloading: the load-time checkpointing without use_reentrant takes transformers' "
+        "default",
+        "launcher default",
+    ),
+    Step(
+        lambda v, kw: not v.activation_offloading and v.gc and kw.kwargs is None,
+        False,
+        "Axolotl's builder passes {{use_reentrant: false}} when no kwargs are set ({src[builder_gc]})",
+    ),
+    Step(
+        lambda v, _: v.selective is not None and v.gc,
+        False,
+        "selective_checkpointing patches the model to non-reentrant ({src[sac]})",
+    ),
+)
+GEMMA4 = ("gemma4", "gemma4_unified")
+"""The `model_type`s of Axolotl's Gemma 4 rewrites."""
+
+
 def _validators(s: View, kw: Reentrant, reading: Reading) -> View:
     """Phase 2: the validators' rewrites (mode="after") of checkpointing, offloading and use_reentrant."""
     gc, offloading = s.gc, s.activation_offloading
@@ -679,80 +744,33 @@ def _validators(s: View, kw: Reentrant, reading: Reading) -> View:
         )
         gc = True
     ebft_strided_flex = bool(s.rl == "ebft" and (s.ebft or {}).get("mode") == "strided" and s.attn == "flex_attention")
-    if offloading == "hidden_states":
-        kw.kwargs = dict(kw.kwargs or {})
-        if "use_reentrant" not in kw.kwargs:
-            kw.kwargs["use_reentrant"] = False
-            kw.rewrite(
-                False,
-                f"activation_offloading: hidden_states defaults use_reentrant to false ({SOURCES['hidden_states']})",
-            )
     if ebft_strided_flex and gc:
-        if not (kw.kwargs or {}).get("use_reentrant"):
-            kw.kwargs = {**(kw.kwargs or {}), "use_reentrant": True}
-            kw.rewrite(True, f"EBFT strided + flex_attention forces use_reentrant: true ({SOURCES['ebft_reentrant']})")
         reading.extra["forced"] = {"use_reentrant": FORCED_REENTRANT_CHANGE}
-    return replace(
-        s,
-        gc=gc,
-        gc_detail=gc_detail,
-        activation_offloading=offloading,
-        kwargs=kw.kwargs,
-        ebft_strided_flex=ebft_strided_flex,
-    )
+    v = replace(s, gc=gc, gc_detail=gc_detail, activation_offloading=offloading, ebft_strided_flex=ebft_strided_flex)
+    return replace(v, kwargs=rewrite(VALIDATED, Values(vars(v), src=SOURCES), kw).kwargs)
 
 
-def _normalize(v: View, kw: Reentrant, model_type: str | None, reading: Reading) -> tuple[bool, bool | None]:
-    """Phase 3: normalize_config's rewrites; returns `cfg.ddp` (every multi-process run) and
-    `ddp_find_unused_parameters`."""
+def _normalize(v: View, model_type: str | None, reading: Reading) -> tuple[bool, bool | None]:
+    """Phase 3: normalize_config's `cfg.ddp` (every multi-process run) and `ddp_find_unused_parameters` (its
+    use_reentrant rewrites are `WRITTEN`'s)."""
     ddp = v.ddp_flag if v.ddp_flag is not None else v.n_gpu != 1
-    find_unused, gemma4 = v.find_unused, model_type in ("gemma4", "gemma4_unified")
-    if v.gc and v.unfrozen is None and kw.kwargs is None and v.rl is None:
-        kw.kwargs = {"use_reentrant": True}
-        kw.rewrite(True, f"Axolotl normalize_config writes {{use_reentrant: true}} ({SOURCES['normalize']})")
-    if gemma4 and v.gc:
-        kw.kwargs = dict(kw.kwargs or {})
-        if kw.kwargs.get("use_reentrant") is not False:
-            kw.kwargs["use_reentrant"] = False
-            kw.rewrite(False, f"Gemma 4: Axolotl forces use_reentrant false ({SOURCES['gemma4']})")
-    if gemma4 and ddp and find_unused is None and v.activation_offloading is not True:
+    find_unused = v.find_unused
+    if model_type in GEMMA4 and ddp and find_unused is None and v.activation_offloading is not True:
         find_unused = True
         reading.notes.append(f"Gemma 4 under DDP: Axolotl sets ddp_find_unused_parameters: true ({SOURCES['gemma4']})")
     return ddp, find_unused
 
 
-def _builders(v: View, kw: Reentrant, ctx: Context, reading: Reading) -> None:
-    """Phase 4: the use_reentrant the trainer builders pass."""
-    offloading = v.activation_offloading
-    kw.value = (kw.kwargs or {}).get("use_reentrant")
-    if offloading and offloading != "hidden_states":
-        if not v.adapter:
-            kw.rewrite(
-                False,
-                f"activation_offloading {offloading!r} on a full fine-tune: torch checkpoint_wrapper, non-reentrant "
-                f"({SOURCES['ac_wrap']})",
-            )
-            reading.set("checkpoint_wrapped", True, "launcher rewrite", f"ac_wrap_hf_model ({SOURCES['ac_wrap']})")
-        elif offloading == "legacy":
-            kw.rewrite(
-                True,
-                "activation_offloading: legacy runs Axolotl's CPU-offloading checkpoint, reentrant-style "
-                f"({SOURCES['offload_cpu']})",
-            )
-        elif kw.value is None:
-            tf = ctx.versions.get("transformers") or "5"
-            kw.rewrite(
-                tf.split(".")[0].isdigit() and int(tf.split(".")[0]) < 5,
-                "adapter + activation_offloading: the load-time checkpointing without use_reentrant takes "
-                "transformers' default",
-                "launcher default",
-            )
-    elif not offloading and v.gc and kw.kwargs is None:
-        kw.rewrite(
-            False, f"Axolotl's builder passes {{use_reentrant: false}} when no kwargs are set ({SOURCES['builder_gc']})"
-        )
+def _builders(v: View, kw: Reentrant, model_type: str | None, ctx: Context, reading: Reading) -> None:
+    """Phases 3 and 4: normalize_config's and the trainer builders' use_reentrant (`WRITTEN`), and what else they
+    set."""
+    tf = ctx.versions.get("transformers") or "5"
+    wrapped = bool(v.activation_offloading and v.activation_offloading != "hidden_states" and not v.adapter)
+    below_5, gemma4 = tf.split(".")[0].isdigit() and int(tf.split(".")[0]) < 5, model_type in GEMMA4
+    rewrite(WRITTEN, Values(vars(v), gemma4=gemma4, wrapped=wrapped, tf_below_5=below_5, src=SOURCES), kw)
+    if wrapped:
+        reading.set("checkpoint_wrapped", True, "launcher rewrite", f"ac_wrap_hf_model ({SOURCES['ac_wrap']})")
     if v.selective is not None and v.gc:
-        kw.rewrite(False, f"selective_checkpointing patches the model to non-reentrant ({SOURCES['sac']})")
         reading.set("selective", True, "file", "key 'selective_checkpointing'")
     if pydantic_bool(v.raw.get("fp8")) is True:  # torchao's Float8Linear (rule `fp8-checkpointing`)
         reading.set("fp8", "Axolotl fp8: true (torchao Float8Linear)", "file", "key 'fp8'")
@@ -880,11 +898,12 @@ def read(config: Config, ctx: Context) -> Reading:
             f"--trainer {ctx.trainer} is ignored: an Axolotl config says its trainer itself (`rl:`, else SFT)"
         )
     s = _schema(config, world)
-    kw = Reentrant(None, "file", "key 'gradient_checkpointing_kwargs.use_reentrant'", s.kwargs)
+    given = (s.kwargs or {}).get("use_reentrant")
+    kw = Reentrant(given, "file", "key 'gradient_checkpointing_kwargs.use_reentrant'", s.kwargs)
     v = _validators(s, kw, reading)
     model_type = _model_type(v.base_model, reading)
-    ddp, find_unused = _normalize(v, kw, model_type, reading)
-    _builders(v, kw, ctx, reading)
+    ddp, find_unused = _normalize(v, model_type, reading)
+    _builders(v, kw, model_type, ctx, reading)
     _gc_facts(v, kw, reading)
     _model_facts(v, ctx, reading)
     if v.rl:  # `rl:` names a TRL trainer, else Axolotl's SFT trainer

@@ -10,9 +10,10 @@ import re
 from typing import Any
 
 from ..read import shell
-from ..read.common import Config, ConfigError, Context, Fact, NotTrainingConfig, Origin, Reading
+from ..read.common import Config, ConfigError, Context, Fact, NotTrainingConfig, Reading, Reentrant
 from ..read.model_config import read_model_facts
 from .base import Launcher
+from .schema import Key, Step, Values, read_keys, rewrite
 
 VERSION_MODELLED = "OpenRLHF 0.11.2 (and the flat flags of <= 0.9)"
 SRC = "https://github.com/OpenRLHF/OpenRLHF/blob/v0.11.2/openrlhf/"
@@ -136,43 +137,49 @@ def _launcher_processes(tokens: list[str], expanded: shell.Expanded) -> tuple[in
     return None, unread
 
 
-Flags = dict[str, tuple[str, str]]
-
-
-def _given(config: Config, names: tuple[str, ...]) -> tuple[Any, str | None]:
-    """(value, spelling) of the first of `names` the command has; a value the expansion could not read counts as
-    absent (`Reading.unread` says so)."""
-    unread = (config.values.get(UNREAD) or {}).get("values", {})
-    return next(((config.values[n], n) for n in names if n in config.values and n not in unread), (None, None))
-
-
-def _flag(config: Config, names: tuple[str, ...]) -> tuple[bool, str | None]:
-    value, name = _given(config, names)
-    if name is None or value is True or (isinstance(value, str) and value.lower() in ("true", "1")):
-        return name is not None, name
+def _switch(config: Config, name: str, value: Any) -> bool:
+    if value is True or (isinstance(value, str) and value.lower() in ("true", "1")):
+        return True
     raise ConfigError(f"{config.path}: --{name} is a switch (store_true) and takes no value, got {value!r}")
 
 
-def _int(config: Config, names: tuple[str, ...], default: int) -> tuple[int, str | None]:
-    value, name = _given(config, names)
-    if name is None or (isinstance(value, str) and value.lstrip("-").isdigit()):
-        return (default if name is None else int(value)), name
+def _whole(config: Config, name: str, value: Any) -> int:
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
     raise ConfigError(f"{config.path}: --{name} takes a whole number, got {value!r}")
+
+
+KEYS = (  # the flags the rules read, each as spelled now and before OpenRLHF 0.10, in the order they are checked
+    Key("enable", ("{prefix}gradient_checkpointing_enable", "gradient_checkpointing"), _switch, False),
+    Key(
+        "reentrant",
+        ("{prefix}gradient_checkpointing_reentrant", "gradient_checkpointing_use_reentrant"),
+        _switch,
+        False,
+    ),
+    Key("lora_rank", ("ds.lora.rank", "lora_rank"), _whole, 0),
+    Key("four_bit", ("ds.load_in_4bit", "load_in_4bit"), _switch, False),
+    Key("zero_stage", ("ds.zero_stage", "zero_stage"), _whole, 2),
+    Key("nodes", ("actor.num_nodes", "actor_num_nodes"), _whole, 1),
+    Key("gpus", ("actor.num_gpus_per_node", "actor_num_gpus_per_node"), _whole, 1),
+)
+
+REENTRANT = (  # with checkpointing on, the loop passes {use_reentrant: <the switch>} to the enable call
+    Step(
+        lambda k, _: k.reentrant_name is None,
+        False,
+        "OpenRLHF passes {{use_reentrant: false}} without --{prefix}gradient_checkpointing_reentrant ({src[enable]})",
+    ),
+    Step(lambda k, _: k.reentrant_name is not None, True, "--{reentrant_name}", "file"),
+)
 
 
 def read(config: Config, ctx: Context) -> Reading:
     entry = str(config.values[ENTRY])
     ppo = entry == "train_ppo_ray"
     prefix = "actor." if ppo else "model."
-    flags: Flags = {  # the flags the rules read, each as spelled now and before OpenRLHF 0.10
-        "enable": (f"{prefix}gradient_checkpointing_enable", "gradient_checkpointing"),
-        "reentrant": (f"{prefix}gradient_checkpointing_reentrant", "gradient_checkpointing_use_reentrant"),
-        "lora_rank": ("ds.lora.rank", "lora_rank"),
-        "4bit": ("ds.load_in_4bit", "load_in_4bit"),
-        "zero_stage": ("ds.zero_stage", "zero_stage"),
-        "nodes": ("actor.num_nodes", "actor_num_nodes"),
-        "gpus": ("actor.num_gpus_per_node", "actor_num_gpus_per_node"),
-    }
+    unread = (config.values.get(UNREAD) or {}).get("values", {})  # a value the expansion could not read: absent
+    k = read_keys(config, KEYS, unread, prefix=prefix, src=SOURCES)
     reading = Reading(
         format="openrlhf",
         parser=f"the plugin's model of {VERSION_MODELLED} (OpenRLHF is not imported)",
@@ -181,17 +188,14 @@ def read(config: Config, ctx: Context) -> Reading:
             "activation_checkpointing": "{switch} " + f"--{prefix}gradient_checkpointing_enable",
         },
     )
-    _checkpointing(config, reading, prefix, ppo, flags)
-    _model(config, reading, prefix, flags)
-    stage, stage_name = _int(config, flags["zero_stage"], 2)
+    _checkpointing(reading, k, ppo)
+    _model(config, reading, prefix, k)
     reading.set(
         "zero_stage",
-        stage,
-        "file" if stage_name else "launcher default",
-        f"--{stage_name}" if stage_name else f"OpenRLHF's default ZeRO stage ({SOURCES['zero']})",
+        k.zero_stage,
+        "file" if k.zero_stage_name else "launcher default",
+        f"--{k.zero_stage_name}" if k.zero_stage_name else f"OpenRLHF's default ZeRO stage ({SOURCES['zero']})",
     )
-    nodes, _ = _int(config, flags["nodes"], 1)
-    gpus, gpus_name = _int(config, flags["gpus"], 1)
     launched = config.values.get("openrlhf_nproc")
     reading.set_world_size(
         ctx,
@@ -201,13 +205,13 @@ def read(config: Config, ctx: Context) -> Reading:
             "file",
             "the launcher's process count (deepspeed / torchrun)",
         ),
-        (nodes * gpus if ppo and gpus_name else None, "file", "--actor.num_nodes x --actor.num_gpus_per_node"),
+        (k.nodes * k.gpus if ppo and k.gpus_name else None, "file", "--actor.num_nodes x --actor.num_gpus_per_node"),
     )
     reading.set("ddp_find_unused_parameters", None, "launcher default", "DeepSpeed, not torch DDP")
     reading.set("ddp_static_graph", None, "launcher default", "DeepSpeed, not torch DDP")
     reading.set("fsdp", False, "launcher default", "OpenRLHF runs DeepSpeed")
     reading.set("fsdp_activation_checkpointing", False, "launcher default", "OpenRLHF runs DeepSpeed")
-    _unread(config, reading, ctx, {name for names in flags.values() for name in names})
+    _unread(config, reading, ctx, {name.format(prefix=prefix) for key in KEYS for name in key.names})
     kind = KINDS.get(entry, "sft")
     reading.set_trainer(kind, "file", f"openrlhf.cli.{entry}", rl=kind in RL, generates=kind in GENERATING)
     reading.notes.append(
@@ -236,32 +240,25 @@ def _unread(config: Config, reading: Reading, ctx: Context, flags: set[str]) -> 
         ]
 
 
-def _checkpointing(config: Config, reading: Reading, prefix: str, ppo: bool, flags: Flags) -> None:
-    on, on_name = _flag(config, flags["enable"])
-    reentrant, re_name = _flag(config, flags["reentrant"])
-    detail = f"--{on_name}" if on_name else f"no --{prefix}gradient_checkpointing_enable: OpenRLHF's default is off"
+def _checkpointing(reading: Reading, k: Values, ppo: bool) -> None:
+    on, on_name = k.enable, k.enable_name
+    detail = f"--{on_name}" if on_name else f"no --{k.prefix}gradient_checkpointing_enable: OpenRLHF's default is off"
     if ppo:
         detail += f"; the critic checkpoints with the actor's flags ({SOURCES['critic']})"
     reading.set("gc_enabled", on, "file" if on_name else "launcher default", detail)
     reading.set("gc_flag_source", "user" if on_name else "unset", "file", detail)
     if not on:
         return
-    origin: Origin = "file" if re_name else "launcher rewrite"
-    why = (
-        f"--{re_name}"
-        if re_name
-        else f"OpenRLHF passes {{use_reentrant: false}} without --{prefix}gradient_checkpointing_reentrant "
-        f"({SOURCES['enable']})"
-    )
-    reading.set("use_reentrant", reentrant, origin, why)
+    kw = rewrite(REENTRANT, k, Reentrant(None, "file", ""))
+    origin, why = kw.origin, kw.detail
+    reading.set("use_reentrant", kw.value, origin, why)
     # the run's model route sees the kwargs passed to the enable call: the value is the loop's, kept as set
     reading.set("use_reentrant_source", "user", origin, why)
     reading.set("kwargs_given", True, origin, why)
 
 
-def _model(config: Config, reading: Reading, prefix: str, flags: Flags) -> None:
-    rank, rank_name = _int(config, flags["lora_rank"], 0)
-    four, four_name = _flag(config, flags["4bit"])
+def _model(config: Config, reading: Reading, prefix: str, k: Values) -> None:
+    rank, rank_name, four, four_name = k.lora_rank, k.lora_rank_name, k.four_bit, k.four_bit_name
     peft = rank > 0
     reading.set_model(
         peft=Fact(

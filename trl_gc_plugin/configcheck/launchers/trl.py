@@ -26,6 +26,7 @@ from ..read.common import (
     Fact,
     LauncherRule,
     Reading,
+    Reentrant,
     expect_mapping,
     find_beside,
     json_object_or_mapping,
@@ -40,6 +41,7 @@ from ..read.load import Config, load_json_file
 from ..read.model_config import read_model_facts
 from ..read.native import importable
 from .base import Launcher
+from .schema import Step, Values, rewrite
 
 VERSION_MODELLED = "1.16.0"
 SRC = f"https://github.com/huggingface/trl/blob/v{VERSION_MODELLED}/trl/"
@@ -173,6 +175,20 @@ RULES: tuple[LauncherRule, ...] = (
             "the plugin prefers non-reentrant, but keeps a value a trainer wrote; on DeepSpeed < 0.19.3 it requires "
             "reentrant here too."
         ),
+    ),
+)
+
+
+REENTRANT = (  # what TRL's trainers write into gradient_checkpointing_kwargs (the later step wins)
+    Step(
+        lambda f, _: f.gc and f.user is None and f.tf4,
+        False,
+        "trl {kind} on transformers < 5: setdefault(use_reentrant=False) ({kind}_trainer.py)",
+    ),
+    Step(
+        lambda f, _: f.gc and f.peft and f.zero3,
+        True,
+        "trl {kind}: PEFT + DeepSpeed ZeRO-3 forces use_reentrant=True ({kind}_trainer.py)",
     ),
 )
 
@@ -447,13 +463,10 @@ def finish(config: Config, ctx: Context, reading: Reading) -> None:
     zero3 = reading.value("zero_stage") == 3
     user_value = reading.value("use_reentrant")
     kind = reading.value("trainer_kind", "sft")
-    forced: tuple[bool, str] | None = None
-    if gc and peft and zero3:
-        forced = (True, ": PEFT + DeepSpeed ZeRO-3 forces use_reentrant=True")
-    elif gc and user_value is None and tf is not None and release(tf)[0] < 5:
-        forced = (False, " on transformers < 5: setdefault(use_reentrant=False)")
-    if forced is not None:
-        reading.set("use_reentrant", forced[0], "launcher rewrite", f"trl {kind}{forced[1]} ({kind}_trainer.py)")
+    facts = Values(gc=gc, peft=peft, zero3=zero3, user=user_value, tf4=tf is not None and release(tf)[0] < 5, kind=kind)
+    forced = rewrite(REENTRANT, facts, Reentrant(user_value, "file", ""))
+    if forced.origin == "launcher rewrite":
+        reading.set("use_reentrant", forced.value, forced.origin, forced.detail)
         reading.set("use_reentrant_source", "trainer", "launcher rewrite", f"TRL's {kind} trainer")
         reading.set("kwargs_given", True, "launcher rewrite", f"TRL's {kind} trainer")
     view = View(

@@ -1,0 +1,73 @@
+"""Launchers as data (issue 45): the keys a launcher reads (`Key`: its spellings, type and default) and its
+use_reentrant rewrite ladder (`Step`: a condition on what was read -> the value, its origin and why), each run by one
+interpreter here (`read_keys`, `rewrite`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..read.common import Config, Origin, Reentrant
+
+
+class Values(dict[str, Any]):
+    """What `read_keys` read, by field (`values.field`), with the spelling the file used as `field_name` (None: the
+    default), and the names it was filled with; a `str.format_map` mapping for `Step.why`."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+@dataclass(frozen=True)
+class Key:
+    """A key a launcher reads: `field` (the name its code and steps use), `names` (its spellings, the first the file
+    has wins: the current name before its old aliases; `{...}` filled by `read_keys`), `kind` (the type: a function
+    of (config, name, value) that returns the typed value or raises `ConfigError` as the launcher refuses it), and
+    `default` (the launcher's value when the file has none)."""
+
+    field: str
+    names: tuple[str, ...]
+    kind: Callable[[Config, str, Any], Any]
+    default: Any = None
+
+
+def read_keys(config: Config, keys: Iterable[Key], absent: Iterable[str] = (), **fill: Any) -> Values:
+    """`keys` typed from `config`, in order (the first refusal is the launcher's); a name in `absent` counts as
+    not given (a value that could not be read)."""
+    out, absent = Values(fill), set(absent)
+    for key in keys:
+        names = [n.format(**fill) for n in key.names]
+        name = next((n for n in names if n in config.values and n not in absent), None)
+        out[key.field] = key.default if name is None else key.kind(config, name, config.values[name])
+        out[f"{key.field}_name"] = name
+    return out
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rung of a launcher's use_reentrant ladder: where `when(values, reentrant)` holds, use_reentrant becomes
+    `value` (a constant, or a function of the values) with `origin`, and `why` (a `str.format_map` template over the
+    values). `kwargs`: the step writes use_reentrant into the kwargs too (a validator's rewrite of the config, not
+    only the value a trainer passes). The steps apply in order, a later one over an earlier one."""
+
+    when: Callable[[Values, Reentrant], Any]
+    value: Any
+    why: str
+    origin: Origin = "launcher rewrite"
+    kwargs: bool = False
+
+
+def rewrite(steps: Iterable[Step], values: Values, reentrant: Reentrant) -> Reentrant:
+    """`reentrant` once each step whose condition holds has rewritten it (the ladder's interpreter)."""
+    for step in steps:
+        if step.when(values, reentrant):
+            value = step.value(values) if callable(step.value) else step.value
+            reentrant.rewrite(value, step.why.format_map(values), step.origin)
+            if step.kwargs:
+                reentrant.kwargs = {**(reentrant.kwargs or {}), "use_reentrant": value}
+    return reentrant
