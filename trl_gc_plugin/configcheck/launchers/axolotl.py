@@ -943,17 +943,14 @@ NO_OWN_PARSER = (
 """Why `--parser launcher` is refused for Axolotl configs."""
 
 
-class AxolotlLauncher(Launcher):
-    """Axolotl's configs, read by the plugin's model only (`NO_OWN_PARSER`)."""
-
-    name, title = "axolotl", "Axolotl"
-    markers, strong_markers, read_keys, rules = MARKERS, STRONG_MARKERS, READ_KEYS, RULES
-
-    def read(self, config: Config, ctx: Context) -> Reading:
-        return read(config, ctx)
-
-    def no_own_parser(self) -> str | None:
-        return NO_OWN_PARSER
-
-
-LAUNCHER = AxolotlLauncher()
+LAUNCHER = Launcher(
+    "axolotl",
+    "Axolotl",
+    read,
+    markers=MARKERS,
+    strong_markers=STRONG_MARKERS,
+    read_keys=READ_KEYS,
+    rules=RULES,
+    no_parser=NO_OWN_PARSER,
+)
+"""Axolotl's configs, read by the plugin's model only."""

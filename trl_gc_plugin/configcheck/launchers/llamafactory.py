@@ -647,12 +647,6 @@ def read_native(config: Config, ctx: Context, result: dict[str, Any]) -> Reading
 class LlamaFactoryLauncher(Launcher):
     """LLaMA-Factory's v0 configs: its own `read_args` / `get_train_args` in the worker where it is installed."""
 
-    name, title = "llamafactory", "LLaMA-Factory"
-    markers, strong_markers, read_keys, rules = MARKERS, STRONG_MARKERS, READ_KEYS, RULES
-
-    def read(self, config: Config, ctx: Context) -> Reading:
-        return read(config, ctx)
-
     def no_own_parser(self) -> str | None:
         return None if importable("llamafactory") else "LLaMA-Factory is not importable here"
 
@@ -663,4 +657,12 @@ class LlamaFactoryLauncher(Launcher):
         return read_native(config, ctx, result)
 
 
-LAUNCHER = LlamaFactoryLauncher()
+LAUNCHER = LlamaFactoryLauncher(
+    "llamafactory",
+    "LLaMA-Factory",
+    read,
+    markers=MARKERS,
+    strong_markers=STRONG_MARKERS,
+    read_keys=READ_KEYS,
+    rules=RULES,
+)

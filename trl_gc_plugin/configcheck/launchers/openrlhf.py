@@ -291,17 +291,13 @@ NO_OWN_PARSER = (
 """Why `--parser launcher` is refused for OpenRLHF command lines."""
 
 
-class OpenRLHFLauncher(Launcher):
-    """OpenRLHF command lines (`parse_command`), read by the plugin's model only (`NO_OWN_PARSER`)."""
-
-    name, title = "openrlhf", "OpenRLHF"
-    markers, strong_markers, read_keys = MARKERS, STRONG_MARKERS, READ_KEYS
-
-    def read(self, config: Config, ctx: Context) -> Reading:
-        return read(config, ctx)
-
-    def no_own_parser(self) -> str | None:
-        return NO_OWN_PARSER
-
-
-LAUNCHER = OpenRLHFLauncher()
+LAUNCHER = Launcher(
+    "openrlhf",
+    "OpenRLHF",
+    read,
+    markers=MARKERS,
+    strong_markers=STRONG_MARKERS,
+    read_keys=READ_KEYS,
+    no_parser=NO_OWN_PARSER,
+)
+"""OpenRLHF command lines (`parse_command`), read by the plugin's model only."""

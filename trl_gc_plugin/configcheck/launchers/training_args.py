@@ -98,14 +98,5 @@ def read(config: Config, ctx: Context) -> Reading:
     return reading
 
 
-class TrainingArgsLauncher(Launcher):
-    """A plain `TrainingArguments` JSON file: no marker key (`detect` tells it by its fields, `KEYS`)."""
-
-    name, title = "training-args", "training-args"
-    read_keys, rules = READ_KEYS, RULES
-
-    def read(self, config: Config, ctx: Context) -> Reading:
-        return read(config, ctx)
-
-
-LAUNCHER = TrainingArgsLauncher()
+LAUNCHER = Launcher("training-args", "training-args", read, read_keys=READ_KEYS, rules=RULES)
+"""A plain `TrainingArguments` JSON file: no marker key (`detect` tells it by its fields, `KEYS`)."""

@@ -576,12 +576,6 @@ class TrlLauncher(Launcher):
     """TRL's CLI configs: TRL's own `TrlParser` in the worker where TRL is installed and the trainer is one of its
     commands; what TRL's trainers write themselves, after either reading (`finish`)."""
 
-    name, title = "trl", "TRL"
-    markers, strong_markers, read_keys, rules = MARKERS, STRONG_MARKERS, READ_KEYS, RULES
-
-    def read(self, config: Config, ctx: Context) -> Reading:
-        return read(config, ctx)
-
     def native_job(self, config: Config, ctx: Context) -> dict[str, Any] | None:
         trainer = ctx.trainer or "sft"
         return {"trainer": trainer} if importable("trl") and trainer in CLI_TRAINERS else None
@@ -594,4 +588,6 @@ class TrlLauncher(Launcher):
         finish(config, ctx, reading)
 
 
-LAUNCHER = TrlLauncher()
+LAUNCHER = TrlLauncher(
+    "trl", "TRL", read, markers=MARKERS, strong_markers=STRONG_MARKERS, read_keys=READ_KEYS, rules=RULES
+)

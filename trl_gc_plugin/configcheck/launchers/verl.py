@@ -896,14 +896,7 @@ def _unread(v: _Values, reading: Reading, ctx: Context, keys: _Keys, hf_gc: bool
         reading.notes += [f"the process count: {shell.readable(w)} (or pass --nproc N)" for w in v.launch]
 
 
-class VerlLauncher(Launcher):
-    """verl's command lines (`parse_command`) and YAML configs, read by the plugin's model (verl is not imported)."""
-
-    name, title = "verl", "verl"
-    markers, strong_markers, read_keys, rules = MARKERS, STRONG_MARKERS, READ_KEYS, RULES
-
-    def read(self, config: Config, ctx: Context) -> Reading:
-        return read(config, ctx)
-
-
-LAUNCHER = VerlLauncher()
+LAUNCHER = Launcher(
+    "verl", "verl", read, markers=MARKERS, strong_markers=STRONG_MARKERS, read_keys=READ_KEYS, rules=RULES
+)
+"""verl's command lines (`parse_command`) and YAML configs, read by the plugin's model (verl is not imported)."""
