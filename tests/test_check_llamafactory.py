@@ -204,3 +204,21 @@ def test_hyperparallel_args_the_check_cannot_read_are_never_ok(tmp_path):
     assert "llamafactory:hyper-parallel-args-unread" in rules(report, "warn")
     assert report.status == "incomplete" and report.exit_code == 2
     assert any("activation_mode is unknown" in what for what in report.unread)
+
+
+def test_the_workers_environment_finds_this_copy_of_the_package(tmp_path):
+    """The launchers' own parsers run in `python -m trl_gc_plugin.configcheck.read._worker` with `clean_environment()`:
+    its PYTHONPATH must name the folder that holds the package (a checkout run without an install). `-S`: no
+    site-packages, so only that PYTHONPATH can find it."""
+    import subprocess
+    import sys
+
+    import trl_gc_plugin
+    from trl_gc_plugin.configcheck.read.native import clean_environment
+
+    code = "import importlib.util; print(importlib.util.find_spec('trl_gc_plugin.configcheck.read._worker').origin)"
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code], env=clean_environment(), cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()).parent.parent.parent == Path(trl_gc_plugin.__file__).parent
