@@ -95,6 +95,20 @@ def test_a_budget_nothing_fits(tmp_path):
     assert seen and all(p == (True,) * LAYERS for p in seen)
 
 
+def test_an_estimate_that_fails_leaves_no_plan_and_trains_as_asked(tmp_path, monkeypatch):
+    """A plugin failure in the planner never stops training: the run says why there is no plan and trains with the
+    checkpointing asked for (every block)."""
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no fake-tensor kernel")
+
+    callback = SafeGCCallback(memory_budget=midway_budget()[0])
+    monkeypatch.setattr(memory, "estimate", fails)
+    seen = _train(callback, tmp_path)
+    assert plan_of(callback).reason.startswith("No memory plan: the estimate failed (RuntimeError: no fake-tensor")
+    assert seen and all(p == (True,) * LAYERS for p in seen)
+
+
 def test_the_budget_comes_from_the_argument_install_or_the_environment(monkeypatch):
     assert SafeGCCallback(memory_budget="2GiB").memory_budget == 2 << 30
     with pytest.raises(ValueError, match="GiB"):

@@ -27,7 +27,8 @@ def detect(config: Config, forced: str = "auto") -> tuple[str, str]:
     command = "verl" if "verl_entry" in config.values else "openrlhf"
     if forced != "auto" and config.kind == "command" and forced != command:
         raise ConfigError(
-            f"{config.path}: --format {forced}: the script runs a {LAUNCHERS[command].title} command, not a {forced} config"
+            f"{config.path}: --format {forced}: the script runs a {LAUNCHERS[command].title} command, "
+            f"not a {forced} config"
         )
     if forced != "auto":
         return forced, "--format"

@@ -4,9 +4,9 @@ verl YAML configs (`actor_rollout_ref:` ...): the plugin's model of verl at 1dda
 (it needs Ray, vLLM or SGLang, and CUDA). Every key, default and path below was read in that snapshot.
 
 Overrides are Hydra's: `key=value` (the key must exist: Hydra refuses a new one), `+key=value` (adds a key),
-`++key=value` (adds or overrides), `~key` (deletes). The script's own arguments (`"$@"`) are unread, as for OpenRLHF (they may hold any override),
-unless `--no-script-args` reads them as none; `${VAR:-default}` is read as its default. An override the expansion
-cannot read is named, and the verdict is then `incomplete`, never `ok`.
+`++key=value` (adds or overrides), `~key` (deletes). The script's own arguments (`"$@"`) are unread, as for OpenRLHF
+(they may hold any override), unless `--no-script-args` reads them as none; `${VAR:-default}` is read as its default.
+An override the expansion cannot read is named, and the verdict is then `incomplete`, never `ok`.
 """
 
 from __future__ import annotations
@@ -596,8 +596,9 @@ VERL_CONFIGS = frozenset(
         "one_step_off_ppo_megatron_trainer",
     }
 )
-"""verl's own top-level training configs (`verl/**/config/*.yaml` at 1dda039): their defaults are the ones modelled;
-`--config-path config` (or `./config`) is the entry's own directory (Hydra resolves it beside the `@hydra.main` file)."""
+"""verl's own top-level training configs (`verl/**/config/*.yaml` at 1dda039): their defaults are the ones
+modelled; `--config-path config` (or `./config`) is the entry's own directory (Hydra resolves it beside the
+`@hydra.main` file)."""
 
 
 def _config_unread(config: Config) -> str | None:
