@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..read.common import Config, Origin, Reentrant
+from ..read.common import Config, ConfigError, Origin, Reentrant, short, type_name, where
 
 
 class Values(dict[str, Any]):
@@ -34,6 +34,22 @@ class Key:
     names: tuple[str, ...]
     kind: Callable[[Config, str, Any], Any]
     default: Any = None
+
+
+def checked(
+    test: Callable[[Any], Any], refusal: str, convert: Callable[[Any], Any] = lambda v: v
+) -> Callable[[Config, str, Any], Any]:
+    """A `Key.kind` from a test and the launcher's refusal (most keys' kinds; one that needs more is a function): the
+    value, `convert`ed, where `test(value)` holds, else `ConfigError` `<path>: key <name> (line n): <refusal>`, with
+    `{type}` and `{value}` filled (the value's type, the value shortened)."""
+
+    def kind(config: Config, name: str, value: Any) -> Any:
+        if test(value):
+            return convert(value)
+        message = refusal.format(type=type_name(value), value=short(value))
+        raise ConfigError(f"{where(config.path, name, config.lines)}: {message}")
+
+    return kind
 
 
 def read_keys(config: Config, keys: Iterable[Key], absent: Iterable[str] = (), **fill: Any) -> Values:
