@@ -52,15 +52,29 @@ def checked(
     return kind
 
 
-def read_keys(config: Config, keys: Iterable[Key], absent: Iterable[str] = (), **fill: Any) -> Values:
+@dataclass(frozen=True)
+class Noted:
+    """What a kind returns for a value the launcher takes its own way (TRL passes a non-boolean through): the typed
+    value, and the note the reading says about it."""
+
+    value: Any
+    note: str
+
+
+def read_keys(
+    config: Config, keys: Iterable[Key], absent: Iterable[str] = (), notes: list[str] | None = None, **fill: Any
+) -> Values:
     """`keys` typed from `config`, in order (the first refusal is the launcher's); a name in `absent` counts as
-    not given (a value that could not be read)."""
-    out, absent = Values(fill), set(absent)
+    not given (a value that could not be read); the kinds' notes (`Noted`) go to `notes`, in order."""
+    out, absent, notes = Values(fill), set(absent), [] if notes is None else notes
     for key in keys:
         names = [n.format(**fill) for n in key.names]
         name = next((n for n in names if n in config.values and n not in absent), None)
-        out[key.field] = key.default if name is None else key.kind(config, name, config.values[name])
-        out[f"{key.field}_name"] = name
+        value = key.default if name is None else key.kind(config, name, config.values[name])
+        if isinstance(value, Noted):
+            notes.append(value.note)
+            value = value.value
+        out[key.field], out[f"{key.field}_name"] = value, name
     return out
 
 
