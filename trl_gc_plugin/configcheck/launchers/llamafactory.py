@@ -29,7 +29,7 @@ from ..read.load import Config, load_json_file
 from ..read.model_config import read_model_facts
 from ..read.native import importable
 from .base import Launcher
-from .schema import Key, Step, Values, checked, read_keys, rewrite
+from .schema import Key, Step, Values, as_given, checked, read_keys, rewrite
 from .trl import read_fsdp_config, set_fsdp_facts
 
 COMMIT = "ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30"
@@ -117,10 +117,6 @@ BUNDLED_DEEPSPEED = {
 SUPPORTED_TRANSFORMERS = ((4, 55), (5, 8))
 
 
-def _as_given(config: Config, name: str, value: Any) -> Any:
-    return value
-
-
 _STRING = checked(lambda v: isinstance(v, str), "expected a string, got {type} {value}")
 _STAGE = checked(lambda v: v in STAGES, f"not one of LLaMA-Factory's stages ({', '.join(STAGES)}): {{value}}")
 _FINETUNING = checked(
@@ -139,13 +135,13 @@ KEYS = (  # what LLaMA-Factory's argument dataclasses check, in the plugin's ord
     Key("quantization_bit", ("quantization_bit",), _BITS),
 )
 FLAGS = (  # the boolean fields read: kept as given (parse_dict converts nothing), each use tests them for truth
-    Key("disabled", ("disable_gradient_checkpointing",), _as_given, False),
-    Key("reentrant", ("use_reentrant_gc",), _as_given, True),
-    Key("unsloth_gc", ("use_unsloth_gc",), _as_given, False),
-    Key("unsloth", ("use_unsloth",), _as_given, False),
-    Key("do_train", ("do_train",), _as_given, False),
-    Key("hf_gc", ("gradient_checkpointing",), _as_given, False),
-    Key("hyper", ("use_hyper_parallel",), _as_given, False),
+    Key("disabled", ("disable_gradient_checkpointing",), as_given, False),
+    Key("reentrant", ("use_reentrant_gc",), as_given, True),
+    Key("unsloth_gc", ("use_unsloth_gc",), as_given, False),
+    Key("unsloth", ("use_unsloth",), as_given, False),
+    Key("do_train", ("do_train",), as_given, False),
+    Key("hf_gc", ("gradient_checkpointing",), as_given, False),
+    Key("hyper", ("use_hyper_parallel",), as_given, False),
 )
 
 READ_KEYS = frozenset(

@@ -11,6 +11,9 @@ from typing import Any
 
 from ..read.common import Config, ConfigError, Origin, Reentrant, short, type_name, where
 
+Kind = Callable[[Config, str, Any], Any]
+"""A key's type (`Key.kind`): (config, name, value) -> the typed value, or `ConfigError` as the launcher refuses it."""
+
 
 class Values(dict[str, Any]):
     """What `read_keys` read, by field (`values.field`), with the spelling the file used as `field_name` (None: the
@@ -32,13 +35,11 @@ class Key:
 
     field: str
     names: tuple[str, ...]
-    kind: Callable[[Config, str, Any], Any]
+    kind: Kind
     default: Any = None
 
 
-def checked(
-    test: Callable[[Any], Any], refusal: str, convert: Callable[[Any], Any] = lambda v: v
-) -> Callable[[Config, str, Any], Any]:
+def checked(test: Callable[[Any], Any], refusal: str, convert: Callable[[Any], Any] = lambda v: v) -> Kind:
     """A `Key.kind` from a test and the launcher's refusal (most keys' kinds; one that needs more is a function): the
     value, `convert`ed, where `test(value)` holds, else `ConfigError` `<path>: key <name> (line n): <refusal>`, with
     `{type}` and `{value}` filled (the value's type, the value shortened)."""
@@ -50,6 +51,11 @@ def checked(
         raise ConfigError(f"{where(config.path, name, config.lines)}: {message}")
 
     return kind
+
+
+def as_given(config: Config, name: str, value: Any) -> Any:
+    """A `Key.kind` for a value the launcher takes as written (it converts and refuses nothing)."""
+    return value
 
 
 @dataclass(frozen=True)
