@@ -31,7 +31,7 @@ from ..read.deepspeed import read_deepspeed
 from ..read.load import Config
 from ..read.model_config import local_model_config, read_model_facts
 from .base import Launcher
-from .schema import Step, Values, rewrite
+from .schema import Key, Kind, Step, Values, as_given, checked, read_keys, rewrite
 from .trl import read_kwargs_keys
 
 COMMIT = "067b021c8b87a9e5e380b9173c704cf7340e30f5"
@@ -105,37 +105,6 @@ v1 configs use it too."""
 
 STRONG_MARKERS = frozenset({"base_model"})
 
-READ_KEYS = frozenset(
-    {
-        "base_model",
-        "gradient_checkpointing",
-        "gradient_checkpointing_kwargs",
-        "activation_offloading",
-        "selective_checkpointing",
-        "context_parallel_size",
-        "sequence_parallel_degree",
-        "unfrozen_parameters",
-        "rl",
-        "adapter",
-        "plugins",
-        "inference",
-        "merge_lora",
-        "load_in_4bit",
-        "load_in_8bit",
-        "gptq",
-        "deepspeed",
-        "fsdp",
-        "fsdp_config",
-        "fsdp_version",
-        "ddp",
-        "ddp_find_unused_parameters",
-        "attn_implementation",
-        "ebft",
-        "sample_packing",
-        "fp8",
-    }
-)
-
 RL_TYPES = {
     "dpo": "dpo",
     "ipo": "dpo",
@@ -183,6 +152,7 @@ class View:
     sample_packing: bool
     attn: Any
     ebft: dict[str, Any] | None
+    fsdp_version: int | None
     fsdp: list[str] | None
     fsdp_config: dict[str, Any]
     fsdp_ac: bool
@@ -547,124 +517,107 @@ def _base_model(config: Config) -> str:
     return base_model
 
 
-def _schema_bool(config: Config, key: str, choices: tuple[str, ...] = (), suffix: str = "") -> Any:
-    """A key the schema types as a boolean or one of `choices` (unset or null: None)."""
-    value = config.values.get(key)
-    if value is None or value in choices:
-        return value
-    parsed = pydantic_bool(value)
-    if parsed is None:
-        takes = f"true, false, {', '.join(choices[:-1])} or {choices[-1]}" if choices else "true or false"
-        raise ConfigError(
-            f"{where(config.path, key, config.lines)}: Axolotl's schema takes {takes}, not {short(value)}{suffix}"
-        )
-    return parsed
+def _bool(*choices: str, suffix: str = "") -> Kind:
+    """A key the schema types as a boolean or one of `choices`."""
+    takes = f"true, false, {', '.join(choices[:-1])} or {choices[-1]}" if choices else "true or false"
+    return checked(
+        lambda v: v in choices or pydantic_bool(v) is not None,
+        f"Axolotl's schema takes {takes}, not {{value}}{suffix}",
+        lambda v: v if v in choices else pydantic_bool(v),
+    )
 
 
-def _selective(config: Config) -> dict[str, Any] | None:
+def _mapping(example: str) -> Kind:
+    return lambda config, name, value: dict(expect_mapping(value, config.path, name, config.lines, example))
+
+
+def _selective(config: Config, name: str, value: Any) -> dict[str, Any] | None:
     """`selective_checkpointing`: a mapping (its `save` a list of op names) or a boolean."""
-    path, lines = config.path, config.lines
-    value = config.values.get("selective_checkpointing")
     if isinstance(value, dict):
         save = value.get("save", ["attention"])
         if not isinstance(save, list) or not all(isinstance(s, str) for s in save):
             raise ConfigError(
-                f"{where(path, 'selective_checkpointing.save', lines)}: expected a list of op names, got {short(save)}"
+                f"{where(config.path, f'{name}.save', config.lines)}: expected a list of op names, got {short(save)}"
             )
         return dict(value)
-    flag = None if value is None else pydantic_bool(value)
-    if value is not None and flag is None:
+    flag = pydantic_bool(value)
+    if flag is None:
         raise ConfigError(
-            f"{where(path, 'selective_checkpointing', lines)}: Axolotl's schema takes a mapping or true/false, not "
+            f"{where(config.path, name, config.lines)}: Axolotl's schema takes a mapping or true/false, not "
             f"{short(value)}"
         )
     return {"save": ["attention"]} if flag else None
 
 
-def _training(config: Config) -> dict[str, Any]:
-    """`unfrozen_parameters`, `rl` and `adapter`, type-checked (the `View` fields `unfrozen`, `rl`, `adapter`)."""
-    path, lines, raw = config.path, config.lines, config.values
-    unfrozen = raw.get("unfrozen_parameters")
-    if unfrozen is not None and (not isinstance(unfrozen, list) or not all(isinstance(p, str) for p in unfrozen)):
+def _fsdp_config(config: Config, name: str, value: Any) -> dict[str, Any]:
+    """`fsdp_config` without its `fsdp_` prefixes (check_fsdp_config_kwargs_prefix: `fsdp_activation_checkpointing` ->
+    `activation_checkpointing`), which must be a boolean."""
+    mapping = expect_mapping(value, config.path, name, config.lines, "{activation_checkpointing: true}")
+    out = {(k[5:] if k.startswith("fsdp_") and k != "fsdp_version" else k): v for k, v in mapping.items()}
+    ac = out.get("activation_checkpointing")
+    if ac is not None and pydantic_bool(ac) is None:
         raise ConfigError(
-            f"{where(path, 'unfrozen_parameters', lines)}: Axolotl's schema takes a list of parameter-name patterns, "
-            f"got {short(unfrozen)}"
+            f"{where(config.path, f'{name}.activation_checkpointing', config.lines)}: expected true or false, got "
+            f"{short(ac)}"
         )
-    rl = raw.get("rl")
-    if rl is not None and (not isinstance(rl, str) or rl not in RL_TYPES):
-        raise ConfigError(
-            f"{where(path, 'rl', lines)}: not one of Axolotl's RL types ({', '.join(RL_TYPES)}): {short(rl)}"
-        )
-    adapter = raw.get("adapter")
-    if adapter is not None and not isinstance(adapter, str):
-        raise ConfigError(
-            f"{where(path, 'adapter', lines)}: expected a string such as lora or qlora, got {type_name(adapter)} "
-            f"{short(adapter)}"
-        )
-    return {"unfrozen": unfrozen, "rl": rl, "adapter": adapter}
+    return out
 
 
-def _fsdp(config: Config) -> dict[str, Any]:
-    """`fsdp_version`, `fsdp`, and `fsdp_config` without its `fsdp_` prefixes, with its `activation_checkpointing`
-    (the `View` fields `fsdp`, `fsdp_config`, `fsdp_ac`)."""
-    path, lines, raw = config.path, config.lines, config.values
-    version = raw.get("fsdp_version")
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-        raise ConfigError(f"{where(path, 'fsdp_version', lines)}: expected a whole number, got {short(version)}")
-    fsdp = raw.get("fsdp")
-    if fsdp is not None and (not isinstance(fsdp, list) or not all(isinstance(x, str) for x in fsdp)):
-        raise ConfigError(
-            f"{where(path, 'fsdp', lines)}: Axolotl's schema takes a list of FSDP options (deprecated: use "
-            f"fsdp_config), got {short(fsdp)}"
-        )
-    fsdp_config_raw = raw.get("fsdp_config")
-    fsdp_config: dict[str, Any] = {}
-    if fsdp_config_raw is not None:
-        # check_fsdp_config_kwargs_prefix: `fsdp_activation_checkpointing` -> `activation_checkpointing`
-        fsdp_config = {
-            (k[5:] if k.startswith("fsdp_") and k != "fsdp_version" else k): v
-            for k, v in expect_mapping(
-                fsdp_config_raw, path, "fsdp_config", lines, "{activation_checkpointing: true}"
-            ).items()
-        }
-    ac = fsdp_config.get("activation_checkpointing")
-    fsdp_ac = False if ac is None else pydantic_bool(ac)
-    if fsdp_ac is None:
-        raise ConfigError(
-            f"{where(path, 'fsdp_config.activation_checkpointing', lines)}: expected true or false, got {short(ac)}"
-        )
-    return {"fsdp": fsdp, "fsdp_config": fsdp_config, "fsdp_ac": fsdp_ac}
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(x, str) for x in value)
+
+
+_FLAG = _bool()
+_UNFROZEN = checked(_strings, "Axolotl's schema takes a list of parameter-name patterns, got {value}")
+_RL = checked(
+    lambda v: isinstance(v, str) and v in RL_TYPES, f"not one of Axolotl's RL types ({', '.join(RL_TYPES)}): {{value}}"
+)
+_ADAPTER = checked(lambda v: isinstance(v, str), "expected a string such as lora or qlora, got {type} {value}")
+_WHOLE = checked(lambda v: isinstance(v, int) and not isinstance(v, bool), "expected a whole number, got {value}")
+_FSDP = checked(_strings, "Axolotl's schema takes a list of FSDP options (deprecated: use fsdp_config), got {value}")
+KEYS = (  # the keys the schema types after base_model, in its order (a null is unset: `_schema`)
+    Key("gc", ("gradient_checkpointing",), _bool("offload", "offload_disk", suffix="; Axolotl refuses to start")),
+    Key("kwargs", ("gradient_checkpointing_kwargs",), _mapping("{use_reentrant: false}")),
+    Key("activation_offloading", ("activation_offloading",), _bool("legacy", "disk", "hidden_states")),
+    Key("selective", ("selective_checkpointing",), _selective),
+    Key("unfrozen", ("unfrozen_parameters",), _UNFROZEN),
+    Key("rl", ("rl",), _RL),
+    Key("adapter", ("adapter",), _ADAPTER),
+    Key("load_in_4bit", ("load_in_4bit",), _FLAG, False),
+    Key("load_in_8bit", ("load_in_8bit",), _FLAG, False),
+    Key("gptq", ("gptq",), _FLAG, False),
+    Key("ddp_flag", ("ddp",), _FLAG),
+    Key("find_unused", ("ddp_find_unused_parameters",), _FLAG),
+    Key("sample_packing", ("sample_packing",), _FLAG, False),
+    Key("attn", ("attn_implementation",), as_given),
+    Key("ebft", ("ebft",), _mapping("{mode: strided}")),
+    Key("fsdp_version", ("fsdp_version",), _WHOLE),
+    Key("fsdp", ("fsdp",), _FSDP),
+    Key("fsdp_config", ("fsdp_config",), _fsdp_config, {}),
+    Key("inference", ("inference",), _FLAG, False),
+    Key("merge_lora", ("merge_lora",), _FLAG, False),
+)
+
+READ_KEYS = frozenset(
+    {
+        *(name for key in KEYS for name in key.names),
+        *("base_model", "context_parallel_size", "sequence_parallel_degree", "plugins", "deepspeed", "fp8"),
+    }
+)
 
 
 def _schema(config: Config, world: int) -> View:
-    """Phase 1: the schema's typed parsing (ConfigError where Axolotl's pydantic model fails), in its order (keyword
-    arguments are evaluated left to right)."""
-    raw = dict(config.values)
-    ebft, kwargs = raw.get("ebft"), raw.get("gradient_checkpointing_kwargs")
+    """Phase 1: the schema's typed parsing (ConfigError where Axolotl's pydantic model fails), in its order:
+    `base_model`, then `KEYS`."""
+    base_model = _base_model(config)
+    k = read_keys(config, KEYS, absent=[name for name, value in config.values.items() if value is None])
+    ac = k.fsdp_config.get("activation_checkpointing")
     return View(
-        raw=raw,
-        base_model=_base_model(config),
-        gc=_schema_bool(config, "gradient_checkpointing", ("offload", "offload_disk"), "; Axolotl refuses to start"),
-        kwargs=None
-        if kwargs is None
-        else dict(
-            expect_mapping(kwargs, config.path, "gradient_checkpointing_kwargs", config.lines, "{use_reentrant: false}")
-        ),
-        activation_offloading=_schema_bool(config, "activation_offloading", ("legacy", "disk", "hidden_states")),
-        selective=_selective(config),
-        **_training(config),
-        load_in_4bit=bool(_schema_bool(config, "load_in_4bit")),
-        load_in_8bit=bool(_schema_bool(config, "load_in_8bit")),
-        gptq=bool(_schema_bool(config, "gptq")),
-        ddp_flag=_schema_bool(config, "ddp"),
-        find_unused=_schema_bool(config, "ddp_find_unused_parameters"),
-        sample_packing=bool(_schema_bool(config, "sample_packing")),
-        attn=raw.get("attn_implementation"),
-        ebft=None if ebft is None else expect_mapping(ebft, config.path, "ebft", config.lines, "{mode: strided}"),
-        **_fsdp(config),
-        inference=bool(_schema_bool(config, "inference")),
-        merge_lora=bool(_schema_bool(config, "merge_lora")),
-        plugins=bool(raw.get("plugins")),
+        raw=dict(config.values),
+        base_model=base_model,
+        **{key.field: k[key.field] for key in KEYS},
+        fsdp_ac=False if ac is None else pydantic_bool(ac),
+        plugins=bool(config.values.get("plugins")),
         n_gpu=world,
     )
 

@@ -6,7 +6,6 @@ adapter; its wrapper makes trainable layers' hidden states require grad, so reen
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Any
 
 from ..read.accelerate import read_accelerate, set_accelerate_facts
@@ -30,6 +29,7 @@ from ..read.load import Config, load_json_file
 from ..read.model_config import read_model_facts
 from ..read.native import importable
 from .base import Launcher
+from .schema import Key, Step, Values, as_given, checked, read_keys, rewrite
 from .trl import read_fsdp_config, set_fsdp_facts
 
 COMMIT = "ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30"
@@ -98,39 +98,6 @@ MARKERS = frozenset(
 
 STRONG_MARKERS = frozenset({"stage", "finetuning_type", "template", "cutoff_len"})
 
-BOOL_KEYS = (
-    "disable_gradient_checkpointing",
-    "use_reentrant_gc",
-    "use_unsloth_gc",
-    "use_unsloth",
-    "do_train",
-    "gradient_checkpointing",
-    "use_hyper_parallel",
-)
-
-READ_KEYS = frozenset(
-    {
-        "model_name_or_path",
-        "stage",
-        "finetuning_type",
-        "dataset",
-        "output_dir",
-        "export_dir",
-        "adapter_name_or_path",
-        "use_kt",
-        "quantization_bit",
-        "quantization_method",
-        "gradient_checkpointing_kwargs",
-        "deepspeed",
-        "fsdp",
-        "fsdp_config",
-        "ddp_find_unused_parameters",
-        "ddp_static_graph",
-        "hyper_parallel_args",
-        *BOOL_KEYS,
-    }
-)
-
 STAGES = {"pt": "trainer", "sft": "sft", "rm": "reward", "ppo": "ppo", "dpo": "dpo", "kto": "kto"}
 """`stage` and the trainer kind it runs (pt/sft: LLaMA-Factory's Trainer subclasses; dpo/kto/ppo: TRL's)."""
 
@@ -150,26 +117,71 @@ BUNDLED_DEEPSPEED = {
 SUPPORTED_TRANSFORMERS = ((4, 55), (5, 8))
 
 
-@dataclass(frozen=True)
-class View:
-    """The config's values as LLaMA-Factory's arguments hold them (parse_dict converts nothing; its defaults), then
-    what the rules (`RULES`) look at once the file is read."""
+_STRING = checked(lambda v: isinstance(v, str), "expected a string, got {type} {value}")
+_STAGE = checked(lambda v: v in STAGES, f"not one of LLaMA-Factory's stages ({', '.join(STAGES)}): {{value}}")
+_FINETUNING = checked(
+    lambda v: v in FINETUNING_TYPES, f"LLaMA-Factory asserts one of {', '.join(FINETUNING_TYPES)}, got {{value}}"
+)
+_BITS = checked(
+    lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
+    "expected a whole number such as 4 or 8, got {type} {value}",
+)
+KEYS = (  # what LLaMA-Factory's argument dataclasses check, in the plugin's order: the strings, then their choices
+    Key("stage", ("stage",), _STRING, "sft"),
+    Key("finetuning_type", ("finetuning_type",), _STRING, "lora"),
+    Key("method", ("quantization_method",), _STRING, "bnb"),
+    Key("stage", ("stage",), _STAGE, "sft"),
+    Key("finetuning_type", ("finetuning_type",), _FINETUNING, "lora"),
+    Key("quantization_bit", ("quantization_bit",), _BITS),
+)
+FLAGS = (  # the boolean fields read: kept as given (parse_dict converts nothing), each use tests them for truth
+    Key("disabled", ("disable_gradient_checkpointing",), as_given, False),
+    Key("reentrant", ("use_reentrant_gc",), as_given, True),
+    Key("unsloth_gc", ("use_unsloth_gc",), as_given, False),
+    Key("unsloth", ("use_unsloth",), as_given, False),
+    Key("do_train", ("do_train",), as_given, False),
+    Key("hf_gc", ("gradient_checkpointing",), as_given, False),
+    Key("hyper", ("use_hyper_parallel",), as_given, False),
+)
 
-    raw: dict[str, Any]
-    stage: str
-    finetuning_type: str
-    quantization_bit: Any
-    method: Any
-    string_bools: tuple[str, ...]
-    do_train: bool
-    disabled: bool
-    hf_gc: bool
-    reentrant_default: bool = False  # set by `read` once the file is read
-    hf_gc_overrides: bool = False
-    fsdp2: bool = False
-    transformers_outside: bool = False
-    deepspeed_one_process: bool = False
-    hyper_parallel: str | None = None
+READ_KEYS = frozenset(
+    {
+        *(name for key in (*KEYS, *FLAGS) for name in key.names),
+        *("model_name_or_path", "dataset", "output_dir", "export_dir", "adapter_name_or_path", "use_kt"),
+        *("gradient_checkpointing_kwargs", "deepspeed", "fsdp", "fsdp_config", "ddp_find_unused_parameters"),
+        *("ddp_static_graph", "hyper_parallel_args"),
+    }
+)
+
+REENTRANT_GC = (  # use_reentrant_gc (the file's or its default), then FSDP2's
+    Step(lambda k, _: k.reentrant_name is not None, lambda k: k.reentrant, "key 'use_reentrant_gc'", "file"),
+    Step(
+        lambda k, _: k.reentrant_name is None,
+        True,
+        "use_reentrant_gc defaults to true ({src[keys]})",
+        "launcher default",
+    ),
+    Step(lambda k, _: k.fsdp2, False, "FSDP2: LLaMA-Factory sets use_reentrant_gc false ({src[enable]})"),
+)
+REENABLE = (  # `gradient_checkpointing: true`: the Trainer re-enables through LLaMA-Factory's method; then Unsloth's
+    Step(
+        lambda k, _: k.reenable and (k.kwargs or {}).get("use_reentrant") is not None,
+        lambda k: k.kwargs["use_reentrant"],
+        "key 'gradient_checkpointing_kwargs.use_reentrant' (the Trainer re-enables with it)",
+        "file",
+    ),
+    Step(
+        lambda k, _: k.reenable and k.kwargs is None,
+        True,
+        "gradient_checkpointing: true without kwargs: the Trainer re-enables through LLaMA-Factory's method with "
+        "{{use_reentrant: true}} ({src[wrapper]})",
+    ),
+    Step(
+        lambda k, _: k.unsloth_gc,
+        True,
+        "use_unsloth_gc: an autograd Function that recomputes reentrant-style whatever use_reentrant says",
+    ),
+)
 
 
 RULES: tuple[LauncherRule, ...] = (
@@ -320,7 +332,7 @@ def read(config: Config, ctx: Context) -> Reading:
     )
     if ctx.trainer is not None:
         reading.notes.append(f"--trainer {ctx.trainer} is ignored: a LLaMA-Factory config says its stage itself")
-    parsed = _parse(config)
+    k = read_keys(config, (*KEYS, *FLAGS), raw=dict(config.values), kwargs=None, src=SOURCES)
     if not is_training_config(config):  # a chat / API / export config
         reading.training = False
         what = "an export (merge) config" if "export_dir" in config else "a chat / API / inference config"
@@ -328,108 +340,67 @@ def read(config: Config, ctx: Context) -> Reading:
         reading.notes.append(f"{config.path} is {what}: nothing trains, so checkpointing does not apply")
         return reading
     # checkpointing on/off: LLaMA-Factory's own, on the model, only for a trainable model
-    given = "disable_gradient_checkpointing" in parsed.raw
-    if not parsed.do_train:
+    given = k.disabled_name is not None
+    if not k.do_train:
         detail = (
             "do_train is not true: nothing trains and LLaMA-Factory does not enable checkpointing "
             f"({SOURCES['trainable']})"
         )
         reading.set("gc_enabled", False, "file", detail)
-    elif parsed.disabled:
-        detail = f"key 'disable_gradient_checkpointing': {parsed.raw['disable_gradient_checkpointing']!r}"
-        reading.set("gc_enabled", parsed.hf_gc, "file", detail)
+    elif k.disabled:
+        detail = f"key 'disable_gradient_checkpointing': {k.disabled!r}"
+        reading.set("gc_enabled", bool(k.hf_gc), "file", detail)
     else:
         detail = f"disable_gradient_checkpointing defaults to false: LLaMA-Factory checkpoints ({SOURCES['enable']})"
         reading.set("gc_enabled", True, "file" if given else "launcher default", detail)
     reading.set("gc_flag_source", "user" if given else "trainer", "file", "disable_gradient_checkpointing")
-    hyper = _read_hyper_parallel(config, parsed, reading)
+    hyper = _read_hyper_parallel(config, k, reading)
     accel = read_accelerate(ctx.accelerate_config) if ctx.accelerate_config else None
-    fsdp2 = bool(accel and accel.fsdp and accel.fsdp_version == 2)
+    k.update(fsdp2=bool(accel and accel.fsdp and accel.fsdp_version == 2), reenable=bool(k.hf_gc and k.do_train))
     set_accelerate_facts(reading, accel, f"accelerate config {ctx.accelerate_config}")
-    if "use_reentrant_gc" in parsed.raw:
-        reentrant = Reentrant(parsed.raw["use_reentrant_gc"], "file", "key 'use_reentrant_gc'")
-    else:
-        reentrant = Reentrant(True, "launcher default", f"use_reentrant_gc defaults to true ({SOURCES['keys']})")
-    if fsdp2:
-        reentrant.rewrite(False, f"FSDP2: LLaMA-Factory sets use_reentrant_gc false ({SOURCES['enable']})")
-    hf_override = _read_trainer_reenable(config, parsed, reading, reentrant)
-    _set_reentrant_facts(parsed, reading, reentrant)
-    _read_model(parsed, reading)
-    world = _read_launch(config, ctx, parsed, reading, accel)
+    if k.reenable and k.raw.get("gradient_checkpointing_kwargs") is not None:  # the Trainer re-enables with them
+        kwargs = k.raw["gradient_checkpointing_kwargs"]
+        k["kwargs"] = json_object_or_mapping(
+            kwargs, config.path, "gradient_checkpointing_kwargs", config.lines, "{use_reentrant: false}"
+        )
+    reentrant = rewrite(REENTRANT_GC, k, Reentrant(None, "file", ""))
+    hf_override = k.reenable and k.kwargs is None and reentrant.value is not True
+    if k.reenable:
+        reading.changes["use_reentrant"] = "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}"
+    _set_reentrant_facts(k, reading, rewrite(REENABLE, k, reentrant))
+    _read_model(k, reading)
+    world = _read_launch(config, ctx, k, reading, accel)
     gc_on = bool(reading.value("gc_enabled"))
     tf = ctx.versions.get("transformers")
-    view = replace(
-        parsed,
+    string_bools = tuple(key.names[0] for key in FLAGS if isinstance(k[key.field], str))
+    view = Values(  # what `RULES` look at: the keys as read, then what the reading left
+        k,
+        string_bools=string_bools,
         reentrant_default=gc_on and reentrant.origin == "launcher default",
         hf_gc_overrides=hf_override and gc_on,
-        fsdp2=fsdp2 and gc_on,
+        fsdp2=k.fsdp2 and gc_on,
         transformers_outside=tf is not None
         and not SUPPORTED_TRANSFORMERS[0] <= release(tf) <= SUPPORTED_TRANSFORMERS[1],
         deepspeed_one_process=reading.value("zero_stage") is not None and world == 1,
         hyper_parallel=hyper,
     )
-    befores = {
-        "transformers": tf,
-        "quoted booleans": {k: parsed.raw[k] for k in view.string_bools},
-        "use_hyper_parallel": hyper,
-    }
+    befores = {"transformers": tf, "quoted booleans": {n: k.raw[n] for n in string_bools}, "use_hyper_parallel": hyper}
     sources = {"transformers": ctx.version_origins.get("transformers", "installed")}
-    reading.apply(RULES, view, VERSION_MODELLED, parsed.raw, befores, sources)
+    reading.apply(RULES, view, VERSION_MODELLED, k.raw, befores, sources)
     return reading
 
 
-def _parse(config: Config) -> View:
-    """Type the keys LLaMA-Factory's argument dataclasses check, with their defaults (a `ConfigError` where it
-    refuses)."""
-    path, lines = config.path, config.lines
-    raw = dict(config.values)
-    for key in ("stage", "finetuning_type", "quantization_method"):
-        if key in raw and not isinstance(raw[key], str):
-            raise ConfigError(
-                f"{where(path, key, lines)}: expected a string, got {type_name(raw[key])} {short(raw[key])}"
-            )
-    stage = raw.get("stage", "sft")
-    if stage not in STAGES:
-        raise ConfigError(
-            f"{where(path, 'stage', lines)}: not one of LLaMA-Factory's stages ({', '.join(STAGES)}): {short(stage)}"
-        )
-    finetuning = raw.get("finetuning_type", "lora")
-    if finetuning not in FINETUNING_TYPES:
-        raise ConfigError(
-            f"{where(path, 'finetuning_type', lines)}: LLaMA-Factory asserts one of {', '.join(FINETUNING_TYPES)}, got "
-            f"{short(finetuning)}"
-        )
-    bits = raw.get("quantization_bit")
-    if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int)):
-        raise ConfigError(
-            f"{where(path, 'quantization_bit', lines)}: expected a whole number such as 4 or 8, got {type_name(bits)} "
-            f"{short(bits)}"
-        )
-    return View(
-        raw=raw,
-        stage=stage,
-        finetuning_type=finetuning,
-        quantization_bit=bits,
-        method=raw.get("quantization_method", "bnb"),
-        string_bools=tuple(k for k in BOOL_KEYS if isinstance(raw.get(k), str)),
-        do_train=bool(raw.get("do_train", False)),
-        disabled=bool(raw.get("disable_gradient_checkpointing", False)),
-        hf_gc=bool(raw.get("gradient_checkpointing", False)),
-    )
-
-
-def _read_hyper_parallel(config: Config, parsed: View, reading: Reading) -> str | None:
+def _read_hyper_parallel(config: Config, k: Values, reading: Reading) -> str | None:
     """HyperParallel's `activation_mode` when `use_hyper_parallel` runs this stage (`unread` when its JSON is not
     found here), None without HyperParallel; `recompute` / `swap` turn transformers' checkpointing off."""
-    raw = parsed.raw
-    if not (bool(raw.get("use_hyper_parallel")) and parsed.stage in ("pt", "sft")):
-        if bool(raw.get("use_hyper_parallel")):
+    if not (k.hyper and k.stage in ("pt", "sft")):
+        if k.hyper:
             reading.notes.append(
-                f"use_hyper_parallel: ignored for stage {parsed.stage} (LLaMA-Factory runs HyperParallel for pt and "
+                f"use_hyper_parallel: ignored for stage {k.stage} (LLaMA-Factory runs HyperParallel for pt and "
                 f"sft only: {SOURCES['hyper_parallel_stages']})"
             )
         return None
-    value = raw.get("hyper_parallel_args")
+    value = k.raw.get("hyper_parallel_args")
     if value is None:
         mode, detail = "none", "no hyper_parallel_args: HyperParallel's default activation_mode 'none'"
     elif not isinstance(value, str) or not value.strip():
@@ -465,63 +436,30 @@ def _read_hyper_parallel(config: Config, parsed: View, reading: Reading) -> str 
     return str(mode)
 
 
-def _read_trainer_reenable(config: Config, parsed: View, reading: Reading, reentrant: Reentrant) -> bool:
-    """The Trainer's `gradient_checkpointing: true` re-enables through LLaMA-Factory's patched method, with the file's
-    kwargs or `{use_reentrant: true}`; True when that overrides a use_reentrant that was not true."""
-    if not (parsed.hf_gc and parsed.do_train):
-        return False
-    kwargs_raw = parsed.raw.get("gradient_checkpointing_kwargs")
-    hf_override = False
-    if kwargs_raw is not None:
-        kwargs = json_object_or_mapping(
-            kwargs_raw, config.path, "gradient_checkpointing_kwargs", config.lines, "{use_reentrant: false}"
-        )
-        if kwargs.get("use_reentrant") is not None:
-            reentrant.rewrite(
-                kwargs["use_reentrant"],
-                "key 'gradient_checkpointing_kwargs.use_reentrant' (the Trainer re-enables with it)",
-                "file",
-            )
-    else:
-        hf_override = reentrant.value is not True
-        reentrant.rewrite(
-            True,
-            "gradient_checkpointing: true without kwargs: the Trainer re-enables through LLaMA-Factory's method with "
-            f"{{use_reentrant: true}} ({SOURCES['wrapper']})",
-        )
-    reading.changes["use_reentrant"] = "gradient_checkpointing_kwargs: {{use_reentrant: {value}}}"
-    return hf_override
-
-
-def _set_reentrant_facts(parsed: View, reading: Reading, reentrant: Reentrant) -> None:
-    """`use_unsloth_gc`'s offloading checkpoint (reentrant whatever use_reentrant says; `use_kt` is not modelled), then
-    the final use_reentrant (when checkpointing is on), LLaMA-Factory's wrapper, Unsloth and use_cache."""
-    if bool(parsed.raw.get("use_unsloth_gc")):
+def _set_reentrant_facts(k: Values, reading: Reading, reentrant: Reentrant) -> None:
+    """`use_unsloth_gc`'s offloading checkpoint (`use_kt` is not modelled), then the final use_reentrant (when
+    checkpointing is on), LLaMA-Factory's wrapper, Unsloth and use_cache."""
+    if k.unsloth_gc:
         reading.set(
             "activation_offloading",
             "use_unsloth_gc",
             "file",
             "key 'use_unsloth_gc': LLaMA-Factory's offloading checkpoint (ignores use_reentrant)",
         )
-        reentrant.rewrite(
-            True,
-            "use_unsloth_gc: an autograd Function that recomputes reentrant-style whatever use_reentrant says",
-        )
-    if bool(parsed.raw.get("use_kt")):
+    if k.raw.get("use_kt"):
         reading.notes.append("use_kt: KTransformers checkpointing is not modelled (it chooses its own kwargs)")
-    raw = parsed.raw
     gc_on = bool(reading.value("gc_enabled"))
     origin, detail = reentrant.origin, reentrant.detail
     reading.set("use_reentrant", reentrant.value if gc_on else None, origin, detail)
     reading.set("use_reentrant_source", reentrant.source if gc_on else "unset", origin, detail)
     reading.set(
         "launcher_checkpointing",
-        gc_on and not bool(raw.get("use_unsloth_gc")),
+        gc_on and not k.unsloth_gc,
         "launcher rewrite",
         f"LLaMA-Factory checkpoints through its own wrapper around transformers' partial ({SOURCES['wrapper']})",
     )
     reading.set("kwargs_given", gc_on, origin, detail)
-    reading.set("unsloth", bool(raw.get("use_unsloth")), "file", "key 'use_unsloth' (Unsloth is loaded)")
+    reading.set("unsloth", bool(k.unsloth), "file", "key 'use_unsloth' (Unsloth is loaded)")
     reading.set(
         "use_cache",
         False,
@@ -530,11 +468,11 @@ def _set_reentrant_facts(parsed: View, reading: Reading, reentrant: Reentrant) -
     )
 
 
-def _read_model(parsed: View, reading: Reading) -> None:
+def _read_model(k: Values, reading: Reading) -> None:
     """The model (finetuning_type, quantization, the checkpoint wrapper's grads) and the trainer `stage` runs."""
-    raw, finetuning, bits, stage = parsed.raw, parsed.finetuning_type, parsed.quantization_bit, parsed.stage
+    raw, finetuning, bits, stage = k.raw, k.finetuning_type, k.quantization_bit, k.stage
     peft = finetuning in ("lora", "oft")
-    quant = None if bits is None else f"bitsandbytes_{bits}bit" if parsed.method == "bnb" else str(parsed.method)
+    quant = None if bits is None else f"bitsandbytes_{bits}bit" if k.method == "bnb" else str(k.method)
     reading.set_model(
         peft=Fact(
             peft,
@@ -559,7 +497,7 @@ def _read_model(parsed: View, reading: Reading) -> None:
     reading.set_trainer(STAGES[stage], "file", f"stage: {stage}", kind_origin)
 
 
-def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, accel: Any) -> int:
+def _read_launch(config: Config, ctx: Context, k: Values, reading: Reading, accel: Any) -> int:
     """The process count, DeepSpeed, FSDP and DDP's keys (`ddp_find_unused_parameters` False under DDP + LoRA when
     unset); returns the process count."""
     world = reading.set_world_size(
@@ -567,7 +505,7 @@ def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, a
         "no --nproc: 1 process (llamafactory-cli starts torchrun with one process per visible GPU; pass --nproc N)",
         *[(accel.num_processes, "accelerate config", f"{accel.path}: num_processes")] if accel is not None else [],
     )
-    ds_value = parsed.raw.get("deepspeed")
+    ds_value = k.raw.get("deepspeed")
     if ds_value not in (None, "", False):
         if not isinstance(ds_value, (str, dict)):
             raise ConfigError(
@@ -583,11 +521,9 @@ def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, a
         reading.set("zero_stage", None, "file", "no deepspeed key")
     fsdp_config = read_fsdp_config(config)
     where_accel = str(accel.path) if accel is not None else ""
-    set_fsdp_facts(
-        reading, bool(parsed.raw.get("fsdp")), fsdp_config, accel, where_accel, ctx.versions.get("transformers")
-    )
-    find_unused = parsed.raw.get("ddp_find_unused_parameters")
-    if find_unused is None and world > 1 and parsed.finetuning_type == "lora":
+    set_fsdp_facts(reading, bool(k.raw.get("fsdp")), fsdp_config, accel, where_accel, ctx.versions.get("transformers"))
+    find_unused = k.raw.get("ddp_find_unused_parameters")
+    if find_unused is None and world > 1 and k.finetuning_type == "lora":
         reading.set(
             "ddp_find_unused_parameters",
             False,
@@ -596,7 +532,7 @@ def _read_launch(config: Config, ctx: Context, parsed: View, reading: Reading, a
         )
     else:
         reading.set_key("ddp_find_unused_parameters", find_unused)
-    reading.set_key("ddp_static_graph", parsed.raw.get("ddp_static_graph"), unset="key 'ddp_static_graph'")
+    reading.set_key("ddp_static_graph", k.raw.get("ddp_static_graph"), unset="key 'ddp_static_graph'")
     return world
 
 

@@ -9,7 +9,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..read.common import Config, Origin, Reentrant
+from ..read.common import Config, ConfigError, Origin, Reentrant, short, type_name, where
+
+Kind = Callable[[Config, str, Any], Any]
+"""A key's type (`Key.kind`): (config, name, value) -> the typed value, or `ConfigError` as the launcher refuses it."""
 
 
 class Values(dict[str, Any]):
@@ -32,19 +35,52 @@ class Key:
 
     field: str
     names: tuple[str, ...]
-    kind: Callable[[Config, str, Any], Any]
+    kind: Kind
     default: Any = None
 
 
-def read_keys(config: Config, keys: Iterable[Key], absent: Iterable[str] = (), **fill: Any) -> Values:
+def checked(test: Callable[[Any], Any], refusal: str, convert: Callable[[Any], Any] = lambda v: v) -> Kind:
+    """A `Key.kind` from a test and the launcher's refusal (most keys' kinds; one that needs more is a function): the
+    value, `convert`ed, where `test(value)` holds, else `ConfigError` `<path>: key <name> (line n): <refusal>`, with
+    `{type}` and `{value}` filled (the value's type, the value shortened)."""
+
+    def kind(config: Config, name: str, value: Any) -> Any:
+        if test(value):
+            return convert(value)
+        message = refusal.format(type=type_name(value), value=short(value))
+        raise ConfigError(f"{where(config.path, name, config.lines)}: {message}")
+
+    return kind
+
+
+def as_given(config: Config, name: str, value: Any) -> Any:
+    """A `Key.kind` for a value the launcher takes as written (it converts and refuses nothing)."""
+    return value
+
+
+@dataclass(frozen=True)
+class Noted:
+    """What a kind returns for a value the launcher takes its own way (TRL passes a non-boolean through): the typed
+    value, and the note the reading says about it."""
+
+    value: Any
+    note: str
+
+
+def read_keys(
+    config: Config, keys: Iterable[Key], absent: Iterable[str] = (), notes: list[str] | None = None, **fill: Any
+) -> Values:
     """`keys` typed from `config`, in order (the first refusal is the launcher's); a name in `absent` counts as
-    not given (a value that could not be read)."""
-    out, absent = Values(fill), set(absent)
+    not given (a value that could not be read); the kinds' notes (`Noted`) go to `notes`, in order."""
+    out, absent, notes = Values(fill), set(absent), [] if notes is None else notes
     for key in keys:
         names = [n.format(**fill) for n in key.names]
         name = next((n for n in names if n in config.values and n not in absent), None)
-        out[key.field] = key.default if name is None else key.kind(config, name, config.values[name])
-        out[f"{key.field}_name"] = name
+        value = key.default if name is None else key.kind(config, name, config.values[name])
+        if isinstance(value, Noted):
+            notes.append(value.note)
+            value = value.value
+        out[key.field], out[f"{key.field}_name"] = value, name
     return out
 
 

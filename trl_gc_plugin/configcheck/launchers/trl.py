@@ -41,7 +41,7 @@ from ..read.load import Config, load_json_file
 from ..read.model_config import read_model_facts
 from ..read.native import importable
 from .base import Launcher
-from .schema import Step, Values, rewrite
+from .schema import Key, Noted, Step, Values, checked, read_keys, rewrite
 
 VERSION_MODELLED = "1.16.0"
 SRC = f"https://github.com/huggingface/trl/blob/v{VERSION_MODELLED}/trl/"
@@ -84,28 +84,6 @@ LAUNCH_KEYS = ("num_processes", "zero_stage", "deepspeed_config_file", "fsdp_ver
 
 VALUELESS_LAUNCH_FLAGS = ("use_deepspeed", "use_fsdp", "multi_gpu", "use_megatron_lm", "tpu", "cpu", "no_python")
 """`accelerate launch` flags that take no value: a YAML key `use_deepspeed: true` becomes `--use_deepspeed True`."""
-
-READ_KEYS = frozenset(
-    {
-        "model_name_or_path",
-        "gradient_checkpointing",
-        "activation_checkpointing",
-        "gradient_checkpointing_kwargs",
-        "activation_checkpointing_kwargs",
-        "use_peft",
-        "load_in_4bit",
-        "load_in_8bit",
-        "deepspeed",
-        "fsdp",
-        "fsdp_config",
-        "ddp_find_unused_parameters",
-        "ddp_static_graph",
-        "accelerate_config",
-        "env",
-        *LAUNCH_KEYS,
-        *VALUELESS_LAUNCH_FLAGS,
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -193,12 +171,10 @@ REENTRANT = (  # what TRL's trainers write into gradient_checkpointing_kwargs (t
 )
 
 
-def trl_bool(config: Config, key: str, reading: Reading) -> bool | None:
-    """A boolean field as `TrlParser` reads it: None when absent or null; a string through `string_to_bool` (an
-    unknown word is a `ConfigError`, as TRL exits on it); other values pass through and count by truthiness."""
-    if key not in config.values:
-        return None
-    value = config.values[key]
+def trl_bool(config: Config, key: str, value: Any) -> Any:
+    """A boolean field as `TrlParser` reads it (a `Key` kind; None when absent or null): a string through
+    `string_to_bool` (an unknown word is a `ConfigError`, as TRL exits on it); other values pass through and count by
+    truthiness."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -209,10 +185,33 @@ def trl_bool(config: Config, key: str, reading: Reading) -> bool | None:
                 "true/false, t/f, y/n, 1/0) and exits with 'Truthy value expected'; write true or false"
             )
         return parsed
-    reading.notes.append(
-        f"{key}: {short(value)} is not a boolean; TRL passes it through and it counts as {'on' if value else 'off'}"
-    )
-    return bool(value)
+    on = "on" if value else "off"
+    return Noted(bool(value), f"{key}: {short(value)} is not a boolean; TRL passes it through and it counts as {on}")
+
+
+_MAPPING = checked(lambda v: isinstance(v, dict), "TRL requires a mapping of environment variables, got {type} {value}")
+FIRST = (  # TRL's keys in the order it reads them: these, the checkpointing kwargs, `MODEL`, the launch, `DDP`
+    Key("env", ("env",), _MAPPING),
+    Key("gc", ("activation_checkpointing", "gradient_checkpointing"), trl_bool),  # null: off; unset: on
+)
+MODEL = (
+    Key("offloading", ("activation_offloading",), trl_bool),
+    Key("peft", ("use_peft",), trl_bool),
+    Key("load_in_4bit", ("load_in_4bit",), trl_bool),
+    Key("load_in_8bit", ("load_in_8bit",), trl_bool),
+)
+DDP = (  # unset: transformers decides
+    Key("ddp_find_unused_parameters", ("ddp_find_unused_parameters",), trl_bool),
+    Key("ddp_static_graph", ("ddp_static_graph",), trl_bool),
+)
+
+READ_KEYS = frozenset(
+    {
+        *(name for key in (*FIRST, *MODEL, *DDP) for name in key.names),
+        *("model_name_or_path", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "deepspeed"),
+        *("fsdp", "fsdp_config", "accelerate_config", *LAUNCH_KEYS, *VALUELESS_LAUNCH_FLAGS),
+    }
+)
 
 
 def read(config: Config, ctx: Context) -> Reading:
@@ -220,16 +219,11 @@ def read(config: Config, ctx: Context) -> Reading:
     reading = Reading(
         format="trl", parser=f"the plugin's model of TRL {VERSION_MODELLED}'s TrlParser", changes=dict(KWARGS_CHANGES)
     )
-    env = config.get("env")
-    if "env" in config.values and not isinstance(env, dict):
-        raise ConfigError(
-            f"{where(config.path, 'env', config.lines)}: TRL requires a mapping of environment variables, got "
-            f"{type_name(env)} {short(env)}"
-        )
-    _read_checkpointing(config, reading)
-    peft = trl_bool(config, "use_peft", reading)
-    four = bool(trl_bool(config, "load_in_4bit", reading))
-    eight = bool(trl_bool(config, "load_in_8bit", reading))
+    _read_checkpointing(config, read_keys(config, FIRST, notes=reading.notes), reading)
+    k = read_keys(config, MODEL, notes=reading.notes)
+    if k.offloading is not None:
+        reading.set("trl_activation_offloading", k.offloading, "file", "key 'activation_offloading'")
+    peft, four, eight = k.peft, bool(k.load_in_4bit), bool(k.load_in_8bit)
     reading.extra.update(load_in_4bit=four, load_in_8bit=eight)
     quant = "bitsandbytes_4bit" if four else "bitsandbytes_8bit" if eight else None
     reading.set_model(
@@ -248,10 +242,11 @@ def read(config: Config, ctx: Context) -> Reading:
         ),
     )
     read_launch(config, ctx, reading)
-    for key in ("ddp_find_unused_parameters", "ddp_static_graph"):  # unset: transformers decides
-        given = key in config.values
+    k = read_keys(config, DDP, notes=reading.notes)
+    for key in ("ddp_find_unused_parameters", "ddp_static_graph"):
+        given = k[f"{key}_name"] is not None
         detail = f"key {key!r}" if given else "unset: transformers decides"
-        reading.set(key, trl_bool(config, key, reading), "file" if given else "launcher default", detail)
+        reading.set(key, k[key], "file" if given else "launcher default", detail)
     read_model_facts(config.get("model_name_or_path"), "model_name_or_path", reading)
     kind = ctx.trainer or "sft"
     if kind not in CLI_TRAINERS:
@@ -263,26 +258,22 @@ def read(config: Config, ctx: Context) -> Reading:
     return reading
 
 
-def _read_checkpointing(config: Config, reading: Reading) -> None:
+def _read_checkpointing(config: Config, k: Values, reading: Reading) -> None:
     """Checkpointing on/off (`gradient_checkpointing`, default True, or `activation_checkpointing`) and its kwargs."""
-    flag_key = "activation_checkpointing" if "activation_checkpointing" in config.values else "gradient_checkpointing"
-    gc = trl_bool(config, flag_key, reading)
-    if gc is None and flag_key in config.values:
+    gc, flag_key = k.gc, k.gc_name or "gradient_checkpointing"
+    if gc is None and k.gc_name is not None:
         reading.set("gc_enabled", False, "file", f"key {flag_key!r}: null (off)")
     elif gc is None:
         reading.set("gc_enabled", True, "launcher default", "TRL's configs default gradient_checkpointing to True")
     else:
         reading.set("gc_enabled", gc, "file", f"key {flag_key!r}")
-    given = flag_key in config.values
+    given = k.gc_name is not None
     reading.set("gc_flag_source", "user" if given else "trainer", "file" if given else "launcher default", flag_key)
     if flag_key == "activation_checkpointing":
         reading.changes["activation_checkpointing"] = "activation_checkpointing: {value}"
     kwargs_key = read_kwargs_key(config.get, config.path, config.lines, "{use_reentrant: false}", reading)
     if kwargs_key is not None:
         reading.changes["use_reentrant"] = kwargs_key + ": {{use_reentrant: {value}}}"
-    offloading = trl_bool(config, "activation_offloading", reading)
-    if offloading is not None:
-        reading.set("trl_activation_offloading", offloading, "file", "key 'activation_offloading'")
 
 
 def set_trainer_kind(reading: Reading, kind: str, ctx: Context, assumed: str, label: str) -> None:
