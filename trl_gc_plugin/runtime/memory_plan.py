@@ -21,6 +21,11 @@ def no_plan(why: str) -> Decision:
     return runtime_decision(get_rule("memory-plan"), "warn", None, None, why, level="warning")
 
 
+def _no_plan_when(run: Record, what: str) -> Any:
+    """What a failure of `what` leaves: no plan, and a decision that says why (training goes on as asked)."""
+    return lambda exc: run.record([no_plan(f"{what} failed ({type(exc).__name__}: {exc})")])
+
+
 class MemoryPlan(Check):
     """Plans how much to checkpoint under `budget` (bytes or `"auto"`) at the first training forward."""
 
@@ -66,10 +71,6 @@ class MemoryPlan(Check):
             handle = self.run.hooks.add(base.register_forward_pre_hook(first_forward, with_kwargs=True, prepend=True))
         self._handles = [handle]
 
-    def _no_plan_when(self, what: str) -> Any:
-        """What a failure of `what` leaves: no plan, and a decision that says why (training goes on as asked)."""
-        return lambda exc: self.run.record([no_plan(f"{what} failed ({type(exc).__name__}: {exc})")])
-
     def _plan(self, model: Any, batch: int, seq: int, forward_kwargs: dict[str, Any] | None = None) -> Any:
         """Estimate, plan and apply; the `(estimate, plan)`, or None when skipped."""
         from ..planning import memory, planner
@@ -81,7 +82,7 @@ class MemoryPlan(Check):
         use_reentrant = ckpt.model_use_reentrant(model)
         planned: list[Any] = []
         # a model the estimate cannot run: as asked
-        with contained("the memory plan's estimate", self._no_plan_when("the estimate")):
+        with contained("the memory plan's estimate", _no_plan_when(self.run, "the estimate")):
             budget = budget_bytes(self.budget, model)
             estimate = memory.estimate(model, batch, seq, forward_kwargs=forward_kwargs)
             gathered = sharding.gathered_parameter_bytes(model, sharding.zero3_window(self.run.args))
@@ -244,7 +245,7 @@ class MemoryPlan(Check):
             self.run.hooks.discard(metered)  # the meter and the watch go now
             if output is None:  # the forward raised: nothing to compare
                 return
-            with contained("the memory plan's check", self._no_plan_when("the check")):
+            with contained("the memory plan's check", _no_plan_when(self.run, "the check")):
                 self._check(model, planned, measured, shape, keywords)
                 miss = plan_check.held_miss(planned[0].gathered_bytes, held) if held is not None else None
                 if miss is not None:
