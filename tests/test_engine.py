@@ -371,3 +371,14 @@ def test_moe_explicit_reentrant_is_overridden_in_fix_and_kept_in_strict():
     got = {m: [(d.action, d.after) for d in decide(facts, m) if d.rule_id == "moe-routing-recomputed"]
            for m in ("strict", "fix", "warn")}
     assert got == {"strict": [("warn", True)], "fix": [("override", False)], "warn": [("warn", True)]}
+
+
+def test_every_fact_says_what_it_means():
+    """`Facts` is the engine's only input: each field is named, with its meaning, in the class docstring (issue 45:
+    the size pass had cut 29 of them), so a new field cannot land without one."""
+    import dataclasses
+
+    lines = Facts.__doc__.splitlines()
+    for field in dataclasses.fields(Facts):
+        said = [line for line in lines if line.lstrip().startswith("- ") and f"`{field.name}`" in line]
+        assert said and len(said[0].split(":", 1)[-1].strip()) > 10, f"Facts.{field.name} has no meaning in the docstring"
