@@ -64,6 +64,18 @@ def test_a_quoted_false_disables_checkpointing_and_is_said(tmp_path):
     assert warning.action == "warn" and warning.before == {"disable_gradient_checkpointing": "false"}
 
 
+def test_a_quoted_false_turns_ktransformers_on_and_is_said(tmp_path):
+    """`use_kt` is tested for truth as the other boolean keys are: a quoted "false" turns KTransformers' own
+    checkpointing on (not modelled: said in a note), and the quoted boolean is named."""
+    report = check(tmp_path, LF + 'use_kt: "false"\n')
+    (warning,) = [d for d in report.decisions if d.rule_id == "llamafactory:string-boolean"]
+    assert warning.before == {"use_kt": "false"}
+    assert any(note.startswith("use_kt: KTransformers") for note in report.notes)
+    plain = check(tmp_path, LF + "use_kt: false\n")
+    assert not [d for d in plain.decisions if d.rule_id == "llamafactory:string-boolean"]
+    assert not any(note.startswith("use_kt") for note in plain.notes)
+
+
 def test_without_do_train_nothing_checkpoints(tmp_path):
     report = check(tmp_path, LF.replace("do_train: true\n", "do_predict: true\n"))
     assert report.facts.gc_enabled is False

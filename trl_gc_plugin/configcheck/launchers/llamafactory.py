@@ -142,12 +142,13 @@ FLAGS = (  # the boolean fields read: kept as given (parse_dict converts nothing
     Key("do_train", ("do_train",), as_given, False),
     Key("hf_gc", ("gradient_checkpointing",), as_given, False),
     Key("hyper", ("use_hyper_parallel",), as_given, False),
+    Key("kt", ("use_kt",), as_given, False),
 )
 
 READ_KEYS = frozenset(
     {
         *(name for key in (*KEYS, *FLAGS) for name in key.names),
-        *("model_name_or_path", "dataset", "output_dir", "export_dir", "adapter_name_or_path", "use_kt"),
+        *("model_name_or_path", "dataset", "output_dir", "export_dir", "adapter_name_or_path"),
         *("gradient_checkpointing_kwargs", "deepspeed", "fsdp", "fsdp_config", "ddp_find_unused_parameters"),
         *("ddp_static_graph", "hyper_parallel_args"),
     }
@@ -446,7 +447,7 @@ def _set_reentrant_facts(k: Values, reading: Reading, reentrant: Reentrant) -> N
             "file",
             "key 'use_unsloth_gc': LLaMA-Factory's offloading checkpoint (ignores use_reentrant)",
         )
-    if k.raw.get("use_kt"):
+    if k.kt:
         reading.notes.append("use_kt: KTransformers checkpointing is not modelled (it chooses its own kwargs)")
     gc_on = bool(reading.value("gc_enabled"))
     origin, detail = reentrant.origin, reentrant.detail
