@@ -169,9 +169,9 @@ bench-modes: venv
 # transformers 4.57 + TRL 1.16 with the architecture zoo cut to one architecture of each kind and both MoE routers
 # (ZOO=slice: the whole zoo is 43% of the suite's time); SLICE plus the trainer matrix and the TRL checks on TRL 0.26
 # (the TRL that enables checkpointing inside the trainer's __init__); SLICE at the floor of pyproject.toml (transformers 4.53.2 + TRL
-# 0.20.0, the lowest TRL 0.20 resolves with, PEFT 0.13.2, accelerate 1.4.0), at a middle 5.x (5.17: every_n_layers
-# and offload read by transformers, no activation_* fields yet), on torch 2.14.1 (the newest pip's cap allows: the
-# CUDA wheel, run without a GPU) and at the latest releases, unpinned and torch uncapped (UNCAPPED=1 bypasses pip's
+# 0.20.0, the lowest TRL 0.20 resolves with, PEFT 0.13.2, accelerate 1.4.0), at a middle 5.x on torch 2.14.1 in one
+# environment (5.17: every_n_layers and offload read by transformers, no activation_* fields yet; torch 2.14.1: the
+# newest pip's cap allows, the CUDA wheel, run without a GPU) and at the latest releases, unpinned and torch uncapped (UNCAPPED=1 bypasses pip's
 # global cap for that venv only), with TORCH_SLICE, the tests that read torch internals (FSDP2, policies, meters),
 # so a new release shows up as a CI result.
 matrix:
@@ -180,8 +180,7 @@ matrix:
 	$(MAKE) test-slice VENV=.venv-tf4-trl026 TF=4.57.6 TRL=0.26.2 \
 		SLICE="$(SLICE) tests/test_matrix.py tests/test_model_state.py tests/test_check_trl.py"
 	$(MAKE) test-slice VENV=.venv-floor TF=4.53.2 TRL=0.20.0 PEFT=0.13.2 EXTRA=accelerate==1.4.0
-	$(MAKE) test-slice VENV=.venv-tf517 TF=5.17.0 TRL=1.16.0
-	$(MAKE) test-slice VENV=.venv-torch214 TF=5.23.0 TRL=1.16.0 TORCH=2.14.1
+	$(MAKE) test-slice VENV=.venv-tf517-torch214 TF=5.17.0 TRL=1.16.0 TORCH=2.14.1
 	$(MAKE) test-slice VENV=.venv-latest TF= TRL= PEFT= BNB= TORCH= UNCAPPED=1 SLICE="$(SLICE) $(TORCH_SLICE)"
 
 clean:
