@@ -10,6 +10,8 @@ import pytest
 
 from trl_gc_plugin.configcheck.check import Launch, check_files
 
+pytestmark = pytest.mark.line_independent
+
 BASE = "base_model: NousResearch/Llama-3.2-1B\nmicro_batch_size: 1\n"
 
 

@@ -15,6 +15,8 @@ from trl_gc_plugin.cli.check import check_main
 from trl_gc_plugin.configcheck.check import READ_KEYS, Launch, check_files
 from trl_gc_plugin.configcheck.launchers import axolotl, llamafactory, trl
 
+pytestmark = pytest.mark.line_independent
+
 WORDS = ["true", "false", "yes", "no", "off", "on", "offload", "offload_disk", "unsloth", "legacy", "disk",
          "hidden_states", "lora", "qlora", "full", "freeze", "dpo", "ebft", "strided", "flex_attention", "sft",
          "zero3", "zero3.json", "deepspeed_configs/zero3.json", "examples/deepspeed/ds_z3_config.json", "fsdp2",

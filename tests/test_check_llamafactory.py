@@ -12,6 +12,8 @@ import pytest
 from trl_gc_plugin.configcheck.check import Launch, check_files
 from trl_gc_plugin.configcheck.read.native import importable
 
+pytestmark = pytest.mark.line_independent
+
 DATA = Path(__file__).with_name("data")
 LF = "model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct\nstage: sft\ndo_train: true\ndataset: alpaca_en_demo\ntemplate: qwen\noutput_dir: saves/x\n"
 

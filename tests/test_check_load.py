@@ -15,6 +15,8 @@ from trl_gc_plugin.configcheck.check import READ_KEYS, Launch, check_files
 from trl_gc_plugin.configcheck.read.common import ConfigError
 from trl_gc_plugin.configcheck.read.load import load
 
+pytestmark = pytest.mark.line_independent
+
 WANTED = READ_KEYS
 
 

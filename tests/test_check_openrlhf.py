@@ -16,6 +16,8 @@ from trl_gc_plugin.configcheck.read.common import ConfigError
 from trl_gc_plugin.configcheck.read.load import load
 from trl_gc_plugin.testing import make_model
 
+pytestmark = pytest.mark.line_independent
+
 SCRIPT = """\
 set -x
 read -r -d '' training_commands <<EOF

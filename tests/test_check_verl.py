@@ -13,6 +13,8 @@ import pytest
 from trl_gc_plugin.configcheck.check import Launch, check_files
 from trl_gc_plugin.configcheck.read import shell
 
+pytestmark = pytest.mark.line_independent
+
 DATA = Path(__file__).with_name("data")
 
 

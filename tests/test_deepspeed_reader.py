@@ -17,6 +17,8 @@ from trl_gc_plugin.configcheck.read.deepspeed import read_deepspeed
 from trl_gc_plugin.core.deepspeed_config import ACTIVATION_CHECKPOINTING_KEYS, deepspeed_facts
 from trl_gc_plugin.model import probe
 
+pytestmark = pytest.mark.line_independent
+
 # name: (config, (stage, activation_checkpointing, overlap_comm) or the start of the problem)
 CASES: dict[str, tuple[dict[str, Any], tuple[int | None, bool, bool | None] | str]] = {
     "unknown-key-only": ({"zero_optimization": {"stage": 2}, "activation_checkpointing": {"checkpoint_in_cpu": True}},

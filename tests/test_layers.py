@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.line_independent
+
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_gc_plugin"
 ORDER = ("routes", "runtime", "planning", "model", "core", "_base")
 """The layers, each importing only those after it."""

@@ -8,7 +8,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import trl_gc_plugin
+
+pytestmark = pytest.mark.line_independent
 
 PACKAGE = Path(trl_gc_plugin.__file__).parent
 

@@ -1,4 +1,7 @@
-"""TRL_GC_PLUGIN=1: real interpreters with the built wheel installed, real launchers (TRL CLI, torchrun)."""
+"""TRL_GC_PLUGIN=1: real interpreters with the built wheel installed, real launchers (TRL CLI, torchrun).
+
+`line_independent` marks the hook's own mechanism (the wheel's files, off values, a failing patch, the TRL CLI's
+parsing): the transformers 4.57 environment runs the rest, the routes a script meets on that line."""
 
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ PROBE = """
 """
 
 
+@pytest.mark.line_independent
 def test_wheel_ships_the_start_up_files(venv_python):
     import ast
     import zipfile
@@ -84,6 +88,7 @@ def test_start_up_imports_nothing_heavy_and_arms_only_when_set(venv_python, tmp_
     assert out.stdout.strip() == expected
 
 
+@pytest.mark.line_independent
 @pytest.mark.parametrize("value", [None, "0"])
 def test_unset_or_off_patches_nothing_when_transformers_is_imported(venv_python, tmp_path, value):
     out = py(venv_python, PROBE, tmp_path, **({} if value is None else {"TRL_GC_PLUGIN": value}))
@@ -129,6 +134,7 @@ LAUNCH = """
 """
 
 
+@pytest.mark.line_independent
 def test_an_invalid_value_warns_once_where_training_code_is_imported_and_once_per_launch(venv_python, tmp_path):
     out = py(venv_python, LAUNCH, tmp_path, TRL_GC_PLUGIN="maybe")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -150,6 +156,7 @@ def test_the_variable_never_names_a_module(venv_python, tmp_path):
     assert "IMPORTED" not in out.stdout and out.returncode == 0 and out.stderr == ""
 
 
+@pytest.mark.line_independent
 @pytest.mark.parametrize(("value", "expected"), [("1", "True ['AutoSafeGCCallback']"), ("maybe", "False []")])
 def test_transformers_already_imported_is_handled_at_once(venv_python, tmp_path, value, expected):
     code = f"""
@@ -166,6 +173,7 @@ def test_transformers_already_imported_is_handled_at_once(venv_python, tmp_path,
     assert out.stderr.count(WARNING) == (value == "maybe"), out.stderr
 
 
+@pytest.mark.line_independent
 def test_a_failing_patch_is_logged_and_never_breaks_the_import(venv_python, tmp_path):
     code = """
         import trl_gc_plugin.routes.post_init as p
@@ -187,6 +195,7 @@ REFUSED = """
 """
 
 
+@pytest.mark.line_independent
 def test_a_refusal_under_the_variable_reads_as_its_message_not_a_traceback(venv_python, tmp_path):
     """A launcher that builds the arguments while parsing its config (the TRL CLI) would show a traceback through its
     parser: the refusal is the message, which names the change; TRL_GC_PLUGIN_TRACEBACK=1 shows the traceback too."""
@@ -272,6 +281,7 @@ SUMMARY = "[trl_gc_plugin] INFO: gradient checkpointing on"
 DETAIL = "[trl_gc_plugin.decisions] INFO: [non-reentrant-default]"
 
 
+@pytest.mark.line_independent
 @pytest.mark.parametrize("value", ["1", "1 --log_level info", "maybe"])
 def test_trl_cli(venv_python, tiny_checkpoint, tmp_path, value):
     """The no-code route: `TRL_GC_PLUGIN=1 trl sft --config ...` says it ran in one summary line by default, lists
@@ -313,6 +323,7 @@ def test_trl_cli(venv_python, tiny_checkpoint, tmp_path, value):
     assert all(d["action"] != "error" for d in decisions)
 
 
+@pytest.mark.line_independent
 def test_console_script_from_the_wheel(venv_python, tmp_path):
     data = Path(__file__).with_name("data")
     script = venv_python.parent / "trl-gc-check"
