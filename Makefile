@@ -168,13 +168,13 @@ bench-modes: venv
 # The CI matrix (README "Compatibility"): the full suite on transformers 5.23 + TRL 1.16 (+ DeepSpeed), and on
 # transformers 4.57 + TRL 1.16 with the architecture zoo cut to one architecture of each kind and both MoE routers
 # (ZOO=slice: the whole zoo is 43% of the suite's time) and without the tests marked `line_independent` (config files
-# read with pinned versions, the start-up hook's mechanism, the package's shape); SLICE plus the trainer matrix and the TRL checks on TRL 0.26
-# (the TRL that enables checkpointing inside the trainer's __init__); SLICE at the floor of pyproject.toml (transformers 4.53.2 + TRL
-# 0.20.0, the lowest TRL 0.20 resolves with, PEFT 0.13.2, accelerate 1.4.0), at a middle 5.x on torch 2.14.1 in one
-# environment (5.17: every_n_layers and offload read by transformers, no activation_* fields yet; torch 2.14.1: the
-# newest pip's cap allows, the CUDA wheel, run without a GPU) and at the latest releases, unpinned and torch uncapped (UNCAPPED=1 bypasses pip's
-# global cap for that venv only), with TORCH_SLICE, the tests that read torch internals (FSDP2, policies, meters),
-# so a new release shows up as a CI result.
+# read with pinned versions, the start-up hook's mechanism, the package's shape); SLICE plus the trainer matrix and
+# the TRL checks on TRL 0.26 (the TRL that enables checkpointing inside the trainer's __init__); SLICE at the floor of
+# pyproject.toml (transformers 4.53.2 + TRL 0.20.0, the lowest TRL 0.20 resolves with, PEFT 0.13.2, accelerate
+# 1.4.0), at a middle 5.x on torch 2.14.1 in one environment (5.17: every_n_layers and offload read by transformers,
+# no activation_* fields yet; torch 2.14.1: the newest pip's cap allows, the CUDA wheel, run without a GPU) and at the
+# latest releases, unpinned and torch uncapped (UNCAPPED=1 bypasses pip's global cap for that venv only), with
+# TORCH_SLICE, the tests that read torch internals (FSDP2, policies, meters), so a new release shows up as a CI result.
 matrix:
 	$(MAKE) test VENV=.venv-tf5 TF=5.23.0 TRL=1.16.0 EXTRA=deepspeed==0.19.8
 	ZOO=slice $(MAKE) test VENV=.venv-tf4 TF=4.57.6 TRL=1.16.0 PYTEST_ARGS='-m "not line_independent"'

@@ -4,6 +4,7 @@ live model (`planner.apply_plan`), and checked against what that forward saved (
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from .._base import report
@@ -21,7 +22,7 @@ def no_plan(why: str) -> Decision:
     return runtime_decision(get_rule("memory-plan"), "warn", None, None, why, level="warning")
 
 
-def _no_plan_when(run: Record, what: str) -> Any:
+def _no_plan_when(run: Record, what: str) -> Callable[[BaseException], None]:
     """What a failure of `what` leaves: no plan, and a decision that says why (training goes on as asked)."""
     return lambda exc: run.record([no_plan(f"{what} failed ({type(exc).__name__}: {exc})")])
 
