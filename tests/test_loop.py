@@ -311,7 +311,7 @@ def test_the_last_enable_call_is_the_one_decided_for(patched):
     ids = torch.randint(3, 64, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     route = loop._ROUTES.get(model)
-    assert (route.run.use_reentrant, route.run.source) == (False, "user")
+    assert (route.run.reentrant.value, route.run.reentrant.source) == (False, "user")
     route.end()
 
 
@@ -336,7 +336,7 @@ def test_a_wrapper_that_calls_the_models_forward_directly_is_still_guarded(patch
     opt.step()
     route = loop._ROUTES.get(model)
     assert route.state == "done", route.state
-    assert (route.run.use_reentrant, route.run.source) == (False, "user")
+    assert (route.run.reentrant.value, route.run.reentrant.source) == (False, "user")
     assert [d.action for d in route.run.decisions if d.rule_id == "gradient-audit"] == ["none"]
     route.end()
 
@@ -366,7 +366,7 @@ def test_qlora_loop_through_peft_prepare(tiny_checkpoint, reentrant, patched):
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in adapters)
     route = loop._ROUTES.get(trl_gc_plugin.model.ckpt.unwrap(model))
     said = {d.rule_id for d in route.run.decisions if d.action != "none"}
-    assert (route.run.use_reentrant, route.run.source) == (reentrant, "user")
+    assert (route.run.reentrant.value, route.run.reentrant.source) == (reentrant, "user")
     assert ("quantized-prefers-non-reentrant" in said) is reentrant
     assert all(keywords(f)["use_reentrant"] is reentrant for _, f in functions(model))
 

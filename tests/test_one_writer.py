@@ -1,6 +1,6 @@
 """`use_reentrant` has one writer and one holder (issue 45): every write of the value into the arguments or the live
 model goes through `model/write.py`'s `write_use_reentrant`, and the value in force with who chose it is set only
-by `Record.set_use_reentrant` (which keeps the arguments' post-init record in step). A scan of the package's source,
+by `UseReentrant.hold` beside it (which keeps the arguments' post-init record in step). A scan of the package's source,
 so that a new path that writes it on its own fails here rather than drifting from the run's record."""
 
 from __future__ import annotations
@@ -69,9 +69,23 @@ def test_the_value_in_force_is_held_in_one_place():
     remembered = _functions_with(lambda call: _name(call) == "remember")
     # the run's holder; and the label of a value Axolotl wrote before the plugin ran (who set it, no value written)
     assert sorted(set(remembered)) == [
+        ("model/write.py", "UseReentrant.hold"),
         ("runtime/hosts.py", "label_axolotl_value"),
-        ("runtime/record.py", "Record.set_use_reentrant"),
     ]
+
+
+def test_only_the_holder_sets_what_it_holds():
+    """`UseReentrant.hold` is the one setter: no module assigns the held value or its source around it."""
+    around = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in (t for t in targets for t in (t.elts if isinstance(t, ast.Tuple) else [t])):
+                holder = target.value if isinstance(target, ast.Attribute) else None
+                if isinstance(holder, ast.Attribute) and holder.attr == "reentrant":
+                    around.append((str(path.relative_to(PACKAGE)), node.lineno))
+    assert around == []
 
 
 def test_every_write_goes_through_the_writer():
@@ -80,6 +94,6 @@ def test_every_write_goes_through_the_writer():
         ("model/write.py", "_use_reentrant"),  # the decision on the arguments
         ("model/write.py", "_model_use_reentrant"),  # the decision on the live model
         ("model/write.py", "_fsdp_checkpointing_off"),  # FSDP's own checkpointing replaced by the Trainer's
-        ("runtime/record.py", "Record.switch"),  # a runtime check's switch (first forward, first step, drift)
+        ("model/write.py", "UseReentrant.switch"),  # a runtime check's switch (first forward, first step, drift)
         ("runtime/run.py", "Run.decide"),  # the post-init default withdrawn under a launcher's own function
     }

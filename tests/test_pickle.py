@@ -65,7 +65,7 @@ def test_the_callback_handler_pickles_before_and_after_training_as_without_the_p
     waiting = _hooks.waiting()
     restored = pickle.loads(pickle.dumps(callback))
     assert [d.line() for d in restored.decisions] == [d.line() for d in callback.decisions]
-    assert restored.decisions and restored._run.use_reentrant is callback._run.use_reentrant
+    assert restored.decisions and restored._run.reentrant.value is callback._run.reentrant.value
     assert len(restored._run.hooks) == 0 and restored._run.model is None and restored._run.stopped
     assert _hooks.waiting() == waiting
     twin = copy.deepcopy(callback)  # a deep copy goes through the same state: no hook either

@@ -33,8 +33,8 @@ def write_use_reentrant(args: Any, model: Any, value: bool | None) -> None:
     """The one writer of `use_reentrant`: into the arguments' checkpointing kwargs (both field names, one dict; `None`
     removes the key: a default withdrawn) where `args` is given, into every checkpointed block of the live `model`
     where it is given. Every write goes through here: a decision's (`apply`: settings `use_reentrant` and
-    `model.use_reentrant`), the run's switch at runtime (`Record.switch`), the withdrawal under a launcher. The value in
-    force and who chose it are held by the run (`Record.set_use_reentrant`); `tests/test_one_writer.py` keeps it so."""
+    `model.use_reentrant`), a runtime check's switch (`UseReentrant.switch`), the withdrawal under a launcher. The value
+    in force and who chose it are held by `UseReentrant` below; `tests/test_one_writer.py` keeps it so."""
     if args is not None:
         set_args_kwarg(args, "use_reentrant", value)
     if model is not None and value is not None:
@@ -49,6 +49,32 @@ def set_args_kwarg(args: Any, key: str, value: Any) -> None:
     else:
         kwargs[key] = value
     write_kwargs(args, kwargs)
+
+
+class UseReentrant:
+    """The `use_reentrant` in force for one run and who chose it (`user`, `plugin`, `trainer`, a launcher, `unknown`
+    or `unset`): the run's one holder (`Record.reentrant`), kept beside the one writer. `hold` keeps the arguments'
+    post-init record in step (`probe.remember`), so the Trainer's stages carry on from what `__post_init__` decided;
+    `switch` writes a runtime check's value (first forward, first step, drift) and holds it as the plugin's."""
+
+    __slots__ = ("source", "value")
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.source = "unset"
+
+    def hold(self, value: Any, source: str, args: Any = None) -> None:
+        self.value, self.source = value, source
+        if args is not None:
+            probe.remember(args, value, source)
+
+    def switch(self, args: Any, model: Any, value: bool) -> None:
+        write_use_reentrant(args, model, value)
+        self.hold(value, "plugin", args)
+
+    def explicit(self) -> bool:
+        """Whether `use_reentrant=True` runs by the user's own choice (or one of unknown origin)."""
+        return self.value is True and self.source in ("user", "unknown")
 
 
 class CacheSwitch:

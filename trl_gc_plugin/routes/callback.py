@@ -149,8 +149,8 @@ class SafeGCCallback(TrainerCallback):
         if not getattr(state, "is_world_process_zero", True):
             return
         text = bool(set(tracker.reporters(args)) & tracker.TEXT_REPORTERS)
-        run = self._run
-        logs.update(tracker.summary(self.decisions, run.use_reentrant, run.source, self.mode, self.plan_check, text))
+        held = self._run.reentrant
+        logs.update(tracker.summary(self.decisions, held.value, held.source, self.mode, self.plan_check, text))
 
     @_guarded
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:

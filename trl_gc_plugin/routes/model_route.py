@@ -119,7 +119,7 @@ class ModelRoute:
             args.gradient_checkpointing_kwargs = dict(running) if running else None
             if "use_reentrant" in running:
                 self.run.args = args
-                self.run.set_use_reentrant(running["use_reentrant"], "unknown")
+                self.run.reentrant.hold(running["use_reentrant"], "unknown", args)
         before = dict(args.gradient_checkpointing_kwargs or {})
         self.state = "decided"
         decisions = self.run.decide(args, model)

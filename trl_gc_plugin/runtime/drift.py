@@ -17,7 +17,7 @@ def check(run: Record, cause: str = "mid-training") -> None:
     if watch is None:
         return
     keeps = run.guard is not None and run.guard.keep  # a guard that keeps nothing only reports re-enables
-    drifted = watch.drift(run.use_reentrant) + (run.guard.drifted() if keeps else [])
+    drifted = watch.drift(run.reentrant.value) + (run.guard.drifted() if keeps else [])
     if drifted:
         _repair(run, watch, drifted, cause)
     if watch.embeddings is not None and watch.input_hooks() > 1:
@@ -26,7 +26,7 @@ def check(run: Record, cause: str = "mid-training") -> None:
 
 def _repair(run: Record, watch: Watch, drifted: list[tuple[str, Any]], cause: str) -> None:
     rule = get_rule("checkpointing-drift")
-    value = run.use_reentrant if isinstance(run.use_reentrant, bool) else watch.baseline
+    value = run.reentrant.value if isinstance(run.reentrant.value, bool) else watch.baseline
     action = action_for(run.mode, "repair", stands_back=run.stands_back())
     verdicts = []
     for setting, found in drifted:

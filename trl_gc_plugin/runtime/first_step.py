@@ -27,7 +27,7 @@ def gradients(run: Record, model: Any, observation: Any) -> verify.AuditResult |
 def audit(run: Record, result: verify.AuditResult, probe_follows: bool) -> None:
     """Judge the first step's gradients per checkpointed block (`probe_follows`: the parity probe runs next)."""
     rule = get_rule("gradient-audit")
-    value = run.use_reentrant
+    value = run.reentrant.value
     verdicts: list[Decision] = []
     if result.ok and result.checked == 0:
         reason = (

@@ -1,5 +1,6 @@
-"""A run's record (decisions, the `use_reentrant` in force and who set it, its hooks): how a finding is recorded,
-refused or repaired, and how the run leaves. `run.Run` adds the stages; the runtime checks take a `Record`."""
+"""A run's record (decisions, its hooks, `model.write.UseReentrant` holding the `use_reentrant` in force): how a
+finding is recorded, refused or repaired, and how the run leaves. `run.Run` adds the stages; the runtime checks take
+a `Record`."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ from ..core.decisions import Action, Decision, Level, write_decisions
 from ..core.errors import GCConfigError, raise_for_errors
 from ..core.rules import RULES, Rule
 from ..core.settings import GCSettings
-from ..model import probe
 from ..model.enable_guard import EnableGuard
 from ..model.hooks import Hooks
 from ..model.verify import Watch
-from ..model.write import CacheSwitch, write_use_reentrant
+from ..model.write import CacheSwitch, UseReentrant
 
 STAND_BACK = frozenset(r.id for r in RULES if r.stand_back)
 
@@ -64,8 +64,7 @@ class Record:
         self.args: Any = None
         self._model: Callable[[], Any] = _no_model
         self.decisions: list[Decision] = []
-        self.use_reentrant: Any = None  # the one holder of the value in force
-        self.source = "unset"  # who set it: `user`, `plugin`, `trainer`, a launcher, `unknown` or `unset`
+        self.reentrant = UseReentrant()  # the `use_reentrant` in force and who chose it: its one holder
         self.json_path: str | None = None
         self.reported: dict[str, int] = {}
         self.hooks = Hooks()
@@ -108,18 +107,11 @@ class Record:
 
     def explicit(self) -> tuple[bool, str]:
         """Whether the running `use_reentrant=True` is the user's own choice (or of unknown origin); its source."""
-        return self.use_reentrant is True and self.source in ("user", "unknown"), self.source
+        return self.reentrant.explicit(), self.reentrant.source
 
     def count(self, key: str) -> int:
         self.reported[key] = self.reported.get(key, 0) + 1
         return self.reported[key]
-
-    def set_use_reentrant(self, value: Any, source: str) -> None:
-        """The one holder of the `use_reentrant` in force and who chose it: the run, and (`probe.remember`) the record
-        the arguments carry from `__post_init__` to the Trainer's stages."""
-        self.use_reentrant, self.source = value, source
-        if self.args is not None:
-            probe.remember(self.args, value, source)
 
     def is_main(self) -> bool:
         return self.main_process if self.main_process is not None else report.is_main_process(self.args)
@@ -165,10 +157,9 @@ class Record:
 
     def switch(self, value: bool) -> None:
         """A check's decision at runtime (first forward, first step, drift): the arguments and the live model."""
-        write_use_reentrant(self.args, self.model, value)
+        self.reentrant.switch(self.args, self.model, value)
         if self.watch is not None:
             self.watch.args_value = value
-        self.set_use_reentrant(value, "plugin")
 
     def ensure_guard(self, layer_kwargs: Any, keep: bool = True) -> EnableGuard:
         """The enable guard, installed once: reports each re-enable to `reenabled`; `keep`: keeps what was enabled."""

@@ -94,10 +94,10 @@ class Run(Record):
         self.decisions = list(previous or [])
         if _launcher_default_to_withdraw(args, model):  # no model at post_init
             write_use_reentrant(args, None, None)
-            self.set_use_reentrant(None, "unset")
+            self.reentrant.hold(None, "unset", args)
             self.decisions = [d for d in self.decisions if not (d.setting == "use_reentrant" and d.applied)]
         facts = self._facts(args, model, stage)
-        self.set_use_reentrant(facts.use_reentrant, facts.use_reentrant_source)
+        self.reentrant.hold(facts.use_reentrant, facts.use_reentrant_source, args)
         decisions = decide(facts, self.mode)
         self.take(decisions, model)
         if stage == "post_init":
@@ -106,7 +106,8 @@ class Run(Record):
         if any(d.applied and d.setting == "checkpointing_kwargs" for d in decisions):
             self.every_n = facts.every_n_layers  # transformers < 5.23: the plugin applies it itself
         if self.is_main():  # checkpointing off: nothing to say at the default level
-            line = report.summary_line(self.decisions, self.mode, self.use_reentrant, self.source, self.json_path)
+            held = self.reentrant
+            line = report.summary_line(self.decisions, self.mode, held.value, held.source, self.json_path)
             off = any(d.rule_id == "checkpointing-off" for d in self.decisions)
             report.logger.log(logging.DEBUG if off else logging.INFO, line)
         return decisions
@@ -120,7 +121,7 @@ class Run(Record):
             if undo is not None and model is not None:
                 self.hooks.undo(functools.partial(undo, weakref.ref(model)), repair=True)
         if isinstance(decisions, Decisions) and decisions.in_force is not None:
-            self.set_use_reentrant(*decisions.in_force)
+            self.reentrant.hold(*decisions.in_force, self.args)
         self.publish(decisions)
 
     def _facts(self, args: Any, model: Any, stage: str) -> Facts:
@@ -139,12 +140,12 @@ class Run(Record):
             self.take(new, model)
             whole = decisions.in_force  # what the whole stage leaves in force, decisions already seen included
             if new.in_force is not None and whole is not None:
-                self.set_use_reentrant(*whole)
+                self.reentrant.hold(*whole, args)
         if self.cache_off and self.cache_switch:  # the configs as the Trainer leaves them
             self.cache = CacheSwitch(model)
         self._keep_what_was_enabled(facts, model)
         self.keep_recompute_faithful(model, facts)
-        value = self.use_reentrant
+        value = self.reentrant.value
         if not isinstance(value, bool):  # warn mode or a stand-back left it unset: watch what actually runs
             value = ckpt.model_use_reentrant(model)
         if isinstance(value, bool):
