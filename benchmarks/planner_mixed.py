@@ -9,7 +9,7 @@ peak to none's. For each budget the planner is asked three times: with the per-b
 with it but without the lean selective option (the estimate's `lean` removed: the planner before it), and without it
 (the uniform candidates of `planner.candidates`, `selective-lean` among them). Every distinct pick plus none and full
 runs in one process, switched with `apply_plan`, interleaved step by step (order reversed every round); main-thread
-CPU time, medians over the rounds. Peaks: the tensors one forward and backward creates (`memory.live_bytes`).
+CPU time, medians over the rounds (`share_by_round`: the share in each round, its quartiles). Peaks: the tensors one forward and backward creates (`memory.live_bytes`).
 
     .venv-tf5/bin/python benchmarks/planner_mixed.py [--rounds 7] [--seq 512]
 
@@ -156,10 +156,16 @@ def run(rounds: int) -> dict:
         case["measured"] = {}
         for label in ("uniform", "per_block_no_lean", "per_block"):
             name = case[label]
+            steps = zip(times["full"], times[name], times["none"], strict=True)
+            rounds_share = sorted((f - p) / (f - n) for f, p, n in steps)
+            quartiles = statistics.quantiles(rounds_share, n=4) if len(rounds_share) > 1 else rounds_share * 3
             case["measured"][label] = {
                 "name": name,
                 "median_s": round(median[name], 4),
                 "share_removed": round((t_full - median[name]) / (t_full - t_none), 3),
+                # the same share in each round (its three steps ran side by side): median and quartiles, how far one
+                # run's figure can be trusted on this machine
+                "share_by_round": [round(q, 3) for q in quartiles],
                 "peak": peaks[name],
                 "under_budget": peaks[name] <= case["budget"],
                 "gradients_equal_full": exact[name],
