@@ -148,6 +148,14 @@ def test_a_word_trl_does_not_read_as_a_boolean_exits_2(tmp_path, parser):
     assert report.status == "error" and "'off'" in report.error and "Truthy value expected" in report.error
 
 
+def test_a_long_word_is_quoted_cut_as_every_other_message_quotes_it(tmp_path):
+    word = "enabled-" * 40
+    (path,) = write_all(tmp_path, {"long.yaml": f"model_name_or_path: m\ndataset_name: d\ngradient_checkpointing: {word}\n"})
+    (report,) = check_files([path], Launch(parser="model"))
+    assert report.status == "error" and "Truthy value expected" in report.error
+    assert word not in report.error and repr(word)[:57] + "..." in report.error
+
+
 def test_accelerate_config_zero3_and_num_processes(tmp_path):
     (report,) = check_files(write_all(tmp_path, {"z.yaml": CONFIGS["zero3.yaml"]}), Launch(parser="model"))
     facts, sources = report.facts, report.sources

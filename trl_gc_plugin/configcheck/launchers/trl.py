@@ -181,7 +181,7 @@ def trl_bool(config: Config, key: str, value: Any) -> Any:
         parsed = string_to_bool(value)
         if parsed is None:
             raise ConfigError(
-                f"{where(config.path, key, config.lines)}: TRL reads {value!r} as no boolean (it accepts yes/no, "
+                f"{where(config.path, key, config.lines)}: TRL reads {short(value)} as no boolean (it accepts yes/no, "
                 "true/false, t/f, y/n, 1/0) and exits with 'Truthy value expected'; write true or false"
             )
         return parsed
