@@ -9,7 +9,8 @@ peak to none's. For each budget the planner is asked three times: with the per-b
 with it but without the lean selective option (the estimate's `lean` removed: the planner before it), and without it
 (the uniform candidates of `planner.candidates`, `selective-lean` among them). Every distinct pick plus none and full
 runs in one process, switched with `apply_plan`, interleaved step by step (order reversed every round); main-thread
-CPU time, medians over the rounds (`share_by_round`: the share in each round, its quartiles). Peaks: the tensors one forward and backward creates (`memory.live_bytes`).
+CPU time, medians over the rounds (`share_by_round`: the share in each round, its quartiles). Peaks: the tensors one
+forward and backward creates (`memory.live_bytes`).
 
     .venv-tf5/bin/python benchmarks/planner_mixed.py [--rounds 7] [--seq 512]
 

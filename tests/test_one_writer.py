@@ -79,12 +79,18 @@ def test_only_the_holder_sets_what_it_holds():
     around = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, (ast.AugAssign, ast.AnnAssign)) else []
-            for target in (t for t in targets for t in (t.elts if isinstance(t, ast.Tuple) else [t])):
-                holder = target.value if isinstance(target, ast.Attribute) else None
-                if isinstance(holder, ast.Attribute) and holder.attr == "reentrant":
-                    around.append((str(path.relative_to(PACKAGE)), node.lineno))
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            else:
+                continue
+            for target in targets:
+                for one in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    # `<anything>.reentrant.value = ...` / `.source = ...`
+                    holder = one.value if isinstance(one, ast.Attribute) else None
+                    if isinstance(holder, ast.Attribute) and holder.attr == "reentrant":
+                        around.append((str(path.relative_to(PACKAGE)), node.lineno))
     assert around == []
 
 
