@@ -165,6 +165,13 @@ bench-modes: venv
 	$(PY) -m pip install -q "matplotlib>=3.7"
 	$(PY) benchmarks/modes.py
 
+# PRUNE=1 (CI, `.ci/run`): an environment is removed once its tests have run, all but .venv-tf5 (the lint's), and the
+# free disk is printed before each: the two CUDA builds of torch (2.14.1, the newest) take about 6 GB each, and a CI
+# machine's free disk varies (a run stopped on "No space left on device" installing the newest torch after the five
+# environments before it, about 13 GB, were still on disk). Locally the environments stay.
+disk = @df -h . | awk 'NR==2 {print "disk before $(1): " $$4 " free"}'
+prune = $(if $(PRUNE),rm -rf $(1))
+
 # The CI matrix (README "Compatibility"): the full suite on transformers 5.23 + TRL 1.16 (+ DeepSpeed), and on
 # transformers 4.57 + TRL 1.16 with the architecture zoo cut to one architecture of each kind and both MoE routers
 # (ZOO=slice: the whole zoo is 43% of the suite's time) and without the tests marked `line_independent` (config files
@@ -176,13 +183,24 @@ bench-modes: venv
 # latest releases, unpinned and torch uncapped (UNCAPPED=1 bypasses pip's global cap for that venv only), with
 # TORCH_SLICE, the tests that read torch internals (FSDP2, policies, meters), so a new release shows up as a CI result.
 matrix:
+	$(call disk,.venv-tf5)
 	$(MAKE) test VENV=.venv-tf5 TF=5.23.0 TRL=1.16.0 EXTRA=deepspeed==0.19.8
+	$(call disk,.venv-tf4)
 	ZOO=slice $(MAKE) test VENV=.venv-tf4 TF=4.57.6 TRL=1.16.0 PYTEST_ARGS='-m "not line_independent"'
+	$(call prune,.venv-tf4)
+	$(call disk,.venv-tf4-trl026)
 	$(MAKE) test-slice VENV=.venv-tf4-trl026 TF=4.57.6 TRL=0.26.2 \
 		SLICE="$(SLICE) tests/test_matrix.py tests/test_model_state.py tests/test_check_trl.py"
+	$(call prune,.venv-tf4-trl026)
+	$(call disk,.venv-floor)
 	$(MAKE) test-slice VENV=.venv-floor TF=4.53.2 TRL=0.20.0 PEFT=0.13.2 EXTRA=accelerate==1.4.0
+	$(call prune,.venv-floor)
+	$(call disk,.venv-tf517-torch214)
 	$(MAKE) test-slice VENV=.venv-tf517-torch214 TF=5.17.0 TRL=1.16.0 TORCH=2.14.1
+	$(call prune,.venv-tf517-torch214)
+	$(call disk,.venv-latest)
 	$(MAKE) test-slice VENV=.venv-latest TF= TRL= PEFT= BNB= TORCH= UNCAPPED=1 SLICE="$(SLICE) $(TORCH_SLICE)"
+	$(call prune,.venv-latest)
 
 clean:
 	rm -rf .venv .venv-* dist build *.egg-info
